@@ -1,0 +1,1 @@
+"""primerl-orchestrator."""

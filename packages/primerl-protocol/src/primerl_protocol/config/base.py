@@ -1,0 +1,98 @@
+"""The config base class and the values every process shares (defined once, handed down).
+
+A package defines its own section as a `Config` subclass in its `config.py`; a command's root
+config inherits `SharedConfig` and adds the sections it needs, so `cfg.seq_len` is the same
+value for the trainer, the orchestrator and inference, written once in the TOML file.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from primerl_protocol.transport import SocketSettings
+
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config section: strict (unknown keys fail) and keyword-only."""
+
+
+class ModelConfig(Config):
+    """Which model to train or serve."""
+
+    name: str
+    """A Hugging Face hub id or a local folder in Hugging Face layout (config.json, safetensors)."""
+    tokenizer: str | None = None
+    """Tokenizer hub id or folder, when it differs from `name`."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) to load."""
+
+
+class TransportConfig(Config):
+    """Where the orchestrator and the trainer talk (ZeroMQ), and how patiently."""
+
+    host: str = "127.0.0.1"
+    """Host the orchestrator binds its sockets on (the trainer connects to it)."""
+    batch_port: Port = 5601
+    """Trainer rank r receives its batches on batch_port + r."""
+    policy_port: Port = 5600
+    """The orchestrator receives PolicyReady from the trainer here."""
+    hwm: Positive = 2
+    """Messages queued per socket side before senders block (backpressure)."""
+    linger_ms: NonNegative = 2000
+    """How long closing a socket waits to deliver queued messages."""
+    send_timeout_s: float = 600.0
+    """A send blocked this long fails loudly instead of waiting forever."""
+    recv_timeout_s: float = 1800.0
+    """A receiver that hears nothing (not even a heartbeat) this long stops with a clear error."""
+
+    def batch_endpoint(self, rank: int) -> str:
+        return f"tcp://{self.host}:{self.batch_port + rank}"
+
+    def policy_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.policy_port}"
+
+    def socket_settings(self) -> SocketSettings:
+        return SocketSettings(
+            hwm=self.hwm,
+            linger_ms=self.linger_ms,
+            send_timeout_s=self.send_timeout_s,
+            recv_timeout_s=self.recv_timeout_s,
+        )
+
+
+class WandbConfig(Config):
+    """Weights & Biases logging. Offline unless you are logged in or ask for online."""
+
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """auto: online if a W&B API key is configured, else offline files in the run directory."""
+    project: str = "primerl"
+    """W&B project name."""
+    name: str | None = None
+    """Run name (default: the run directory's name)."""
+    tags: list[str] = []
+    """Tags added to the W&B run."""
+
+
+class SharedConfig(Config):
+    """Values every process of a run reads: defined once at the top of the config."""
+
+    model: ModelConfig
+    """The model: trained by the trainer, served by inference."""
+    seq_len: Positive = 4096
+    """Tokens in one packed training row; also the longest prompt + completion."""
+    max_steps: Positive | None = None
+    """Optimizer steps to train for (None: until stopped)."""
+    run_dir: str = "runs/primerl"
+    """Folder that holds everything the run writes; rerunning on it resumes."""
+    seed: int = 0
+    """Seed for every random choice (data order, sampling, init of tiny models)."""
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+    """Orchestrator <-> trainer sockets."""
+    wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+    """Weights & Biases logging (one run shared by trainer and orchestrator)."""

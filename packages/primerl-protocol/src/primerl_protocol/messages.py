@@ -1,0 +1,166 @@
+"""The messages that cross process boundaries, one tagged union per socket.
+
+Every message is a msgspec Struct tagged by its class name in the field ``type`` and carries
+the protocol ``version``. Bulk arrays (token ids, logprobs, advantages, ...) are numpy arrays:
+the codec (codec.py) sends each one as its own raw frame beside a small msgpack header, so
+a 500k-token batch is never turned into Python lists.
+
+Sockets and their unions:
+  orchestrator -> trainer rank r   BatchMessage  = TrainBatch | Heartbeat | Shutdown
+  trainer -> orchestrator          PolicyMessage = PolicyReady | Heartbeat | Shutdown
+
+Shape legend: T = tokens in a packed row, S = sequences (samples) in that row.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+"""Bumped on any change to a message's fields; peers of other versions are refused."""
+
+
+class Message(msgspec.Struct, tag=True, tag_field="type", forbid_unknown_fields=True, kw_only=True):
+    """Base of every message: tagged by class name, versioned, strict about unknown fields."""
+
+    version: int = PROTOCOL_VERSION
+
+
+# Per-token arrays of a MicroBatch and the dtype each must have.
+TOKEN_ARRAYS: dict[str, np.dtype] = {
+    "input_ids": np.dtype(np.int32),
+    "loss_mask": np.dtype(np.bool_),
+    "inference_logprobs": np.dtype(np.float32),
+    "advantages": np.dtype(np.float32),
+    "temperatures": np.dtype(np.float32),
+}
+# Per-sequence arrays of a MicroBatch and their dtypes.
+SEQUENCE_ARRAYS: dict[str, np.dtype] = {
+    "seq_lens": np.dtype(np.int32),
+    "sample_ids": np.dtype(np.int64),
+    "policy_steps": np.dtype(np.int32),
+}
+
+
+class MicroBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One packed row: several samples laid end to end, attention never crossing a boundary."""
+
+    input_ids: np.ndarray
+    """int32 [T]: prompt and completion tokens of every sample in the row, concatenated."""
+    loss_mask: np.ndarray
+    """bool [T]: True where the token was sampled by the policy and is trained on."""
+    inference_logprobs: np.ndarray
+    """float32 [T]: logprob of each token under the inference policy (0 where masked)."""
+    advantages: np.ndarray
+    """float32 [T]: advantage of each token."""
+    temperatures: np.ndarray
+    """float32 [T]: the sampling temperature each token was generated at."""
+    seq_lens: np.ndarray
+    """int32 [S]: length of each sample in the row; they sum to T. Positions restart at each."""
+    sample_ids: np.ndarray
+    """int64 [S]: the orchestrator's id of each sample (for resume and bookkeeping)."""
+    policy_steps: np.ndarray
+    """int32 [S]: the policy step that generated each sample (off-policy bookkeeping)."""
+
+    def __post_init__(self) -> None:
+        for name, dtype in (TOKEN_ARRAYS | SEQUENCE_ARRAYS).items():
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray):
+                raise TypeError(f"`{name}` must be a numpy array, got {type(arr).__name__}")
+            if arr.ndim != 1:
+                raise ValueError(f"`{name}` must be 1-D, got shape {arr.shape}")
+            if arr.dtype != dtype:
+                raise ValueError(f"`{name}` must have dtype {dtype}, got {arr.dtype}")
+        num_tokens = len(self.input_ids)
+        for name in TOKEN_ARRAYS:
+            if len(getattr(self, name)) != num_tokens:
+                raise ValueError(
+                    f"`{name}` has {len(getattr(self, name))} tokens but `input_ids` has {num_tokens}"
+                )
+        num_seqs = len(self.seq_lens)
+        for name in SEQUENCE_ARRAYS:
+            if len(getattr(self, name)) != num_seqs:
+                raise ValueError(
+                    f"`{name}` has {len(getattr(self, name))} entries but `seq_lens` has {num_seqs}"
+                )
+        if num_seqs and int(self.seq_lens.min()) <= 0:
+            raise ValueError("`seq_lens` must all be positive")
+        total = int(self.seq_lens.sum(dtype=np.int64))
+        if total != num_tokens:
+            raise ValueError(f"`seq_lens` sum to {total} but the row has {num_tokens} tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def position_ids(self) -> np.ndarray:
+        """int32 [T]: position of each token within its own sample (restarting at 0)."""
+        starts = np.repeat(np.cumsum(self.seq_lens) - self.seq_lens, self.seq_lens)
+        return (np.arange(self.num_tokens, dtype=np.int64) - starts).astype(np.int32)
+
+    def cu_seqlens(self) -> np.ndarray:
+        """int32 [S + 1]: cumulative sequence boundaries, as varlen attention kernels take them."""
+        return np.concatenate([[0], np.cumsum(self.seq_lens)]).astype(np.int32)
+
+
+class TrainBatch(Message):
+    """The micro-batches one trainer rank trains on for one optimizer step."""
+
+    step: int
+    """The trainer step this batch is for (0-based)."""
+    rank: int
+    """The data-parallel rank that trains on it."""
+    num_ranks: int
+    """The data-parallel world size the batch was packed for; every rank gets as many micro-batches."""
+    micro_batches: list[MicroBatch]
+    """This rank's packed rows, in order."""
+    num_loss_tokens: int
+    """Loss-masked tokens across all ranks' batches of this step (for token-normalised losses)."""
+    created_at: float = msgspec.field(default_factory=time.time)
+    """Wall-clock time (s since epoch) the orchestrator built the batch."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.num_ranks:
+            raise ValueError(f"`rank` {self.rank} is outside [0, {self.num_ranks})")
+        if self.step < 0:
+            raise ValueError(f"`step` must be >= 0, got {self.step}")
+
+
+class PolicyReady(Message):
+    """The trainer published the weights of `step`; inference should load them."""
+
+    step: int
+    """Trainer step whose weights these are."""
+    location: str
+    """Where the weights are: a folder path (HF layout), or a transport URI such as nccl://group."""
+    checksum: str
+    """Hex digest over the published files, checked by the loader before it swaps weights."""
+    format: str = "hf-safetensors"
+    """Layout of the weights at `location`."""
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class Heartbeat(Message):
+    """I am alive. Sent when a sender has nothing else to say for a while."""
+
+    sender: str
+    """Which process sends it (e.g. "orchestrator", "trainer/0")."""
+    seq: int = 0
+    """Increasing per sender; a gap means heartbeats were lost."""
+    sent_at: float = msgspec.field(default_factory=time.time)
+
+
+class Shutdown(Message):
+    """The sender is stopping (normally or not); the receiver should stop waiting for it."""
+
+    sender: str
+    reason: str = ""
+
+
+BatchMessage = TrainBatch | Heartbeat | Shutdown
+"""Orchestrator -> trainer rank."""
+PolicyMessage = PolicyReady | Heartbeat | Shutdown
+"""Trainer -> orchestrator."""

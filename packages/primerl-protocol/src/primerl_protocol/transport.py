@@ -1,0 +1,215 @@
+"""ZeroMQ PUSH/PULL transport for protocol messages, blocking and asyncio.
+
+PUSH/PULL is the pattern on purpose: when the trainer falls behind, the high-water marks fill
+and `send` blocks, so a slow trainer slows the orchestrator. A send that cannot hand its
+message over within `send_timeout_s` raises TransportTimeout and the message stays with the
+caller; nothing is dropped silently. A receiver that gets a malformed message logs it, counts
+it (`num_rejected`, `last_rejection`) and goes on waiting for the next one.
+
+    sender = Sender("tcp://127.0.0.1:5555", BatchMessage, channel="batches", bind=True)
+    receiver = Receiver("tcp://127.0.0.1:5555", BatchMessage, channel="batches")
+    sender.send(batch); batch = receiver.recv(timeout_s=60)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import typing
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from primerl_protocol.codec import Decoder, Encoder, ProtocolError, union_members
+
+log = logging.getLogger("primerl.protocol")
+
+
+class TransportTimeout(TimeoutError):
+    """A send or receive did not complete in time. The message (if sending) was not sent."""
+
+
+class SocketSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Socket options set explicitly on every socket (ZeroMQ's defaults suit neither side)."""
+
+    hwm: int = 2
+    """High-water mark in messages, on each side: how many messages may queue before `send` blocks."""
+    linger_ms: int = 2000
+    """How long `close` waits to deliver queued messages before dropping them."""
+    send_timeout_s: float | None = 600.0
+    """A send blocked longer than this raises TransportTimeout (None: wait forever)."""
+    recv_timeout_s: float | None = None
+    """Default timeout of `recv` (None: wait forever)."""
+
+
+class _Endpoint:
+    """Socket set-up shared by the four transport classes."""
+
+    socket_type: int
+
+    def __init__(
+        self,
+        endpoint: str,
+        message_type: typing.Any,
+        *,
+        channel: str,
+        bind: bool = False,
+        settings: SocketSettings = SocketSettings(),
+        context: zmq.Context | None = None,
+    ):
+        self.endpoint = endpoint
+        self.channel = channel
+        self.settings = settings
+        self.message_type = message_type
+        ctx = context if context is not None else self._default_context()
+        self.socket = ctx.socket(self.socket_type)
+        self.socket.setsockopt(zmq.LINGER, settings.linger_ms)
+        self.socket.setsockopt(zmq.SNDHWM, settings.hwm)
+        self.socket.setsockopt(zmq.RCVHWM, settings.hwm)
+        try:
+            if bind:
+                self.socket.bind(endpoint)
+            else:
+                self.socket.connect(endpoint)
+        except zmq.ZMQError as err:
+            self.socket.close(linger=0)
+            verb = "bind" if bind else "connect"
+            raise OSError(f"socket '{channel}': cannot {verb} {endpoint}: {err}") from err
+
+    @staticmethod
+    def _default_context() -> zmq.Context:
+        return zmq.Context.instance()
+
+    def close(self, linger_ms: int | None = None) -> None:
+        self.socket.close(linger=self.settings.linger_ms if linger_ms is None else linger_ms)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _send_timeout_error(self, timeout_s: float | None) -> TransportTimeout:
+        return TransportTimeout(
+            f"socket '{self.channel}' ({self.endpoint}): the peer did not take the message "
+            f"within {timeout_s}s (not running, or not keeping up); it was not sent"
+        )
+
+    def _recv_timeout_error(self, timeout_s: float | None) -> TransportTimeout:
+        return TransportTimeout(
+            f"socket '{self.channel}' ({self.endpoint}): no valid message within {timeout_s}s"
+        )
+
+
+class _SenderBase(_Endpoint):
+    socket_type = zmq.PUSH
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._encoder = Encoder()
+        self._accepted = union_members(self.message_type)
+
+    def _frames(self, message: msgspec.Struct) -> list:
+        if not isinstance(message, self._accepted):
+            raise TypeError(
+                f"socket '{self.channel}' does not carry {type(message).__name__}; "
+                f"it carries {[c.__name__ for c in self._accepted]}"
+            )
+        return self._encoder.encode(message)
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.settings.send_timeout_s if timeout_s is None else timeout_s
+
+
+class _ReceiverBase(_Endpoint):
+    socket_type = zmq.PULL
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._decoder = Decoder(self.message_type, self.channel)
+        self.num_received = 0
+        self.num_rejected = 0
+        self.last_rejection: ProtocolError | None = None
+
+    def _decode_or_reject(self, frames: list[zmq.Frame]) -> typing.Any | None:
+        try:
+            message = self._decoder.decode([f.buffer for f in frames])
+        except ProtocolError as err:
+            self.num_rejected += 1
+            self.last_rejection = err
+            log.error("dropped a message: %s", err)
+            return None
+        self.num_received += 1
+        return message
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.settings.recv_timeout_s if timeout_s is None else timeout_s
+
+
+class Sender(_SenderBase):
+    """Blocking PUSH side."""
+
+    def send(self, message: msgspec.Struct, timeout_s: float | None = None) -> None:
+        """Hand `message` to ZeroMQ, blocking while the queue is full, at most `timeout_s`."""
+        frames = self._frames(message)
+        timeout = self._timeout(timeout_s)
+        self.socket.setsockopt(zmq.SNDTIMEO, -1 if timeout is None else int(timeout * 1000))
+        try:
+            self.socket.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise self._send_timeout_error(timeout) from None
+
+
+class Receiver(_ReceiverBase):
+    """Blocking PULL side."""
+
+    def recv(self, timeout_s: float | None = None) -> typing.Any:
+        """The next valid message; malformed ones are logged, counted and skipped."""
+        timeout = self._timeout(timeout_s)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.socket.poll(wait_ms, zmq.POLLIN):
+                raise self._recv_timeout_error(timeout)
+            message = self._decode_or_reject(self.socket.recv_multipart(copy=False))
+            if message is not None:
+                return message
+
+
+class AsyncSender(_SenderBase):
+    """asyncio PUSH side (zmq.asyncio)."""
+
+    @staticmethod
+    def _default_context() -> zmq.Context:
+        return zmq.asyncio.Context.instance()
+
+    async def send(self, message: msgspec.Struct, timeout_s: float | None = None) -> None:
+        frames = self._frames(message)
+        timeout = self._timeout(timeout_s)
+        try:
+            await asyncio.wait_for(self.socket.send_multipart(frames, copy=False), timeout)
+        except asyncio.TimeoutError:
+            raise self._send_timeout_error(timeout) from None
+
+
+class AsyncReceiver(_ReceiverBase):
+    """asyncio PULL side (zmq.asyncio)."""
+
+    @staticmethod
+    def _default_context() -> zmq.Context:
+        return zmq.asyncio.Context.instance()
+
+    async def recv(self, timeout_s: float | None = None) -> typing.Any:
+        timeout = self._timeout(timeout_s)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                frames = await asyncio.wait_for(self.socket.recv_multipart(copy=False), remaining)
+            except asyncio.TimeoutError:
+                raise self._recv_timeout_error(timeout) from None
+            message = self._decode_or_reject(frames)
+            if message is not None:
+                return message
