@@ -7,7 +7,7 @@ value for the trainer, the orchestrator and inference, written once in the TOML 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
@@ -16,10 +16,23 @@ from primerl_protocol.transport import SocketSettings
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+C = TypeVar("C", bound="Config")
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Base of every config section: strict (unknown keys fail) and keyword-only."""
+
+    def project(self, target: type[C]) -> C:
+        """The `target` config made of this config's fields of the same names.
+
+        How shared values are handed down: `rl_config.project(TrainerRunConfig)` gives the
+        trainer the same model, seq_len, ... and its own section, nothing copied by hand.
+        """
+        names = [f.name for f in msgspec.structs.fields(target)]
+        missing = [n for n in names if not hasattr(self, n)]
+        if missing:
+            raise TypeError(f"{type(self).__name__} has no {missing} for {target.__name__}")
+        return target(**{n: getattr(self, n) for n in names})
 
 
 class ModelConfig(Config):
@@ -42,28 +55,15 @@ class TransportConfig(Config):
     """Trainer rank r receives its batches on batch_port + r."""
     policy_port: Port = 5600
     """The orchestrator receives PolicyReady from the trainer here."""
-    hwm: Positive = 2
-    """Messages queued per socket side before senders block (backpressure)."""
-    linger_ms: NonNegative = 2000
-    """How long closing a socket waits to deliver queued messages."""
-    send_timeout_s: float = 600.0
-    """A send blocked this long fails loudly instead of waiting forever."""
-    recv_timeout_s: float = 1800.0
-    """A receiver that hears nothing (not even a heartbeat) this long stops with a clear error."""
+    sockets: SocketSettings = SocketSettings(recv_timeout_s=1800.0)
+    """High-water marks, linger, timeouts and kernel buffers of both sockets. A trainer that
+    hears nothing (not even a heartbeat) for recv_timeout_s stops with a clear error."""
 
     def batch_endpoint(self, rank: int) -> str:
         return f"tcp://{self.host}:{self.batch_port + rank}"
 
     def policy_endpoint(self) -> str:
         return f"tcp://{self.host}:{self.policy_port}"
-
-    def socket_settings(self) -> SocketSettings:
-        return SocketSettings(
-            hwm=self.hwm,
-            linger_ms=self.linger_ms,
-            send_timeout_s=self.send_timeout_s,
-            recv_timeout_s=self.recv_timeout_s,
-        )
 
 
 class WandbConfig(Config):

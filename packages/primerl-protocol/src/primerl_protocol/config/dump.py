@@ -9,8 +9,9 @@ import tomli_w
 
 
 def _drop_none(value: typing.Any) -> typing.Any:
-    # TOML has no null: a None field is left out, and loading the file gives the default back
-    # (every field that may be None defaults to None).
+    # TOML has no null: a None field is left out, and loading the file gives the default back.
+    # That is exact because every config field that may be None defaults to None
+    # (tests/test_config_rules.py checks it for every command's config).
     if isinstance(value, dict):
         return {k: _drop_none(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):

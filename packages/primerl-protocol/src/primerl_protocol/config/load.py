@@ -20,6 +20,8 @@ from pathlib import Path
 import msgspec
 from msgspec import inspect as mi
 
+from primerl_protocol.errors import split_validation_error
+
 Provenance = dict[tuple[str, ...], str]
 """Where each leaf value came from: dotted path -> 'file.toml' or 'command line'."""
 
@@ -214,13 +216,19 @@ def find_unknown_keys(root: type, data: dict) -> list[tuple[str, list[str]]]:
     return found
 
 
-def _wants_str(root: type, path: tuple[str, ...]) -> bool:
+def _type_at(root: type, path: typing.Sequence[str]) -> mi.Type | None:
+    """The declared type of the key at `path` below `root` (None if there is no such key)."""
     t: mi.Type | None = mi.type_info(root)
     for key in path:
         s = _struct_of(t, {}) if t is not None else None
         if s is None:
-            return False
+            return None
         t = next((f.type for f in s.fields if f.encode_name == key), None)
+    return t
+
+
+def _wants_str(root: type, path: tuple[str, ...]) -> bool:
+    t = _type_at(root, path)
     members = t.types if isinstance(t, mi.UnionType) else (t,)
     return any(isinstance(m, mi.StrType) for m in members)
 
@@ -234,9 +242,6 @@ def _source(provenance: Provenance, dotted: str) -> str:
         if below:
             return below[0]
     return "defaults"
-
-
-_MSGSPEC_ERR = re.compile(r"^(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 
 
 def validate(root: type, data: dict, provenance: Provenance | None = None) -> typing.Any:
@@ -253,12 +258,11 @@ def validate(root: type, data: dict, provenance: Provenance | None = None) -> ty
     try:
         return msgspec.convert(data, root, strict=True)
     except msgspec.ValidationError as err:
-        m = _MSGSPEC_ERR.match(str(err))
-        detail, path = m.group("detail"), (m.group("path") or "").lstrip(".")
+        path, detail = split_validation_error(err)
         missing = re.match(r"Object missing required field `([^`]*)`", detail)
         if missing:
             full = _join(path, missing.group(1))
-            raise ConfigError(f"missing required key `{full}`") from None
+            raise ConfigError(f"missing required key `{full}`{_table_hint(root, full)}") from None
         got = _lookup(data, path)
         detail = detail.replace("`", "")
         detail = detail[0].lower() + detail[1:] if detail else detail
@@ -267,6 +271,16 @@ def validate(root: type, data: dict, provenance: Provenance | None = None) -> ty
 
 
 _MISSING = object()
+
+
+def _table_hint(root: type, dotted: str) -> str:
+    """' (a table; required keys: name)' when the missing key is a section."""
+    t = _type_at(root, dotted.split("."))
+    s = _struct_of(t, {}) if t is not None else None
+    if s is None:
+        return ""
+    required = [f.encode_name for f in s.fields if f.required]
+    return f" (a table [{dotted}]; required keys: {', '.join(required) or 'none'})"
 
 
 def _lookup(data: typing.Any, dotted: str) -> typing.Any:

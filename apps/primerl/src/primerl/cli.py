@@ -1,0 +1,125 @@
+"""The commands: `primerl rl|sft|eval`, `primerl-orch`, `primerl-trainer`, `primerl-inference`.
+
+Each command reads its config the same way (see primerl_protocol.config.load):
+
+    primerl rl @ base.toml @ override.toml trainer.optimizer.lr=1e-5 --dry-run
+
+and then hands it to its engine. Commands stay thin: config in, engine call, clear exit code.
+Exit codes: 0 done, 2 bad config or arguments, 3 engine not built yet.
+"""
+
+from __future__ import annotations
+
+import sys
+import typing
+
+import click
+
+from primerl.configs import (
+    EvalConfig,
+    InferenceRunConfig,
+    OrchRunConfig,
+    RLConfig,
+    SFTConfig,
+    TrainerRunConfig,
+)
+from primerl_protocol.config import ConfigError, load_config, sections, to_toml
+
+EXIT_CONFIG = 2
+EXIT_NOT_BUILT = 3
+
+USAGE = """
+Config: TOML files after `@`, composed left to right, then dotted overrides
+(`key=value`, `--key=value` or `--key value`). --dry-run prints the resolved
+config as TOML and exits.
+"""
+
+
+def _epilog(root: type) -> str:
+    # "\b" stops click from re-wrapping the block below it.
+    lines = ["\b", "Config sections and top-level keys:"]
+    lines += [f"  {name:<14} {doc}" for name, doc in sections(root)]
+    return "\n".join(lines)
+
+
+def _not_built(what: str, issue: int) -> typing.NoReturn:
+    click.echo(
+        f"{what} is not built yet (tracked in issue #{issue}). Your config is valid: "
+        "--dry-run prints it.",
+        err=True,
+    )
+    sys.exit(EXIT_NOT_BUILT)
+
+
+def config_command(
+    name: str, root: type, summary: str, engine: typing.Callable[[typing.Any], None], prog: str = ""
+):
+    """A click command that loads `root` from its arguments and runs `engine(config)`."""
+    prog = prog or name
+
+    @click.command(
+        name=name,
+        help=f"{summary}\n{USAGE}",
+        epilog=_epilog(root),
+        context_settings={
+            "ignore_unknown_options": True,
+            "allow_extra_args": True,
+            "help_option_names": ["-h", "--help"],
+        },
+    )
+    @click.option("--dry-run", is_flag=True, help="Print the resolved config as TOML and exit.")
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def command(dry_run: bool, args: tuple[str, ...]) -> None:
+        try:
+            config = load_config(root, args)
+        except ConfigError as err:
+            click.echo(f"{prog}: config error: {err}", err=True)
+            sys.exit(EXIT_CONFIG)
+        if dry_run:
+            click.echo(to_toml(config), nl=False)
+            return
+        engine(config)
+
+    return command
+
+
+def _run_rl(config: RLConfig) -> None:
+    _not_built("`primerl rl` (the whole-run launcher)", 9)
+
+
+def _run_sft(config: SFTConfig) -> None:
+    _not_built("`primerl sft` (the SFT trainer)", 5)
+
+
+def _run_eval(config: EvalConfig) -> None:
+    _not_built("`primerl eval`", 8)
+
+
+def _run_trainer(config: TrainerRunConfig) -> None:
+    _not_built("`primerl-trainer` (the RL trainer)", 5)
+
+
+def _run_orchestrator(config: OrchRunConfig) -> None:
+    _not_built("`primerl-orch` (the orchestrator)", 8)
+
+
+def _run_inference(config: InferenceRunConfig) -> None:
+    _not_built("`primerl-inference` (the vLLM server launcher)", 6)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="primerl")
+def main() -> None:
+    """primerl: asynchronous RL, SFT and evals for language models."""
+
+
+for _name, _root, _summary, _engine in [
+    ("rl", RLConfig, "Run asynchronous RL: inference, orchestrator and trainer.", _run_rl),
+    ("sft", SFTConfig, "Supervised fine-tuning on the FSDP2 trainer.", _run_sft),
+    ("eval", EvalConfig, "Evaluate a model (or each published step of a run).", _run_eval),
+]:
+    main.add_command(config_command(_name, _root, _summary, _engine, prog=f"primerl {_name}"))
+
+orch_main = config_command("primerl-orch", OrchRunConfig, "The orchestrator: the asynchronous rollout loop.", _run_orchestrator)
+trainer_main = config_command("primerl-trainer", TrainerRunConfig, "The RL trainer (launch with torchrun).", _run_trainer)
+inference_main = config_command("primerl-inference", InferenceRunConfig, "vLLM inference servers with primerl's admin routes.", _run_inference)

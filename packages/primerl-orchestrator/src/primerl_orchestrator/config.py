@@ -1,0 +1,59 @@
+"""Config section of primerl-orchestrator: the rollout loop and evals."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from primerl_algos.config import AdvantageConfig, FilterConfig
+from primerl_protocol.config import Config, NonNegative, Positive
+
+
+class SamplingConfig(Config):
+    """Sampling parameters of training rollouts."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    """Sampling temperature; the trainer computes its logprobs at the same temperature."""
+    max_tokens: Positive = 1024
+    """Most tokens generated per turn."""
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    """Nucleus sampling threshold."""
+
+
+class EvalSettings(Config):
+    """Online evals during training, and the defaults of `primerl eval`."""
+
+    interval: NonNegative = 0
+    """Run the eval environments every this many steps (0: never during training)."""
+    num_samples: Positive = 1
+    """Rollouts per eval task (k of avg@k and pass@k)."""
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Sampling temperature for evals."""
+
+
+class OrchestratorConfig(Config):
+    """The asynchronous rollout loop."""
+
+    batch_size: Positive = 256
+    """Rollouts per trainer step (tasks per step x group_size)."""
+    group_size: Positive = 8
+    """Rollouts per task; advantages compare rollouts within a group."""
+    max_async_level: NonNegative = 1
+    """Batches are built only from rollouts of policies at most this many steps old (0: on-policy)."""
+    max_in_flight: Positive = 512
+    """Most rollouts in flight across all inference servers."""
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    """Sampling parameters of training rollouts."""
+    advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
+    """Advantage estimator."""
+    filters: FilterConfig = msgspec.field(default_factory=FilterConfig)
+    """Rollout and group filters."""
+    eval: EvalSettings = msgspec.field(default_factory=EvalSettings)
+    """Online evals."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})"
+            )

@@ -1,0 +1,88 @@
+"""Config section of primerl-trainer (RL and SFT). Loaded without importing torch."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from primerl_algos.config import LossConfig
+from primerl_protocol.config import Config, NonNegative, Positive
+
+
+class OptimizerConfig(Config):
+    """AdamW and gradient clipping."""
+
+    lr: Annotated[float, msgspec.Meta(gt=0)] = 1e-6
+    """Peak learning rate."""
+    weight_decay: Annotated[float, msgspec.Meta(ge=0)] = 0.01
+    """Decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2)."""
+    max_grad_norm: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """Clip the global gradient norm to this (inf: no clipping)."""
+    cpu_offload: bool = False
+    """Keep optimizer state in CPU memory."""
+
+
+class SchedulerConfig(Config):
+    """Learning-rate schedule."""
+
+    type: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape after warm-up: constant, linear decay or cosine decay to min_lr_ratio x lr."""
+    warmup_steps: NonNegative = 0
+    """Steps of linear warm-up from 0 to lr."""
+    min_lr_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    """Final learning rate of the decaying schedules, as a fraction of lr."""
+
+
+class CheckpointConfig(Config):
+    """Sharded (DCP) checkpoints for resuming."""
+
+    interval: NonNegative = 50
+    """Write a checkpoint every this many steps, and at the end (0: only at the end)."""
+    keep: NonNegative = 2
+    """Checkpoints kept on disk (0: all)."""
+
+
+class WeightsConfig(Config):
+    """Weights published for inference after each step."""
+
+    keep: Positive = 3
+    """Published weight folders kept on disk (older ones are removed)."""
+
+
+class TrainerConfig(Config):
+    """The FSDP2 trainer."""
+
+    micro_batch_tokens: Positive | None = None
+    """Tokens per micro-batch row (default: the shared seq_len)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in the backward pass to save memory."""
+    compile: bool = False
+    """torch.compile each decoder layer."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype of the model (float32 master weights are kept by FSDP2 either way)."""
+    optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
+    """Optimizer."""
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    """Learning-rate schedule."""
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    """RL loss (ignored by SFT)."""
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    """Weight publishing."""
+
+
+class SFTDataConfig(Config):
+    """Supervised fine-tuning data."""
+
+    path: str
+    """A local JSONL or Parquet file (or folder of them), or a `datasets` name."""
+    eval_path: str | None = None
+    """Held-out data for evals (same format)."""
+    batch_size: Positive = 64
+    """Samples per optimizer step."""
+    shuffle: bool = True
+    """Shuffle the data each epoch (seeded by the shared seed)."""
