@@ -1,8 +1,9 @@
 """The transport over real ZeroMQ sockets on loopback (and one real second process)."""
 
 import asyncio
-import multiprocessing as mp
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -104,19 +105,24 @@ def test_slow_receiver_blocks_the_sender_and_nothing_is_dropped(endpoint):
         assert rx.recv(timeout_s=5).step == len(sent)
 
 
-def _send_from_another_process(endpoint: str, count: int) -> None:
-    with Sender(endpoint, BatchMessage, channel="batches") as tx:
-        for step in range(count):
-            tx.send(train_batch(num_micro_batches=2, step=step))
+SENDER_PROCESS = """
+import sys
+from primerl_protocol import BatchMessage, Sender
+from primerl_protocol.testing import train_batch
+with Sender(sys.argv[1], BatchMessage, channel="batches") as tx:
+    for step in range(int(sys.argv[2])):
+        tx.send(train_batch(num_micro_batches=2, step=step))
+"""
 
 
 def test_batches_from_another_process(endpoint):
     with Receiver(endpoint, BatchMessage, channel="batches", bind=True) as rx:
-        proc = mp.get_context("spawn").Process(target=_send_from_another_process, args=(endpoint, 5))
-        proc.start()
-        steps = [rx.recv(timeout_s=30).step for _ in range(5)]
-        proc.join(30)
-    assert steps == list(range(5)) and proc.exitcode == 0
+        proc = subprocess.Popen([sys.executable, "-c", SENDER_PROCESS, endpoint, "5"])
+        got = [rx.recv(timeout_s=60) for _ in range(5)]
+        assert proc.wait(60) == 0
+    assert [b.step for b in got] == list(range(5))
+    # The builder is seeded: the other process built exactly this batch.
+    assert_same_batch(got[-1], train_batch(num_micro_batches=2, step=4))
 
 
 def test_asyncio_sockets_round_trip_and_skip_garbage(endpoint):
