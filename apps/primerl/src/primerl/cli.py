@@ -83,28 +83,9 @@ def config_command(
     return command
 
 
-def _run_rl(config: RLConfig) -> None:
-    _not_built("`primerl rl` (the whole-run launcher)", 9)
-
-
-def _run_sft(config: SFTConfig) -> None:
-    _not_built("`primerl sft` (the SFT trainer)", 5)
-
-
-def _run_eval(config: EvalConfig) -> None:
-    _not_built("`primerl eval`", 8)
-
-
-def _run_trainer(config: TrainerRunConfig) -> None:
-    _not_built("`primerl-trainer` (the RL trainer)", 5)
-
-
-def _run_orchestrator(config: OrchRunConfig) -> None:
-    _not_built("`primerl-orch` (the orchestrator)", 8)
-
-
-def _run_inference(config: InferenceRunConfig) -> None:
-    _not_built("`primerl-inference` (the vLLM server launcher)", 6)
+def _engine_not_built(what: str, issue: int) -> typing.Callable[[typing.Any], None]:
+    """The engine of a command whose implementation has not landed yet."""
+    return lambda config: _not_built(what, issue)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -114,12 +95,24 @@ def main() -> None:
 
 
 for _name, _root, _summary, _engine in [
-    ("rl", RLConfig, "Run asynchronous RL: inference, orchestrator and trainer.", _run_rl),
-    ("sft", SFTConfig, "Supervised fine-tuning on the FSDP2 trainer.", _run_sft),
-    ("eval", EvalConfig, "Evaluate a model (or each published step of a run).", _run_eval),
+    ("rl", RLConfig, "Run asynchronous RL: inference, orchestrator and trainer.",
+     _engine_not_built("`primerl rl` (the whole-run launcher)", 9)),
+    ("sft", SFTConfig, "Supervised fine-tuning on the FSDP2 trainer.",
+     _engine_not_built("`primerl sft` (the SFT trainer)", 5)),
+    ("eval", EvalConfig, "Evaluate a model (or each published step of a run).",
+     _engine_not_built("`primerl eval`", 8)),
 ]:
     main.add_command(config_command(_name, _root, _summary, _engine, prog=f"primerl {_name}"))
 
-orch_main = config_command("primerl-orch", OrchRunConfig, "The orchestrator: the asynchronous rollout loop.", _run_orchestrator)
-trainer_main = config_command("primerl-trainer", TrainerRunConfig, "The RL trainer (launch with torchrun).", _run_trainer)
-inference_main = config_command("primerl-inference", InferenceRunConfig, "vLLM inference servers with primerl's admin routes.", _run_inference)
+orch_main = config_command(
+    "primerl-orch", OrchRunConfig, "The orchestrator: the asynchronous rollout loop.",
+    _engine_not_built("`primerl-orch` (the orchestrator)", 8),
+)
+trainer_main = config_command(
+    "primerl-trainer", TrainerRunConfig, "The RL trainer (launch with torchrun).",
+    _engine_not_built("`primerl-trainer` (the RL trainer)", 5),
+)
+inference_main = config_command(
+    "primerl-inference", InferenceRunConfig, "vLLM inference servers with primerl's admin routes.",
+    _engine_not_built("`primerl-inference` (the vLLM server launcher)", 6),
+)
