@@ -1,1 +1,31 @@
-"""primerl-models."""
+"""primerl-models: our own Llama, Qwen3 and Qwen3-MoE, HF conversion, tiny models.
+
+    from primerl_models import load_model, chunked_logprobs
+    model = load_model("path/to/hf_folder", device="cuda", dtype=torch.bfloat16)
+    hidden = model(input_ids, position_ids)                       # [B, T, D]
+    logprobs, entropy = chunked_logprobs(hidden[0], model.output_weight, targets, temperature)
+"""
+
+from primerl_models.common.args import ModelArgs
+from primerl_models.common.attention import BACKENDS, PackedSeqs, attention
+from primerl_models.common.logprobs import chunked_logprobs
+from primerl_models.common.transformer import Transformer
+from primerl_models.families import FAMILIES, family_for
+from primerl_models.hf import build_model, load_model, read_config, save_hf, to_hf, to_ours
+
+__all__ = [
+    "BACKENDS",
+    "FAMILIES",
+    "ModelArgs",
+    "PackedSeqs",
+    "Transformer",
+    "attention",
+    "build_model",
+    "chunked_logprobs",
+    "family_for",
+    "load_model",
+    "read_config",
+    "save_hf",
+    "to_hf",
+    "to_ours",
+]

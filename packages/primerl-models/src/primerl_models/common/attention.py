@@ -1,0 +1,148 @@
+"""Causal attention over packed rows, through one function with several back-ends.
+
+A packed row holds several documents end to end; position ids restart at 0 at each document,
+and attention never crosses a boundary. `PackedSeqs.from_position_ids` finds the boundaries
+once per forward; `attention(q, k, v, seqs, backend)` runs one of:
+
+  sdpa    torch SDPA. One document per row: is_causal (flash on GPU). Several: a dense
+          block-diagonal causal mask (fine on CPU and for short rows; O(T^2) memory).
+  varlen  torch.nn.attention.varlen (flash varlen kernels, CUDA): packed rows at full speed.
+  flex    flex attention with a document-causal block mask (CUDA, compiled).
+  auto    sdpa on CPU or for single-document rows; varlen on CUDA when available, else flex.
+
+Legend: B batch, T tokens per row, H query heads, G kv heads, K head_dim, N = B*T.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Backend = Literal["auto", "sdpa", "varlen", "flex"]
+BACKENDS = ("auto", "sdpa", "varlen", "flex")
+
+
+@dataclass
+class PackedSeqs:
+    """Document boundaries of packed rows, shared by every layer of one forward."""
+
+    doc_ids_BT: torch.Tensor
+    """int32 [B, T]: document index of each token, unique across the batch."""
+    cu_seqlens: torch.Tensor
+    """int32 [S + 1]: document boundaries over the flattened N = B*T tokens."""
+    max_seqlen: int
+    single_doc: bool
+    """Every row is one document (so plain causal attention is exact)."""
+    block_mask: object = None
+    """flex attention's block mask, built by the first layer that needs it."""
+
+    @classmethod
+    def from_position_ids(cls, position_ids_BT: torch.Tensor) -> PackedSeqs:
+        b, t = position_ids_BT.shape
+        starts_BT = position_ids_BT == 0
+        starts_BT[:, 0] = True  # a row always starts a document
+        doc_ids_BT = (starts_BT.flatten().cumsum(0) - 1).view(b, t).to(torch.int32)
+        start_idx = starts_BT.flatten().nonzero().flatten()
+        n = torch.tensor([b * t], device=start_idx.device)
+        cu_seqlens = torch.cat([start_idx, n]).to(torch.int32)
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        max_seqlen, num_docs = int(lengths.max()), len(lengths)  # one host sync per forward
+        return cls(doc_ids_BT, cu_seqlens, max_seqlen, single_doc=num_docs == b)
+
+
+def attention(
+    q_BTHK: torch.Tensor,
+    k_BTGK: torch.Tensor,
+    v_BTGK: torch.Tensor,
+    seqs: PackedSeqs,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Causal attention within documents; returns [B, T, H, K]."""
+    if backend == "auto":
+        if not q_BTHK.is_cuda or seqs.single_doc:
+            backend = "sdpa"
+        else:
+            backend = "varlen" if _varlen_fn() is not None else "flex"
+    if backend == "sdpa":
+        return _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs)
+    if backend == "varlen":
+        return _varlen(q_BTHK, k_BTGK, v_BTGK, seqs)
+    if backend == "flex":
+        return _flex(q_BTHK, k_BTGK, v_BTGK, seqs)
+    raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
+
+
+def _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs) -> torch.Tensor:
+    q, k, v = (x.transpose(1, 2) for x in (q_BTHK, k_BTGK, v_BTGK))  # [B, H|G, T, K]
+    gqa = q.shape[1] != k.shape[1]
+    if seqs.single_doc:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        t = q.shape[2]
+        doc = seqs.doc_ids_BT
+        causal_TT = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        mask_B1TT = (doc[:, :, None] == doc[:, None, :]) & causal_TT
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TT[:, None], enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+@functools.cache
+def _varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _varlen_causal_kwargs() -> dict:
+    # The causal switch moved between torch releases: `is_causal` (2.10/2.11) or
+    # `window_size=(-1, 0)` (2.13). Remove when the oldest supported torch has window_size.
+    params = inspect.signature(_varlen_fn()).parameters
+    return {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+
+
+def _varlen(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs) -> torch.Tensor:
+    fn = _varlen_fn()
+    if fn is None:
+        raise ValueError("attention backend 'varlen' needs torch.nn.attention.varlen (torch >= 2.10)")
+    b, t, h, kd = q_BTHK.shape
+    q_NHK, k_NGK, v_NGK = (x.reshape(b * t, x.shape[2], kd) for x in (q_BTHK, k_BTGK, v_BTGK))
+    kwargs = dict(_varlen_causal_kwargs())
+    if k_NGK.shape[1] != h:
+        if "enable_gqa" in inspect.signature(fn).parameters:
+            kwargs["enable_gqa"] = True
+        else:  # older torch: repeat the kv heads
+            k_NGK, v_NGK = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k_NGK, v_NGK))
+    cu, m = seqs.cu_seqlens, seqs.max_seqlen
+    out_NHK = fn(q_NHK, k_NGK, v_NGK, cu, cu, m, m, **kwargs)
+    return out_NHK.view(b, t, h, kd)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if seqs.block_mask is None:
+        doc = seqs.doc_ids_BT
+        b, t = doc.shape
+
+        def document_causal(b_idx, h_idx, q_idx, kv_idx):
+            return (doc[b_idx, q_idx] == doc[b_idx, kv_idx]) & (q_idx >= kv_idx)
+
+        seqs.block_mask = create_block_mask(document_causal, b, None, t, t, device=q_BTHK.device)
+    q, k, v = (x.transpose(1, 2) for x in (q_BTHK, k_BTGK, v_BTGK))
+    out = _compiled_flex()(q, k, v, block_mask=seqs.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)

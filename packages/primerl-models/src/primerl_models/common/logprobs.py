@@ -1,0 +1,85 @@
+"""Per-token logprobs (and entropy) of target tokens without the full fp32 logits.
+
+With a 151k vocabulary, a 16k-token row has 2.5G logits: 10 GB in fp32, and the usual
+`log_softmax(logits.float())` keeps several such tensors alive for backward. Here the output
+projection, temperature, log-softmax and gather run over chunks of tokens; only each token's
+log-sum-exp (fp32 [N]) is saved, and backward recomputes each chunk's logits. Peak extra
+memory is one chunk of [chunk x V] fp32.
+
+    logprobs_N, entropy_N = chunked_logprobs(hidden_ND, weight_VD, targets_N, temperature)
+
+Gradients flow to `hidden` and `weight` through the logprobs; entropy is returned detached
+(a metric). Legend: N tokens, D hidden, V vocab, C tokens per chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _chunk_logits(h_CD: torch.Tensor, w_VD: torch.Tensor, temp_C1: torch.Tensor) -> torch.Tensor:
+    return (h_CD @ w_VD.T).float() / temp_C1
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, targets_N, temps_N, chunk_size):
+        w_VD = weight_VD.to(hidden_ND.dtype)
+        n = hidden_ND.shape[0]
+        logprobs_N = hidden_ND.new_empty(n, dtype=torch.float32)
+        entropy_N = hidden_ND.new_empty(n, dtype=torch.float32)
+        lse_N = hidden_ND.new_empty(n, dtype=torch.float32)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            logits_CV = _chunk_logits(hidden_ND[s:e], w_VD, temps_N[s:e, None])
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            lse_N[s:e] = lse_C
+            logprobs_N[s:e] = logits_CV.gather(1, targets_N[s:e, None]).squeeze(1) - lse_C
+            probs_CV = (logits_CV - lse_C[:, None]).exp_()
+            entropy_N[s:e] = lse_C - (probs_CV * logits_CV).sum(dim=-1)
+        ctx.save_for_backward(hidden_ND, weight_VD, targets_N, temps_N, lse_N)
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(entropy_N)
+        return logprobs_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_N, _grad_entropy):
+        hidden_ND, weight_VD, targets_N, temps_N, lse_N = ctx.saved_tensors
+        w_VD = weight_VD.to(hidden_ND.dtype)
+        grad_hidden_ND = torch.empty_like(hidden_ND) if ctx.needs_input_grad[0] else None
+        grad_w_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if ctx.needs_input_grad[1] else None
+        n = hidden_ND.shape[0]
+        for s in range(0, n, ctx.chunk_size):
+            e = min(s + ctx.chunk_size, n)
+            temp_C1 = temps_N[s:e, None]
+            logits_CV = _chunk_logits(hidden_ND[s:e], w_VD, temp_C1)
+            # d logprob / d logits = onehot(target) - softmax, scaled by the incoming grad.
+            grad_CV = (logits_CV - lse_N[s:e, None]).exp_().mul_(-grad_logprobs_N[s:e, None])
+            grad_CV.scatter_add_(1, targets_N[s:e, None], grad_logprobs_N[s:e, None].float())
+            grad_CV = (grad_CV / temp_C1).to(hidden_ND.dtype)
+            if grad_hidden_ND is not None:
+                grad_hidden_ND[s:e] = grad_CV @ w_VD
+            if grad_w_VD is not None:
+                grad_w_VD += (grad_CV.T @ hidden_ND[s:e]).float()
+        if grad_w_VD is not None:
+            grad_w_VD = grad_w_VD.to(weight_VD.dtype)
+        return grad_hidden_ND, grad_w_VD, None, None, None
+
+
+def chunked_logprobs(
+    hidden_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    targets_N: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    chunk_size: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs [N] fp32, entropy [N] fp32) of `targets` under softmax(hidden @ weight.T / t).
+
+    `temperature` is a float or a per-token [N] tensor (each token at its sampling temperature).
+    """
+    if hidden_ND.ndim != 2 or targets_N.shape != hidden_ND.shape[:1]:
+        raise ValueError(f"hidden must be [N, D] and targets [N]; got {tuple(hidden_ND.shape)}, {tuple(targets_N.shape)}")
+    temps_N = torch.as_tensor(temperature, dtype=torch.float32, device=hidden_ND.device).expand(hidden_ND.shape[0])
+    if bool((temps_N <= 0).any()):
+        raise ValueError("temperatures must be positive")
+    return _ChunkedLogprobs.apply(hidden_ND, weight_VD, targets_N.long(), temps_N.contiguous(), chunk_size)

@@ -1,0 +1,71 @@
+"""Mixture-of-experts MLP: fp32 router, top-k, experts stored stacked and run as grouped GEMMs.
+
+The expert weights are single [E, ...] parameters, so expert parallelism can shard dim 0 from
+outside (the trainer's job; no process groups here). Tokens are sorted by expert and each
+expert's rows are multiplied in one `torch._grouped_mm` call on CUDA in bf16, or by a loop of
+matmuls elsewhere (CPU, fp32): the same math.
+
+Legend: N tokens, D hidden, F expert hidden, E experts, A = N * top_k assignments.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _use_grouped_mm(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: w_gate, w_up [E, D, F]; w_down [E, F, D]."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w_up = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Rows of x sorted by expert, counts_E rows for each expert -> [A, D]."""
+        w_gate, w_up, w_down = (w.to(x_AD.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        if _use_grouped_mm(x_AD):
+            offs = counts_E.cumsum(0).to(torch.int32)
+            h_AF = F.silu(torch._grouped_mm(x_AD, w_gate, offs=offs)) * torch._grouped_mm(x_AD, w_up, offs=offs)
+            return torch._grouped_mm(h_AF, w_down, offs=offs)
+        out = []
+        for e, x_e in enumerate(torch.split(x_AD, counts_E.tolist())):
+            out.append((F.silu(x_e @ w_gate[e]) * (x_e @ w_up[e])) @ w_down[e])
+        return torch.cat(out) if out else x_AD.new_zeros(x_AD.shape)
+
+
+class MoE(nn.Module):
+    """Router + experts. `tokens_per_expert` accumulates assignments for load-balance metrics."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.num_experts = top_k, norm_topk_prob, num_experts
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = GroupedExperts(num_experts, dim, hidden)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        shape = x_BTD.shape
+        x_ND = x_BTD.reshape(-1, shape[-1])
+        # Router in fp32: small logit differences decide which experts run.
+        probs_NE = F.linear(x_ND.float(), self.router.weight.float()).softmax(dim=-1)
+        weights_NK, experts_NK = probs_NE.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+        flat_experts_A = experts_NK.flatten()
+        order_A = flat_experts_A.argsort(stable=True)
+        counts_E = torch.bincount(flat_experts_A, minlength=self.num_experts)
+        token_A = order_A // self.top_k
+        out_AD = self.experts(x_ND[token_A], counts_E)
+        out_AD = out_AD * weights_NK.flatten()[order_A, None].to(out_AD.dtype)
+        out_ND = torch.zeros_like(x_ND).index_add_(0, token_A, out_AD.to(x_ND.dtype))
+        with torch.no_grad():
+            self.tokens_per_expert += counts_E.to(self.tokens_per_expert.dtype)
+        return out_ND.view(shape)

@@ -1,0 +1,22 @@
+"""The model families primerl implements, by Hugging Face `model_type`."""
+
+from primerl_models.families.base import Family
+from primerl_models.families.llama import LLAMA
+from primerl_models.families.qwen3 import QWEN3
+from primerl_models.families.qwen3_moe import QWEN3_MOE
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, QWEN3, QWEN3_MOE)}
+
+
+def family_for(cfg: dict, where: str = "config.json") -> Family:
+    """The family of a HF config dict, or a ValueError listing the supported ones."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"{where}: model_type {model_type!r} is not implemented by primerl-models; "
+            f"supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[model_type]
+
+
+__all__ = ["FAMILIES", "Family", "family_for"]
