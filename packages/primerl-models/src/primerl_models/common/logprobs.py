@@ -17,8 +17,13 @@ from __future__ import annotations
 import torch
 
 
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs; fp64 stays fp64 (tests, gradcheck)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _chunk_logits(h_CD: torch.Tensor, w_VD: torch.Tensor, temp_C1: torch.Tensor) -> torch.Tensor:
-    return (h_CD @ w_VD.T).float() / temp_C1
+    return (h_CD @ w_VD.T).to(_acc_dtype(h_CD)) / temp_C1
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -26,9 +31,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, hidden_ND, weight_VD, targets_N, temps_N, chunk_size):
         w_VD = weight_VD.to(hidden_ND.dtype)
         n = hidden_ND.shape[0]
-        logprobs_N = hidden_ND.new_empty(n, dtype=torch.float32)
-        entropy_N = hidden_ND.new_empty(n, dtype=torch.float32)
-        lse_N = hidden_ND.new_empty(n, dtype=torch.float32)
+        acc = _acc_dtype(hidden_ND)
+        logprobs_N = hidden_ND.new_empty(n, dtype=acc)
+        entropy_N = hidden_ND.new_empty(n, dtype=acc)
+        lse_N = hidden_ND.new_empty(n, dtype=acc)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
             logits_CV = _chunk_logits(hidden_ND[s:e], w_VD, temps_N[s:e, None])
@@ -47,7 +53,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden_ND, weight_VD, targets_N, temps_N, lse_N = ctx.saved_tensors
         w_VD = weight_VD.to(hidden_ND.dtype)
         grad_hidden_ND = torch.empty_like(hidden_ND) if ctx.needs_input_grad[0] else None
-        grad_w_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if ctx.needs_input_grad[1] else None
+        acc = _acc_dtype(hidden_ND)
+        grad_w_VD = torch.zeros(w_VD.shape, dtype=acc, device=w_VD.device) if ctx.needs_input_grad[1] else None
         n = hidden_ND.shape[0]
         for s in range(0, n, ctx.chunk_size):
             e = min(s + ctx.chunk_size, n)
@@ -55,12 +62,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logits_CV = _chunk_logits(hidden_ND[s:e], w_VD, temp_C1)
             # d logprob / d logits = onehot(target) - softmax, scaled by the incoming grad.
             grad_CV = (logits_CV - lse_N[s:e, None]).exp_().mul_(-grad_logprobs_N[s:e, None])
-            grad_CV.scatter_add_(1, targets_N[s:e, None], grad_logprobs_N[s:e, None].float())
+            grad_CV.scatter_add_(1, targets_N[s:e, None], grad_logprobs_N[s:e, None].to(acc))
             grad_CV = (grad_CV / temp_C1).to(hidden_ND.dtype)
             if grad_hidden_ND is not None:
                 grad_hidden_ND[s:e] = grad_CV @ w_VD
             if grad_w_VD is not None:
-                grad_w_VD += (grad_CV.T @ hidden_ND[s:e]).float()
+                grad_w_VD += (grad_CV.T @ hidden_ND[s:e]).to(acc)
         if grad_w_VD is not None:
             grad_w_VD = grad_w_VD.to(weight_VD.dtype)
         return grad_hidden_ND, grad_w_VD, None, None, None
@@ -73,13 +80,15 @@ def chunked_logprobs(
     temperature: float | torch.Tensor = 1.0,
     chunk_size: int = 2048,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs [N] fp32, entropy [N] fp32) of `targets` under softmax(hidden @ weight.T / t).
+    """(logprobs [N], entropy [N]) of `targets` under softmax(hidden @ weight.T / t), in fp32
+    (fp64 for fp64 inputs).
 
     `temperature` is a float or a per-token [N] tensor (each token at its sampling temperature).
     """
     if hidden_ND.ndim != 2 or targets_N.shape != hidden_ND.shape[:1]:
         raise ValueError(f"hidden must be [N, D] and targets [N]; got {tuple(hidden_ND.shape)}, {tuple(targets_N.shape)}")
-    temps_N = torch.as_tensor(temperature, dtype=torch.float32, device=hidden_ND.device).expand(hidden_ND.shape[0])
+    acc = torch.promote_types(hidden_ND.dtype, torch.float32)
+    temps_N = torch.as_tensor(temperature, dtype=acc, device=hidden_ND.device).expand(hidden_ND.shape[0])
     if bool((temps_N <= 0).any()):
         raise ValueError("temperatures must be positive")
     return _ChunkedLogprobs.apply(hidden_ND, weight_VD, targets_N.long(), temps_N.contiguous(), chunk_size)

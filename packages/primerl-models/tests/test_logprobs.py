@@ -1,0 +1,73 @@
+"""The chunked logprob/entropy path against the plain full-logits formula (float64)."""
+
+import pytest
+import torch
+
+from primerl_models import chunked_logprobs
+
+
+def reference(hidden, weight, targets, temps):
+    logits = (hidden @ weight.T) / temps[:, None]
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(1, targets[:, None]).squeeze(1), entropy
+
+
+@pytest.fixture
+def data():
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 37, 16, 50
+    hidden = torch.randn(n, d, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, d, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, v, (n,), generator=g)
+    temps = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    return hidden, weight, targets, temps
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 37, 100])
+def test_values_and_gradients_match_full_logits(data, chunk):
+    hidden, weight, targets, temps = data
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = chunked_logprobs(h1, w1, targets, temps, chunk_size=chunk)
+    ref_lp, ref_ent = reference(h2, w2, targets, temps)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-10, rtol=1e-10)
+    upstream = torch.linspace(-1, 1, len(targets), dtype=torch.float64)
+    (lp * upstream).sum().backward()
+    (ref_lp * upstream).sum().backward()
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-10, rtol=1e-10)
+
+
+def test_float32_inputs_compute_in_float32(data):
+    hidden, weight, targets, temps = data
+    lp, ent = chunked_logprobs(hidden.float(), weight.float(), targets, temps.float(), chunk_size=8)
+    ref_lp, ref_ent = reference(hidden, weight, targets, temps)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-4, rtol=1e-4)
+
+
+def test_scalar_temperature_and_entropy_bounds(data):
+    hidden, weight, targets, _ = data
+    lp, ent = chunked_logprobs(hidden, weight, targets, 0.7, chunk_size=5)
+    ref_lp, ref_ent = reference(hidden, weight, targets, torch.full((len(targets),), 0.7, dtype=torch.float64))
+    torch.testing.assert_close(lp, ref_lp, atol=1e-10, rtol=1e-10)
+    assert bool((lp <= 0).all()) and bool((ent >= 0).all()) and bool((ent <= torch.log(torch.tensor(50.0)) + 1e-5).all())
+
+
+def test_gradcheck_float64(data):
+    hidden, weight, targets, temps = data
+    h = hidden[:6].clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda h, w: chunked_logprobs(h, w, targets[:6], temps[:6], chunk_size=4)[0], (h, w)
+    )
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="temperatures must be positive"):
+        chunked_logprobs(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long), 0.0)
+    with pytest.raises(ValueError, match=r"hidden must be \[N, D\]"):
+        chunked_logprobs(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long))
