@@ -42,7 +42,9 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router + experts. `tokens_per_expert` accumulates assignments for load-balance metrics."""
+    """Router + experts. `tokens_per_expert` holds the last forward's assignments per expert
+    (for load-balance metrics). It is overwritten, not accumulated, so that the recomputation
+    of activation checkpointing (same routing) does not count tokens twice."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
@@ -67,5 +69,5 @@ class MoE(nn.Module):
         out_AD = out_AD * weights_NK.flatten()[order_A, None].to(out_AD.dtype)
         out_ND = torch.zeros_like(x_ND).index_add_(0, token_A, out_AD.to(x_ND.dtype))
         with torch.no_grad():
-            self.tokens_per_expert += counts_E.to(self.tokens_per_expert.dtype)
+            self.tokens_per_expert.copy_(counts_E)
         return out_ND.view(shape)

@@ -141,10 +141,13 @@ class Transformer(nn.Module):
         self.reset_moe_stats()
 
     @torch.no_grad()
-    def reset_moe_stats(self) -> torch.Tensor | None:
-        """[layers, E] tokens routed to each expert since the last reset (None if dense)."""
+    def moe_stats(self) -> torch.Tensor | None:
+        """[MoE layers, E] tokens routed to each expert in the last forward (None if dense)."""
         stats = [m.tokens_per_expert.clone() for m in self.modules() if isinstance(m, MoE)]
+        return torch.stack(stats) if stats else None
+
+    @torch.no_grad()
+    def reset_moe_stats(self) -> None:
         for m in self.modules():
             if isinstance(m, MoE):
                 m.tokens_per_expert.zero_()
-        return torch.stack(stats) if stats else None
