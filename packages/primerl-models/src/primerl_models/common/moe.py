@@ -56,6 +56,11 @@ class MoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         shape = x_BTD.shape
         x_ND = x_BTD.reshape(-1, shape[-1])
+        device_type = x_ND.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Autocast leaves the residual stream fp32; the experts run in the autocast dtype
+            # (grouped GEMMs take bf16 only).
+            x_ND = x_ND.to(torch.get_autocast_dtype(device_type))
         # Router in fp32: small logit differences decide which experts run.
         probs_NE = F.linear(x_ND.float(), self.router.weight.float()).softmax(dim=-1)
         weights_NK, experts_NK = probs_NE.topk(self.top_k, dim=-1)
@@ -63,11 +68,14 @@ class MoE(nn.Module):
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
         flat_experts_A = experts_NK.flatten()
         order_A = flat_experts_A.argsort(stable=True)
-        counts_E = torch.bincount(flat_experts_A, minlength=self.num_experts)
+        # scatter_add, not bincount: a fixed output shape keeps torch.compile graphs whole.
+        counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=x_ND.device)
+        counts_E.scatter_add_(0, flat_experts_A, torch.ones_like(flat_experts_A))
         token_A = order_A // self.top_k
         out_AD = self.experts(x_ND[token_A], counts_E)
         out_AD = out_AD * weights_NK.flatten()[order_A, None].to(out_AD.dtype)
         out_ND = torch.zeros_like(x_ND).index_add_(0, token_A, out_AD.to(x_ND.dtype))
+        out_ND = out_ND.to(x_BTD.dtype)
         with torch.no_grad():
             self.tokens_per_expert.copy_(counts_E)
         return out_ND.view(shape)

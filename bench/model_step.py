@@ -1,0 +1,193 @@
+"""Training-step benchmark: primerl-models vs transformers, same shape, same run, one GPU.
+
+One step = forward, backward and AdamW (fused, for both) on one packed row of random tokens,
+random weights, fp32 master weights with bf16 autocast (both). The loss is the mean token
+negative log-likelihood: transformers' own `labels=` path, our chunked logprob path.
+
+Reported per model: tokens/s (median of the timed steps), MFU and peak memory.
+MFU = (6 N_active + 6 L T H K) tokens / s / 989 TFLOP/s  (N with lm_head, embeddings
+excluded; the second term is causal attention; H200 bf16 dense peak 989 TFLOP/s).
+
+    python bench/model_step.py --models qwen3-0.6b,qwen3-30b-a3b-6l --steps 6
+
+Needs a GPU with transformers installed; PYTHONPATH=packages/primerl-models/src if primerl is
+not installed there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+
+from primerl_models import ModelArgs, Transformer, chunked_logprobs
+from primerl_models.checkpointing import apply_activation_checkpointing
+
+PEAK_FLOPS = 989e12
+VOCAB = 151936
+
+SHAPES = {
+    # name: (HF config fields, seq_len, transformers needs activation checkpointing)
+    "qwen3-0.6b": (dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=128, intermediate_size=3072, tie_word_embeddings=True), 16384),
+    "qwen3-1.7b": (dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=128, intermediate_size=6144, tie_word_embeddings=True), 16384),
+    "qwen3-4b": (dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, intermediate_size=9728, tie_word_embeddings=True), 16384),
+    "qwen3-30b-a3b-6l": (dict(hidden_size=2048, num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4,
+                              head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                              num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False), 8192),
+}
+
+
+def hf_dict(name: str) -> dict:
+    fields, _ = SHAPES[name]
+    model_type = "qwen3_moe" if "num_experts" in fields else "qwen3"
+    return dict(model_type=model_type, vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=1e6,
+                max_position_embeddings=40960, **fields)
+
+
+def our_args(name: str) -> ModelArgs:
+    from primerl_models.families import family_for
+
+    cfg = hf_dict(name)
+    return family_for(cfg).args_from_hf(cfg)
+
+
+def flops_per_token(args: ModelArgs, seq: int) -> float:
+    return 6 * args.num_active_params() + 6 * args.num_layers * seq * args.num_heads * args.head_dim
+
+
+def build_transformers(name: str, ac: bool):
+    import transformers
+
+    cfg = hf_dict(name)
+    config_cls = transformers.Qwen3MoeConfig if cfg["model_type"] == "qwen3_moe" else transformers.Qwen3Config
+    config = config_cls(**{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.config.use_cache = False
+    if ac:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+    def step(ids, pos):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(input_ids=ids, position_ids=pos, labels=ids).loss
+
+    return model, step
+
+
+def build_ours(name: str, ac: bool, compile_layers: bool, attn: str = "auto"):
+    args = our_args(name)
+    with torch.device("cuda"):
+        model = Transformer(args, attn_backend=attn)
+    model.init_weights()
+    if ac:
+        apply_activation_checkpointing(model)
+    if compile_layers:
+        for layer in model.layers:
+            layer.compile()
+    model.train()
+
+    def step(ids, pos):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            hidden = model(ids, pos)[0, :-1].to(torch.bfloat16)
+            logprobs, _ = chunked_logprobs(hidden, model.output_weight, ids[0, 1:])
+        return -logprobs.mean()
+
+    return model, step
+
+
+def measure(model, step, seq: int, steps: int, docs: int = 1) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, VOCAB, (1, seq), device="cuda", generator=g)
+    bounds = torch.linspace(0, seq, docs + 1).long().tolist()
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None].cuda()
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(steps + 3):  # 3 warm-up steps (compilation, allocator)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step(ids, pos)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return {
+        "s_per_step": statistics.median(times),
+        "tokens_per_s": seq / statistics.median(times),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
+
+
+def run(name: str, impl: str, steps: int, ac: bool, compile_layers: bool, docs: int = 1, cudnn: bool = False) -> dict:
+    _, seq = SHAPES[name]
+    model = step = None
+    # cudnn: SDPA may not pick flash or memory-efficient kernels, which leaves cuDNN's.
+    torch.backends.cuda.enable_flash_sdp(not cudnn)
+    torch.backends.cuda.enable_mem_efficient_sdp(not cudnn)
+    try:
+        if impl == "transformers":
+            model, step = build_transformers(name, ac)
+        else:
+            model, step = build_ours(name, ac, compile_layers)
+        result = measure(model, step, seq, steps, docs)
+    except torch.OutOfMemoryError:
+        result = {"oom": True}
+    finally:
+        model = step = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    args = our_args(name)
+    if "tokens_per_s" in result:
+        result["mfu"] = result["tokens_per_s"] * flops_per_token(args, seq) / PEAK_FLOPS
+    return {"model": name, "impl": impl, "seq": seq, "ac": ac, "compile": compile_layers, "docs": docs,
+            "cudnn": cudnn, **result}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--runs", default="transformers,ours",
+                        help="comma list of impl[:ac][:eager][:cudnn][:docsN], e.g. transformers:ac,ours,ours:docs8")
+    args = parser.parse_args()
+    rows = []
+    for name in args.models.split(","):
+        for spec in args.runs.split(","):
+            impl, *flags = spec.split(":")
+            docs = next((int(f[4:]) for f in flags if f.startswith("docs")), 1)
+            row = run(name, impl, args.steps, ac="ac" in flags, compile_layers=impl == "ours" and "eager" not in flags,
+                      docs=docs, cudnn="cudnn" in flags)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print()
+    print(f"{'model':<18} {'impl':<13} {'AC':<3} {'attn':<6} {'docs':>4} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'vs transformers':>16}")
+    for r in rows:
+        ref = next((x for x in rows if x["model"] == r["model"] and x["impl"] == "transformers" and "tokens_per_s" in x), None)
+        attn = "cudnn" if r["cudnn"] else "auto"
+        if "tokens_per_s" not in r:
+            print(f"{r['model']:<18} {r['impl']:<13} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['docs']:>4} {'OOM':>9}")
+            continue
+        ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
+        print(f"{r['model']:<18} {r['impl']:<13} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['docs']:>4} "
+              f"{r['tokens_per_s']:>9.0f} {r['mfu']:>6.1%} {r['peak_gib']:>9.1f} {ratio:>16}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
