@@ -103,6 +103,19 @@ def build_ours(name: str, ac: bool, compile_layers: bool, attn: str = "auto"):
     return model, step
 
 
+PROFILE = False
+
+
+def profile_step(run_step) -> None:
+    """Print the top CUDA kernels of one step (after warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+
+
 def measure(model, step, seq: int, steps: int, docs: int = 1) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -111,17 +124,24 @@ def measure(model, step, seq: int, steps: int, docs: int = 1) -> dict:
     pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None].cuda()
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
-    for i in range(steps + 3):  # 3 warm-up steps (compilation, allocator)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def one_step():
         loss = step(ids, pos)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(steps + 3):  # 3 warm-up steps (compilation, allocator)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = one_step()
         torch.cuda.synchronize()
         if i >= 3:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+    if PROFILE:
+        profile_step(one_step)
     return {
         "s_per_step": statistics.median(times),
         "tokens_per_s": seq / statistics.median(times),
@@ -161,9 +181,12 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--profile", action="store_true", help="print the top kernels of one step")
     parser.add_argument("--runs", default="transformers,ours",
                         help="comma list of impl[:ac][:eager][:cudnn][:docsN], e.g. transformers:ac,ours,ours:docs8")
     args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     rows = []
     for name in args.models.split(","):
         for spec in args.runs.split(","):

@@ -14,6 +14,8 @@ Gradients flow to `hidden` and `weight` through the logprobs; entropy is returne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -22,13 +24,37 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _chunk_logits(h_CD: torch.Tensor, w_VD: torch.Tensor, temp_C1: torch.Tensor) -> torch.Tensor:
-    return (h_CD @ w_VD.T).to(_acc_dtype(h_CD)) / temp_C1
+def _forward_stats(logits_CV: torch.Tensor, temp_C1: torch.Tensor, target_C1: torch.Tensor):
+    """(logprob, entropy, log-sum-exp) [C] of one chunk of raw logits."""
+    z_CV = logits_CV.to(temp_C1.dtype) / temp_C1
+    lse_C = torch.logsumexp(z_CV, dim=-1)
+    p_CV = torch.exp(z_CV - lse_C[:, None])
+    entropy_C = lse_C - (p_CV * z_CV).sum(dim=-1)
+    return z_CV.gather(1, target_C1).squeeze(1) - lse_C, entropy_C, lse_C
+
+
+def _logits_grad(logits_CV, temp_C1, target_C1, lse_C1, grad_C1):
+    """d(sum grad * logprob)/d logits = grad * (onehot(target) - softmax) / t, in the logits dtype."""
+    z_CV = logits_CV.to(temp_C1.dtype) / temp_C1
+    vocab_1V = torch.arange(z_CV.shape[1], device=z_CV.device)[None]
+    onehot_CV = (vocab_1V == target_C1).to(z_CV.dtype)
+    return ((onehot_CV - torch.exp(z_CV - lse_C1)) * (grad_C1 / temp_C1)).to(logits_CV.dtype)
+
+
+@functools.cache
+def _kernels(device_type: str):
+    """The chunk math, fused by torch.compile on GPUs (one pass over each chunk's logits
+    instead of eight); eager elsewhere (CPU tests need no compiler)."""
+    if device_type != "cuda":
+        return _forward_stats, _logits_grad
+    compile = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+    return compile(_forward_stats), compile(_logits_grad)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_ND, weight_VD, targets_N, temps_N, chunk_size):
+        forward_stats, _ = _kernels(hidden_ND.device.type)
         w_VD = weight_VD.to(hidden_ND.dtype)
         n = hidden_ND.shape[0]
         acc = _acc_dtype(hidden_ND)
@@ -37,12 +63,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lse_N = hidden_ND.new_empty(n, dtype=acc)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            logits_CV = _chunk_logits(hidden_ND[s:e], w_VD, temps_N[s:e, None])
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
-            lse_N[s:e] = lse_C
-            logprobs_N[s:e] = logits_CV.gather(1, targets_N[s:e, None]).squeeze(1) - lse_C
-            probs_CV = (logits_CV - lse_C[:, None]).exp_()
-            entropy_N[s:e] = lse_C - (probs_CV * logits_CV).sum(dim=-1)
+            logits_CV = hidden_ND[s:e] @ w_VD.T
+            logprobs_N[s:e], entropy_N[s:e], lse_N[s:e] = forward_stats(
+                logits_CV, temps_N[s:e, None], targets_N[s:e, None]
+            )
         ctx.save_for_backward(hidden_ND, weight_VD, targets_N, temps_N, lse_N)
         ctx.chunk_size = chunk_size
         ctx.mark_non_differentiable(entropy_N)
@@ -51,19 +75,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs_N, _grad_entropy):
         hidden_ND, weight_VD, targets_N, temps_N, lse_N = ctx.saved_tensors
+        _, logits_grad = _kernels(hidden_ND.device.type)
         w_VD = weight_VD.to(hidden_ND.dtype)
-        grad_hidden_ND = torch.empty_like(hidden_ND) if ctx.needs_input_grad[0] else None
         acc = _acc_dtype(hidden_ND)
+        grad_hidden_ND = torch.empty_like(hidden_ND) if ctx.needs_input_grad[0] else None
         grad_w_VD = torch.zeros(w_VD.shape, dtype=acc, device=w_VD.device) if ctx.needs_input_grad[1] else None
+        grad_N = grad_logprobs_N.to(acc)
         n = hidden_ND.shape[0]
         for s in range(0, n, ctx.chunk_size):
             e = min(s + ctx.chunk_size, n)
-            temp_C1 = temps_N[s:e, None]
-            logits_CV = _chunk_logits(hidden_ND[s:e], w_VD, temp_C1)
-            # d logprob / d logits = onehot(target) - softmax, scaled by the incoming grad.
-            grad_CV = (logits_CV - lse_N[s:e, None]).exp_().mul_(-grad_logprobs_N[s:e, None])
-            grad_CV.scatter_add_(1, targets_N[s:e, None], grad_logprobs_N[s:e, None].to(acc))
-            grad_CV = (grad_CV / temp_C1).to(hidden_ND.dtype)
+            logits_CV = hidden_ND[s:e] @ w_VD.T  # recomputed, not saved
+            grad_CV = logits_grad(
+                logits_CV, temps_N[s:e, None], targets_N[s:e, None], lse_N[s:e, None], grad_N[s:e, None]
+            )
             if grad_hidden_ND is not None:
                 grad_hidden_ND[s:e] = grad_CV @ w_VD
             if grad_w_VD is not None:
