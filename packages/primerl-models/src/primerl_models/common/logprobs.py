@@ -102,7 +102,7 @@ def chunked_logprobs(
     weight_VD: torch.Tensor,
     targets_N: torch.Tensor,
     temperature: float | torch.Tensor = 1.0,
-    chunk_size: int = 2048,
+    chunk_size: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs [N], entropy [N]) of `targets` under softmax(hidden @ weight.T / t), in fp32
     (fp64 for fp64 inputs).

@@ -66,16 +66,17 @@ class MoE(nn.Module):
         weights_NK, experts_NK = probs_NE.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
-        flat_experts_A = experts_NK.flatten()
-        order_A = flat_experts_A.argsort(stable=True)
+        flat_experts_A = experts_NK.flatten()  # assignment a = token * top_k + slot
+        order_A = flat_experts_A.argsort(stable=True)  # sorted position -> assignment
         # scatter_add, not bincount: a fixed output shape keeps torch.compile graphs whole.
         counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=x_ND.device)
         counts_E.scatter_add_(0, flat_experts_A, torch.ones_like(flat_experts_A))
-        token_A = order_A // self.top_k
-        out_AD = self.experts(x_ND[token_A], counts_E)
-        out_AD = out_AD * weights_NK.flatten()[order_A, None].to(out_AD.dtype)
-        out_ND = torch.zeros_like(x_ND).index_add_(0, token_A, out_AD.to(x_ND.dtype))
-        out_ND = out_ND.to(x_BTD.dtype)
+        out_AD = self.experts(x_ND[order_A // self.top_k], counts_E)
+        # Back to assignment order by a gather (no atomics), then each token's weighted sum of
+        # its top_k expert outputs, accumulated in fp32.
+        position_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(len(order_A), device=order_A.device))
+        out_NKD = out_AD[position_A].view(x_ND.shape[0], self.top_k, -1)
+        out_ND = (out_NKD.float() * weights_NK[..., None]).sum(dim=1).to(x_BTD.dtype)
         with torch.no_grad():
             self.tokens_per_expert.copy_(counts_E)
         return out_ND.view(shape)
