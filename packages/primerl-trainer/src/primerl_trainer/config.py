@@ -61,6 +61,9 @@ class TrainerConfig(Config):
     """Recompute each decoder layer in the backward pass to save memory."""
     compile: bool = False
     """torch.compile each decoder layer."""
+    attention: Literal["auto", "sdpa", "varlen", "flex"] = "auto"
+    """Attention back-end (primerl_models.attention): auto picks SDPA on CPU and for
+    single-document rows, varlen (flash) kernels for packed rows on GPUs."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype of the model (float32 master weights are kept by FSDP2 either way)."""
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
