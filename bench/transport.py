@@ -50,7 +50,7 @@ def make_batch(seed: int = 0) -> TrainBatch:
             )
         )
     loss_tokens = int(sum(mb.loss_mask.sum() for mb in rows))
-    return TrainBatch(step=0, rank=0, num_ranks=1, micro_batches=rows, num_loss_tokens=loss_tokens)
+    return TrainBatch(step=0, rank=0, num_ranks=1, micro_batches=rows, num_loss_tokens=loss_tokens, num_sequences=SAMPLES)
 
 
 def payload_bytes(batch: TrainBatch) -> int:

@@ -7,37 +7,64 @@ Each `type` names a built-in implementation or a plugin by import path
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+
+import msgspec
 
 from primerl_protocol.config import Config
 
+# The built-in names (the registries in losses.py/advantages.py; a test keeps them in step).
+BUILTIN_LOSSES = ("aipo", "cispo", "dppo", "gspo", "ppo")
+BUILTIN_ADVANTAGES = ("drgrpo", "grpo", "maxrl", "rloo")
+
+
+def _check_name(kind: str, name: str, builtin: tuple[str, ...]) -> None:
+    if name not in builtin and ":" not in name:
+        raise ValueError(
+            f"unknown {kind} {name!r}: built-in ones are {', '.join(builtin)}; "
+            "a plugin is given as 'package.module:function'"
+        )
+
 
 class LossConfig(Config):
-    """The policy-gradient loss the trainer optimises."""
+    """The policy-gradient loss the trainer optimises (formulas: docs/algorithms.md)."""
 
     type: str = "aipo"
-    """Built-in loss name (aipo, ppo, dppo, gspo, cispo) or a plugin `module:function`."""
-    ratio_max: float = 8.0
-    """AIPO: the importance ratio pi/mu is truncated at this value (delta)."""
-    eps_low: float = 0.2
-    """PPO/GRPO clip: lower clip range of the ratio (1 - eps_low)."""
-    eps_high: float = 0.28
-    """PPO/GRPO clip: upper clip range of the ratio (1 + eps_high)."""
+    """Built-in loss (aipo, cispo, dppo, gspo, ppo) or a plugin `module:function`."""
+    ratio_max: Annotated[float, msgspec.Meta(gt=0)] = 8.0
+    """aipo: the importance ratio pi/mu is truncated at this value (delta)."""
+    eps_low: Annotated[float, msgspec.Meta(ge=0)] = 0.2
+    """ppo, gspo, cispo: lower clip range of the ratio, 1 - eps_low."""
+    eps_high: Annotated[float, msgspec.Meta(ge=0)] = 0.28
+    """ppo, gspo, cispo: upper clip range of the ratio, 1 + eps_high."""
+    prob_delta: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.2
+    """dppo: mask tokens whose probability moved more than this towards their advantage."""
+    kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """dppo: weight of the squared log-ratio penalty (pi - mu)^2."""
+    importance_correction: Literal["none", "tis", "mis"] = "none"
+    """Weight token losses by min(r, cap) (tis) or drop tokens with r outside [1/cap, cap] (mis)."""
+    importance_cap: Annotated[float, msgspec.Meta(gt=1)] = 2.0
+    """The cap of tis/mis."""
     normalization: Literal["tokens", "sequence", "constant"] = "tokens"
-    """Divide the summed token losses by the batch's loss tokens, per sequence, or a constant."""
-    constant: float = 1.0
-    """The divisor when normalization = "constant" (Dr. GRPO uses the max completion length)."""
+    """Divide summed token losses by the batch's loss tokens, per sequence, or a constant."""
+    constant: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """normalization = "constant": loss = sum / (sequences x constant); Dr. GRPO uses the max completion length."""
+
+    def __post_init__(self) -> None:
+        _check_name("loss", self.type, BUILTIN_LOSSES)
 
 
 class AdvantageConfig(Config):
-    """How rewards of a group become per-token advantages."""
+    """How the rewards of a group become advantages (formulas: docs/algorithms.md)."""
 
     type: str = "grpo"
-    """Built-in estimator (grpo, drgrpo, rloo, maxrl) or a plugin `module:function`."""
-    std_normalize: bool = False
-    """Divide group-centred rewards by the group's standard deviation."""
-    length_penalty: float = 0.0
-    """Subtract this times (completion tokens / max tokens) from each reward."""
+    """grpo (mean-centred, std-normalised), drgrpo (mean-centred), rloo (leave-one-out),
+    maxrl (relative to the group mean), or a plugin `module:function`."""
+    length_penalty: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Subtract this times (completion tokens / max tokens) from each reward first."""
+
+    def __post_init__(self) -> None:
+        _check_name("advantage", self.type, BUILTIN_ADVANTAGES)
 
 
 class FilterConfig(Config):
@@ -58,4 +85,5 @@ class FilterConfig(Config):
     reward_range: tuple[float, float] | None = None
     """Drop rollouts whose reward falls outside [low, high]."""
     plugins: list[str] = []
-    """Extra filters by import path (`module:function`), applied after the built-in ones."""
+    """Extra rollout filters by import path (`module:function`, taking a list of rollouts and
+    returning a keep flag for each), applied after the built-in ones."""

@@ -119,6 +119,9 @@ class TrainBatch(Message):
     """This rank's packed rows, in order."""
     num_loss_tokens: int
     """Loss-masked tokens across all ranks' batches of this step (for token-normalised losses)."""
+    num_sequences: int = 0
+    """Samples across all ranks' batches of this step, padding excluded (for per-sequence
+    and constant normalisation)."""
     created_at: float = msgspec.field(default_factory=time.time)
     """Wall-clock time (s since epoch) the orchestrator built the batch."""
 

@@ -1,0 +1,227 @@
+"""Policy-gradient losses over the tokens of one micro-batch, normalised for the global batch.
+
+Every loss sees, per token t: pi_t the trainer's logprob (at the token's sampling temperature,
+with gradient), mu_t the inference server's logprob, A_t the advantage, and the loss mask.
+With r_t = exp(pi_t - mu_t) (log-ratio clamped to +-20 so that no ratio is infinite):
+
+  aipo   l = -min(r, delta) A            gradient -min(r, delta) A grad(pi): truncated IS
+  cispo  l = -clip(r, 1-e_lo, 1+e_hi) A  same, with the weight clipped on both sides
+  ppo    l = -min(r A, clip(r, 1-e_lo, 1+e_hi) A)
+  dppo   l = -m r A + beta (pi - mu)^2,  m = 0 where the token's probability already moved
+         more than prob_delta in the direction of its advantage
+  gspo   like ppo with the sequence ratio s_i = exp(mean_{t in i}(pi - mu)) in place of r
+         (token form s_i,t = sg[s_i] exp(pi_t - sg[pi_t]))
+
+Optionally the token losses are weighted by an importance correction between the trainer's
+and the inference server's policy (w_t from sg[r_t]): TIS w = min(r, cap), MIS w = 1 if
+1/cap <= r <= cap else 0.
+
+Normalisation (the micro-batch's share of the global batch's loss, so that gradients
+accumulated over micro-batches and summed over ranks give the batch loss):
+  tokens    sum_t l_t / (loss tokens in the global batch)
+  sequence  sum_i (sum_{t in i} l_t / n_i) / (sequences in the global batch)
+  constant  sum_t l_t / (sequences in the global batch x constant)      (Dr. GRPO)
+
+Metrics are sums over this micro-batch's loss tokens (and its token count), to be summed across
+micro-batches and ranks and divided by the count: mismatch KL (r - log r - 1 with r = exp(sg[pi]
+- mu)), fractions masked, clipped low and high, mean ratio and, when given, entropy.
+docs/algorithms.md has the same formulas with their config names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from primerl_algos.config import LossConfig
+from primerl_algos.registry import Registry
+
+MAX_LOG_RATIO = 20.0
+
+
+@dataclass
+class LossInputs:
+    """The tokens of one micro-batch (flattened: N tokens in S sequences)."""
+
+    logprobs: torch.Tensor
+    """pi [N]: trainer logprobs at the sampling temperature (with gradient)."""
+    inference_logprobs: torch.Tensor
+    """mu [N]: inference logprobs."""
+    advantages: torch.Tensor
+    """A [N]."""
+    loss_mask: torch.Tensor
+    """bool [N]: tokens trained on."""
+    seq_lens: torch.Tensor
+    """[S]: sequence lengths (sum N), for sequence-level losses and normalisation."""
+    entropy: torch.Tensor | None = None
+    """[N] entropy of the trainer's distribution, for metrics."""
+
+
+@dataclass
+class LossScale:
+    """Counts over the whole step's batch (all micro-batches of all ranks)."""
+
+    tokens: int
+    """Loss tokens in the global batch."""
+    sequences: int
+    """Sequences in the global batch."""
+
+
+@dataclass
+class TokenLoss:
+    """What a loss function returns before correction, masking and normalisation."""
+
+    loss: torch.Tensor
+    """[N] per-token loss."""
+    masked: torch.Tensor | None = None
+    """bool [N]: tokens the loss itself drops (counted, and given no loss)."""
+    clipped_low: torch.Tensor | None = None
+    clipped_high: torch.Tensor | None = None
+    per_sequence: bool = False
+    """The loss is defined per sequence (normalise per sequence whatever the config says)."""
+
+
+LossFn = Callable[[LossInputs, torch.Tensor, LossConfig], TokenLoss]
+LOSSES: Registry[LossFn] = Registry("loss")
+
+
+def _weighted(ratio: torch.Tensor, weight: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """-w A in value, -w A grad(pi) in gradient (w a constant): sg[w / r] r."""
+    return -(weight / ratio).detach() * ratio * adv
+
+
+@LOSSES.register("aipo")
+def aipo(x: LossInputs, log_ratio: torch.Tensor, cfg: LossConfig) -> TokenLoss:
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(max=cfg.ratio_max)
+    return TokenLoss(_weighted(ratio, weight, x.advantages), clipped_high=ratio.detach() > cfg.ratio_max)
+
+
+@LOSSES.register("cispo")
+def cispo(x: LossInputs, log_ratio: torch.Tensor, cfg: LossConfig) -> TokenLoss:
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    r = ratio.detach()
+    return TokenLoss(
+        _weighted(ratio, weight, x.advantages),
+        clipped_low=r < 1 - cfg.eps_low,
+        clipped_high=r > 1 + cfg.eps_high,
+    )
+
+
+def _ppo(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float) -> TokenLoss:
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    loss = -torch.minimum(ratio * adv, clipped * adv)
+    r = ratio.detach()
+    # The clip is active (no gradient) where min() picked the clipped term.
+    return TokenLoss(loss, clipped_low=(r < 1 - eps_low) & (adv < 0), clipped_high=(r > 1 + eps_high) & (adv > 0))
+
+
+@LOSSES.register("ppo")
+def ppo(x: LossInputs, log_ratio: torch.Tensor, cfg: LossConfig) -> TokenLoss:
+    return _ppo(log_ratio.exp(), x.advantages, cfg.eps_low, cfg.eps_high)
+
+
+@LOSSES.register("dppo")
+def dppo(x: LossInputs, log_ratio: torch.Tensor, cfg: LossConfig) -> TokenLoss:
+    ratio = log_ratio.exp()
+    moved = x.logprobs.detach().exp() - x.inference_logprobs.exp()
+    adv = x.advantages
+    masked = ((adv > 0) & (moved > cfg.prob_delta)) | ((adv < 0) & (moved < -cfg.prob_delta))
+    loss = torch.where(masked, 0.0, -ratio * adv) + cfg.kl_coef * log_ratio**2
+    return TokenLoss(loss, clipped_low=masked & (adv < 0), clipped_high=masked & (adv > 0))
+
+
+@LOSSES.register("gspo")
+def gspo(x: LossInputs, log_ratio: torch.Tensor, cfg: LossConfig) -> TokenLoss:
+    seq_N = _sequence_index(x.seq_lens)
+    mask = x.loss_mask.to(log_ratio.dtype)
+    num_S = torch.zeros(len(x.seq_lens), dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, seq_N, mask)
+    sum_S = torch.zeros_like(num_S).index_add_(0, seq_N, log_ratio.detach() * mask)
+    seq_log_ratio_N = (sum_S / num_S.clamp(min=1))[seq_N]
+    # Value of the sequence ratio, gradient of each token's own logprob.
+    ratio = torch.exp(seq_log_ratio_N + x.logprobs - x.logprobs.detach())
+    out = _ppo(ratio, x.advantages, cfg.eps_low, cfg.eps_high)
+    out.per_sequence = True
+    return out
+
+
+def _sequence_index(seq_lens: torch.Tensor) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(seq_lens), device=seq_lens.device), seq_lens)
+
+
+def importance_weights(ratio: torch.Tensor, kind: str, cap: float) -> torch.Tensor | None:
+    """TIS/MIS weights from the (detached) trainer/inference ratio."""
+    if kind == "none":
+        return None
+    if kind == "tis":
+        return ratio.clamp(max=cap)
+    if kind == "mis":
+        return ((ratio <= cap) & (ratio >= 1 / cap)).to(ratio.dtype)
+    raise ValueError(f"importance_correction {kind!r} is not one of none, tis, mis")
+
+
+def compute_loss(x: LossInputs, cfg: LossConfig, scale: LossScale) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(scalar loss, metric sums as 0-dim tensors) of one micro-batch, with the configured loss.
+
+    Metrics stay tensors (no host sync here); `mean_metrics` turns many of them into means."""
+    n = x.logprobs.shape[0]
+    for name in ("inference_logprobs", "advantages", "loss_mask"):
+        if getattr(x, name).shape != (n,):
+            raise ValueError(f"{name} has shape {tuple(getattr(x, name).shape)}, logprobs has ({n},)")
+    if int(x.seq_lens.sum()) != n:
+        raise ValueError(f"seq_lens sum to {int(x.seq_lens.sum())}, but there are {n} tokens")
+    mask = x.loss_mask.bool()
+    mu = x.inference_logprobs.to(x.logprobs.dtype)
+    log_ratio = (x.logprobs - mu).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    out = LOSSES.get(cfg.type)(x, log_ratio, cfg)
+
+    ratio = log_ratio.detach().exp()
+    weights = importance_weights(ratio, cfg.importance_correction, cfg.importance_cap)
+    token_loss = out.loss if weights is None else out.loss * weights
+    keep = mask if out.masked is None else mask & ~out.masked
+    token_loss = torch.where(keep, token_loss, 0.0)  # where, not *: a masked inf must not become NaN
+
+    normalization = "sequence" if out.per_sequence else cfg.normalization
+    if normalization == "tokens":
+        loss = token_loss.sum() / max(scale.tokens, 1)
+    elif normalization == "sequence":
+        seq_N = _sequence_index(x.seq_lens)
+        num_S = torch.zeros(len(x.seq_lens), dtype=token_loss.dtype, device=token_loss.device)
+        num_S.index_add_(0, seq_N, mask.to(token_loss.dtype))
+        loss = (token_loss / num_S.clamp(min=1)[seq_N]).sum() / max(scale.sequences, 1)
+    elif normalization == "constant":
+        loss = token_loss.sum() / (max(scale.sequences, 1) * cfg.constant)
+    else:
+        raise ValueError(f"normalization {normalization!r} is not one of tokens, sequence, constant")
+
+    def count(flags: torch.Tensor | None) -> torch.Tensor:
+        return torch.zeros((), device=mask.device) if flags is None else (flags & mask).sum().float()
+
+    r = torch.where(mask, ratio, 1.0)  # masked tokens contribute r - log r - 1 = 0
+    dropped = out.masked if out.masked is not None else torch.zeros_like(mask)
+    if weights is not None and cfg.importance_correction == "mis":
+        dropped = dropped | (weights == 0)
+    metrics = {
+        "loss_tokens": mask.sum().float(),
+        "mismatch_kl": (r - r.log() - 1).sum(),
+        "ratio": torch.where(mask, ratio, 0.0).sum(),
+        "masked": count(dropped),
+        "clipped_low": count(out.clipped_low),
+        "clipped_high": count(out.clipped_high),
+    }
+    if x.entropy is not None:
+        metrics["entropy"] = torch.where(mask, x.entropy.detach(), 0.0).sum()
+    return loss, metrics
+
+
+def mean_metrics(sums: list[dict[str, torch.Tensor | float]]) -> dict[str, float]:
+    """Metric sums of several micro-batches (or ranks) -> means per loss token."""
+    total: dict[str, float] = {}
+    for s in sums:
+        for k, v in s.items():
+            total[k] = total.get(k, 0.0) + float(v)
+    tokens = max(total.pop("loss_tokens", 0.0), 1.0)
+    return {k: v / tokens for k, v in total.items()}

@@ -1,0 +1,53 @@
+from primerl_algos.config import AdvantageConfig, FilterConfig
+from primerl_algos.filters import filter_rollouts, select
+from primerl_algos.types import Rollout, Turn
+
+
+def rollout(sid, group, reward, tokens=3, **kw):
+    turn = Turn(prompt_ids=[1, 2], completion_ids=list(range(tokens)), completion_logprobs=[-0.1] * tokens)
+    return Rollout(sample_id=sid, group_id=group, turns=[turn], reward=reward, **kw)
+
+
+def test_each_rollout_filter_counts_its_reason():
+    rollouts = [
+        rollout(0, 0, 1.0),
+        rollout(1, 0, 1.0, error="reward function raised KeyError"),
+        rollout(2, 0, 1.0, tokens=0),
+        rollout(3, 0, 1.0, truncated=True),
+        rollout(4, 0, 1.0, tokens=1),
+        rollout(5, 0, 1.0, tokens=50),
+        rollout(6, 0, 7.0),
+    ]
+    cfg = FilterConfig(truncated=True, min_tokens=2, max_tokens=20, reward_range=(0.0, 1.0))
+    kept, report = filter_rollouts(rollouts, cfg)
+    assert [r.sample_id for r in kept] == [0]
+    assert dict(report.dropped) == {
+        "errored": 1, "empty": 1, "truncated": 1, "too_short": 1, "too_long": 1, "reward_out_of_range": 1,
+    }
+    assert report.kept == 1 and report.total == 7
+
+
+def test_filters_can_be_turned_off():
+    kept, report = filter_rollouts([rollout(0, 0, 1.0, tokens=0), rollout(1, 0, 1.0, truncated=True)],
+                                   FilterConfig(empty=False, truncated=False))
+    assert len(kept) == 2 and not report.dropped
+
+
+def test_zero_advantage_groups_are_dropped_and_errored_rollouts_leave_the_baseline():
+    rollouts = [
+        rollout(0, 0, 1.0), rollout(1, 0, 1.0), rollout(2, 0, 1.0),  # all equal: no signal
+        rollout(3, 1, 1.0), rollout(4, 1, 0.0), rollout(5, 1, 0.0, error="timeout"),
+    ]
+    out, report = select(rollouts, FilterConfig(), AdvantageConfig(type="drgrpo"), max_tokens=10)
+    # group 1 without the errored rollout: rewards [1, 0], mean 0.5
+    assert [(r.sample_id, a) for r, a in out] == [(3, 0.5), (4, -0.5)]
+    assert dict(report.dropped) == {"errored": 1, "zero_advantage": 3}
+    assert report.kept == 2 and report.total == 6
+
+
+def test_plugin_filter(tmp_path, monkeypatch):
+    (tmp_path / "my_filters.py").write_text("def odd_only(rollouts):\n    return [r.sample_id % 2 == 1 for r in rollouts]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    kept, report = filter_rollouts([rollout(i, 0, 1.0) for i in range(5)], FilterConfig(plugins=["my_filters:odd_only"]))
+    assert [r.sample_id for r in kept] == [1, 3]
+    assert report.dropped["my_filters:odd_only"] == 3

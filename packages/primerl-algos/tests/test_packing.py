@@ -1,0 +1,103 @@
+"""Packing on constructed cases with known answers, and its invariants on random ones."""
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from primerl_algos.packing import build_batches, first_fit_decreasing, plan_packing, row_cost
+from primerl_algos.types import Sample
+
+
+def reference_ffd(lengths, capacity):
+    """First-fit decreasing, the plain O(n x rows) way."""
+    rows, free = [], []
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        for j, f in enumerate(free):
+            if f >= lengths[i]:
+                rows[j].append(i)
+                free[j] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(capacity - lengths[i])
+    return rows
+
+
+def test_ffd_by_hand():
+    # sorted: 8(2) 7(4) 5(0) 3(1) 2(3) 1(5); rows of 10: [8,2] [7,3] [5,1]
+    assert first_fit_decreasing([5, 3, 8, 2, 7, 1], 10) == [[2, 3], [4, 1], [0, 5]]
+
+
+def test_ffd_matches_the_reference_and_keeps_every_sample_once():
+    rng = random.Random(0)
+    for trial in range(30):
+        lengths = [rng.randint(1, 100) for _ in range(rng.randint(1, 300))]
+        rows = first_fit_decreasing(lengths, 100)
+        assert rows == reference_ffd(lengths, 100)
+        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in row) <= 100 for row in rows)
+
+
+def test_sample_longer_than_a_row_is_refused():
+    with pytest.raises(ValueError, match="sample 1 has 11 tokens, more than a row's 10"):
+        first_fit_decreasing([3, 11], 10)
+
+
+def test_every_rank_gets_the_same_number_of_rows_balanced_by_cost():
+    lengths = [8, 8, 8, 4, 4, 2]
+    plan = plan_packing(lengths, seq_len=8, num_ranks=4, quadratic=0.0)
+    # rows: [8] [8] [8] [4,4] [2] -> 5 rows, 2 per rank, 3 padding rows
+    assert plan.rows_per_rank == 2 and all(len(r) == 2 for r in plan.ranks)
+    loads = sorted(sum(lengths[i] for row in rank for i in row) for rank in plan.ranks)
+    assert loads == [8, 8, 8, 10]
+    assert sum(row == [] for rank in plan.ranks for row in rank) == 3
+
+
+def test_quadratic_cost_prefers_spreading_long_documents():
+    # Two rows of equal tokens: one long document vs many short ones cost differently.
+    assert row_cost([1000]) > row_cost([100] * 10)
+
+
+def samples_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        mask = [bool(b) for b in rng.random(n) < 0.5]
+        out.append(Sample(sample_id=i, token_ids=rng.integers(0, 100, n).tolist(), loss_mask=mask,
+                          inference_logprobs=[-0.5 if m else 0.0 for m in mask], advantage=float(i), temperature=0.7))
+    return out
+
+
+def test_built_batches_hold_every_token_once_and_never_split_a_sample():
+    lengths = [5, 9, 3, 12, 7, 1, 16, 2]
+    samples = samples_of(lengths)
+    plan = plan_packing(lengths, seq_len=16, num_ranks=2)
+    batches = build_batches(samples, plan, step=3)
+    assert [b.rank for b in batches] == [0, 1] and {len(b.micro_batches) for b in batches} == {plan.rows_per_rank}
+    seen = Counter()
+    for b in batches:
+        assert b.num_loss_tokens == sum(sum(s.loss_mask) for s in samples)
+        assert b.num_sequences == len(samples)
+        for mb in b.micro_batches:
+            assert mb.num_tokens <= 16
+            start = 0
+            for sid, n in zip(mb.sample_ids.tolist(), mb.seq_lens.tolist()):
+                if sid == -1:  # padding row: nothing trained
+                    assert not mb.loss_mask.any()
+                    continue
+                s = samples[sid]
+                assert mb.input_ids[start:start + n].tolist() == s.token_ids  # whole, in order
+                assert mb.loss_mask[start:start + n].tolist() == s.loss_mask
+                assert np.all(mb.advantages[start:start + n] == s.advantage)
+                assert np.allclose(mb.temperatures[start:start + n], 0.7)
+                seen[sid] += 1
+                start += n
+    assert seen == Counter(range(len(samples)))
+
+
+def test_empty_batch_gives_padding_rows_on_every_rank():
+    plan = plan_packing([], seq_len=16, num_ranks=3)
+    batches = build_batches([], plan, step=0)
+    assert [len(b.micro_batches) for b in batches] == [1, 1, 1]
