@@ -71,3 +71,18 @@ def test_bad_inputs():
         chunked_logprobs(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long), 0.0)
     with pytest.raises(ValueError, match=r"hidden must be \[N, D\]"):
         chunked_logprobs(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long))
+
+
+def test_model_forward_with_targets_equals_logprobs_of_the_full_logits(tmp_path):
+    from primerl_models import load_model
+    from primerl_models.tiny import build_tiny_model
+
+    model = load_model(build_tiny_model(tmp_path, "qwen3", init_std=0.2))
+    ids = torch.randint(0, 90, (2, 11))
+    pos = torch.arange(11).expand(2, 11)
+    targets = torch.randint(0, 90, (2, 11))
+    temps = torch.rand(2, 11) + 0.5
+    lp, ent = model(ids, pos, targets, temps, chunk_size=5)
+    ref = torch.log_softmax(model.logits(ids, pos) / temps[..., None], -1).gather(2, targets[..., None])[..., 0]
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
+    assert ent.shape == (2, 11)

@@ -5,7 +5,8 @@ Each command reads its config the same way (see primerl_protocol.config.load):
     primerl rl @ base.toml @ override.toml trainer.optimizer.lr=1e-5 --dry-run
 
 and then hands it to its engine. Commands stay thin: config in, engine call, clear exit code.
-Exit codes: 0 done, 2 bad config or arguments, 3 engine not built yet.
+Exit codes: 0 done, 1 the engine failed (it says why), 2 bad config or arguments, 3 engine not
+built yet.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from primerl.configs import (
 )
 from primerl_protocol.config import ConfigError, load_config, sections, to_toml
 
+EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_NOT_BUILT = 3
 
@@ -108,9 +110,19 @@ orch_main = config_command(
     "primerl-orch", OrchRunConfig, "The orchestrator: the asynchronous rollout loop.",
     _engine_not_built("`primerl-orch` (the orchestrator)", 8),
 )
+def _run_trainer(config: TrainerRunConfig) -> None:
+    from primerl_trainer.rl import TrainerError, train
+
+    try:
+        train(config)
+    except TrainerError:
+        sys.exit(EXIT_FAILED)
+
+
 trainer_main = config_command(
-    "primerl-trainer", TrainerRunConfig, "The RL trainer (launch with torchrun).",
-    _engine_not_built("`primerl-trainer` (the RL trainer)", 5),
+    "primerl-trainer", TrainerRunConfig,
+    "The RL trainer. Launch with torchrun: torchrun --nproc-per-node N -m primerl.trainer_entry @ cfg.toml",
+    _run_trainer,
 )
 inference_main = config_command(
     "primerl-inference", InferenceRunConfig, "vLLM inference servers with primerl's admin routes.",

@@ -50,6 +50,8 @@ class WeightsConfig(Config):
 
     keep: Positive = 3
     """Published weight folders kept on disk (older ones are removed)."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Data type of the published weights."""
 
 
 class TrainerConfig(Config):

@@ -20,6 +20,7 @@ from torch import nn
 
 from primerl_models.common.args import ModelArgs
 from primerl_models.common.attention import Backend, PackedSeqs, attention
+from primerl_models.common.logprobs import chunked_logprobs
 from primerl_models.common.moe import MoE
 from primerl_models.common.rope import apply_rope, inv_freq, rope_cos_sin
 
@@ -114,14 +115,35 @@ class Transformer(nn.Module):
             self._inv_freq[device] = inv_freq(self.args).to(device)
         return rope_cos_sin(position_ids_BT, self._inv_freq[device])
 
-    def forward(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [B, T, D] of packed rows (positions restart at each document)."""
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        targets_BT: torch.Tensor | None = None,
+        temperatures_BT: torch.Tensor | None = None,
+        chunk_size: int = 4096,
+    ):
+        """Final hidden states [B, T, D] of packed rows (positions restart at each document).
+
+        With `targets`, returns (logprobs, entropy) [B, T] of the targets instead, computed
+        inside the forward by the chunked path (no full logits; and under FSDP the output
+        weight is only gathered inside the forward): logprobs[b, t] = log p(targets[b, t] |
+        tokens <= t) at temperatures[b, t] (default 1).
+        """
         seqs = PackedSeqs.from_position_ids(position_ids_BT)
         cos_BTK, sin_BTK = self._rope(position_ids_BT)
         x_BTD = self.embed_tokens(input_ids_BT)
         for layer in self.layers:
             x_BTD = layer(x_BTD, cos_BTK, sin_BTK, seqs, self.attn_backend)
-        return self.norm(x_BTD)
+        hidden_BTD = self.norm(x_BTD)
+        if targets_BT is None:
+            return hidden_BTD
+        b, t, d = hidden_BTD.shape
+        temps_N = 1.0 if temperatures_BT is None else temperatures_BT.reshape(-1)
+        logprobs_N, entropy_N = chunked_logprobs(
+            hidden_BTD.reshape(b * t, d), self.output_weight, targets_BT.reshape(-1), temps_N, chunk_size
+        )
+        return logprobs_N.view(b, t), entropy_N.view(b, t)
 
     def logits(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.Tensor:
         """Full logits [B, T, V]: for tests and small models; training uses logprobs.py."""

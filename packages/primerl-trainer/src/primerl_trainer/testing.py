@@ -1,0 +1,105 @@
+"""Test doubles and launchers for trainer tests (and for anyone testing against a trainer).
+
+`FakeOrchestrator` is a stand-in for the orchestrator, and says so: it binds the same sockets
+the real one does, pushes TrainBatches it is given to each rank and collects PolicyReady
+messages. `launch_trainer` starts the real trainer under torchrun as a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from primerl_protocol import BatchMessage, MicroBatch, PolicyMessage, PolicyReady, Receiver, Sender, SocketSettings, TrainBatch
+
+
+def free_port_block(n: int) -> int:
+    """A port p such that p .. p + n - 1 were all free just now."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as t:
+                try:
+                    t.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port block")
+
+
+def synthetic_micro_batch(vocab: int, seed: int, prompt: int = 6, completion: int = 10, num_seqs: int = 2) -> MicroBatch:
+    """Rows of `num_seqs` samples; sample i gets advantage +1 if i is even, else -1."""
+    rng = np.random.default_rng(seed)
+    n = prompt + completion
+    mask = np.tile(np.r_[np.zeros(prompt, bool), np.ones(completion, bool)], num_seqs)
+    adv = np.repeat(np.where(np.arange(num_seqs) % 2 == 0, 1.0, -1.0).astype(np.float32), n)
+    return MicroBatch(
+        input_ids=rng.integers(3, vocab, n * num_seqs, dtype=np.int32),
+        loss_mask=mask,
+        inference_logprobs=np.where(mask, -4.0, 0.0).astype(np.float32),
+        advantages=adv,
+        temperatures=np.ones(n * num_seqs, np.float32),
+        seq_lens=np.full(num_seqs, n, np.int32),
+        sample_ids=np.arange(num_seqs, dtype=np.int64) + 100 * seed,
+        policy_steps=np.zeros(num_seqs, np.int32),
+    )
+
+
+def synthetic_batches(step: int, num_ranks: int, vocab: int, micro_batches: int = 2) -> list[TrainBatch]:
+    """The same data every step (a fixed batch), split over ranks."""
+    per_rank = [[synthetic_micro_batch(vocab, seed=r * 10 + i) for i in range(micro_batches)] for r in range(num_ranks)]
+    loss_tokens = sum(int(mb.loss_mask.sum()) for mbs in per_rank for mb in mbs)
+    seqs = sum(len(mb.seq_lens) for mbs in per_rank for mb in mbs)
+    return [
+        TrainBatch(step=step, rank=r, num_ranks=num_ranks, micro_batches=mbs, num_loss_tokens=loss_tokens, num_sequences=seqs)
+        for r, mbs in enumerate(per_rank)
+    ]
+
+
+class FakeOrchestrator:
+    """A test double of the orchestrator: same sockets, batches supplied by the test."""
+
+    def __init__(self, host: str, batch_port: int, policy_port: int, num_ranks: int):
+        settings = SocketSettings(linger_ms=0, send_timeout_s=60.0)
+        self.senders = [
+            Sender(f"tcp://{host}:{batch_port + r}", BatchMessage, channel=f"batches/rank{r}", bind=True, settings=settings)
+            for r in range(num_ranks)
+        ]
+        self.policy = Receiver(f"tcp://{host}:{policy_port}", PolicyMessage, channel="policy", bind=True, settings=settings)
+
+    def send(self, batches: list) -> None:
+        for sender, batch in zip(self.senders, batches):
+            sender.send(batch)
+
+    def wait_policy(self, timeout_s: float = 120.0) -> PolicyReady:
+        while True:
+            msg = self.policy.recv(timeout_s=timeout_s)
+            if isinstance(msg, PolicyReady):
+                return msg
+
+    def close(self) -> None:
+        for s in self.senders:
+            s.close(0)
+        self.policy.close(0)
+
+
+def launch_trainer(config: Path, num_ranks: int, log_file: Path) -> subprocess.Popen:
+    """The real trainer under torchrun, in the background; output goes to `log_file`."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={num_ranks}",
+        f"--master-port={free_port_block(1)}", "-m", "primerl.trainer_entry", "@", str(config),
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env=env)

@@ -1,0 +1,148 @@
+"""The RL trainer end to end on CPU: torchrun with 2 gloo ranks, real ZeroMQ sockets, a test
+double of the orchestrator (FakeOrchestrator), a tiny model built locally."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from primerl_models import load_model
+from primerl_models.tiny import build_tiny_model
+from primerl_trainer.publish import verify
+from primerl_trainer.testing import FakeOrchestrator, free_port_block, launch_trainer, synthetic_batches
+
+RANKS = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", hidden_size=64, num_layers=2, init_std=0.05)
+
+
+def write_config(path: Path, model: Path, run_dir: Path, port: int, max_steps: int, **extra) -> Path:
+    wandb = extra.pop("wandb", "disabled")
+    timeout = extra.pop("recv_timeout_s", 120)
+    path.write_text(f"""
+seq_len = 64
+max_steps = {max_steps}
+run_dir = "{run_dir}"
+[model]
+name = "{model}"
+[transport]
+batch_port = {port + 1}
+policy_port = {port}
+[transport.sockets]
+recv_timeout_s = {timeout}
+linger_ms = 0
+[wandb]
+mode = "{wandb}"
+[trainer]
+dtype = "float32"
+[trainer.optimizer]
+lr = 3e-3
+[trainer.checkpoint]
+interval = 3
+keep = 5
+[trainer.weights]
+dtype = "float32"
+keep = 2
+""")
+    return path
+
+
+def run_trainer(tmp_path, model_dir, run_dir, steps, first=0, max_steps=None, feed=None, **extra):
+    """Start the trainer, feed it `steps` (batches from `feed`), wait for it to exit."""
+    port = free_port_block(RANKS + 1)
+    cfg = write_config(tmp_path / f"cfg{first}.toml", model_dir, run_dir, port, max_steps or first + steps, **extra)
+    orch = FakeOrchestrator("127.0.0.1", port + 1, port, RANKS)
+    log = tmp_path / f"trainer{first}.log"
+    proc = launch_trainer(cfg, RANKS, log)
+    ready = []
+    try:
+        for step in range(first, first + steps):
+            for batches in (feed(step) if feed else [synthetic_batches(step, RANKS, 98)]):
+                orch.send(batches)
+            ready.append(orch.wait_policy())
+        rc = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        orch.close()
+    return rc, ready, log.read_text()
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, model_dir):
+    tmp = tmp_path_factory.mktemp("straight")
+    run_dir = tmp / "run"
+    rc, ready, log = run_trainer(tmp, model_dir, run_dir, steps=6, wandb="offline")
+    assert rc == 0, log
+    return run_dir, ready, log
+
+
+def test_rl_steps_lower_the_loss_on_a_fixed_batch(straight_run):
+    run_dir, ready, _ = straight_run
+    losses = [m["loss"] for m in metrics(run_dir)]
+    assert len(losses) == 6
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert [r.step for r in ready] == list(range(6))
+
+
+def test_published_weights_are_complete_verified_and_pruned(straight_run):
+    run_dir, ready, _ = straight_run
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["step_4", "step_5"]  # keep = 2
+    meta = verify(ready[-1].location)
+    assert meta["checksum"] == ready[-1].checksum
+    assert (Path(ready[-1].location) / "tokenizer.json").exists()
+
+
+def test_published_weights_load_in_transformers_with_the_trainer_logits(straight_run):
+    import transformers
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run_dir, ready, _ = straight_run
+    final = Path(ready[-1].location)
+    # The trainer's own final state, from its sharded checkpoint (step 5).
+    flat = run_dir.parent / "final.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / "step_5", flat)
+    trainer_state = torch.load(flat, weights_only=False)["model"]
+    ours = load_model(final)
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, trainer_state[name]), name
+    hf = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
+    ids = torch.randint(0, 98, (1, 20))
+    with torch.no_grad():
+        ours.load_state_dict(trainer_state)
+        torch.testing.assert_close(hf(input_ids=ids).logits, ours.logits(ids, torch.arange(20)[None]), atol=1e-4, rtol=0)
+
+
+def test_metrics_go_to_jsonl_and_offline_wandb(straight_run):
+    run_dir, _, log = straight_run
+    first = metrics(run_dir)[0]
+    for key in ("loss", "mismatch_kl", "entropy", "grad_norm", "lr", "tokens_per_s", "time_fwd_bwd", "time_publish"):
+        assert key in first, key
+    assert "step 0 | loss" in log  # the console line
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert runs and list(runs[0].glob("*.wandb"))
+
+
+def test_resume_gives_the_same_losses_and_weights(tmp_path, model_dir, straight_run):
+    straight_dir, straight_ready, _ = straight_run
+    run_dir = tmp_path / "run"
+    rc, _, log = run_trainer(tmp_path, model_dir, run_dir, steps=3, max_steps=3)
+    assert rc == 0, log
+    rc, ready, log = run_trainer(tmp_path, model_dir, run_dir, steps=3, first=3, max_steps=6)
+    assert rc == 0, log
+    assert "resumed from" in log
+    resumed = [m["loss"] for m in metrics(run_dir)]
+    straight = [m["loss"] for m in metrics(straight_dir)]
+    np.testing.assert_allclose(resumed, straight, atol=1e-6, rtol=0)
+    a, b = load_model(ready[-1].location), load_model(straight_ready[-1].location)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
