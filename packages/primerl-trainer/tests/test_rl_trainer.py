@@ -4,11 +4,13 @@ double of the orchestrator (FakeOrchestrator), a tiny model built locally."""
 import json
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from primerl_models import load_model
+from primerl_protocol import Encoder
 from primerl_models.tiny import build_tiny_model
 from primerl_trainer.publish import verify
 from primerl_trainer.testing import FakeOrchestrator, free_port_block, launch_trainer, synthetic_batches
@@ -62,8 +64,10 @@ def run_trainer(tmp_path, model_dir, run_dir, steps, first=0, max_steps=None, fe
     ready = []
     try:
         for step in range(first, first + steps):
-            for batches in (feed(step) if feed else [synthetic_batches(step, RANKS, 98)]):
-                orch.send(batches)
+            if feed:
+                feed(step, orch)
+            else:
+                orch.send(synthetic_batches(step, RANKS, 98))
             ready.append(orch.wait_policy())
         rc = proc.wait(timeout=180)
     finally:
@@ -146,3 +150,49 @@ def test_resume_gives_the_same_losses_and_weights(tmp_path, model_dir, straight_
     a, b = load_model(ready[-1].location), load_model(straight_ready[-1].location)
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(x, y), name
+
+
+def test_bad_batches_are_refused_naming_the_sample_and_training_goes_on(tmp_path, model_dir):
+    def feed(step, orch):
+        if step == 0:
+            bad = synthetic_batches(0, RANKS, 98)
+            bad[1].micro_batches[1].input_ids[3] = 5000  # out of the vocabulary, on rank 1
+            orch.send(bad)
+            empty = synthetic_batches(0, RANKS, 98)
+            empty[0].micro_batches = []
+            orch.send(empty)
+            # Arrays of mismatched lengths, as a buggy peer would frame them, to rank 0 only.
+            header, payload = Encoder().encode(synthetic_batches(0, RANKS, 98)[0])
+            tree = msgspec.msgpack.decode(header)
+            tree["micro_batches"][0]["advantages"][2] = [31]
+            orch.senders[0].socket.send_multipart([msgspec.msgpack.encode(tree), payload])
+        orch.send(synthetic_batches(step, RANKS, 98))
+
+    rc, ready, log = run_trainer(tmp_path, model_dir, tmp_path / "run", steps=2, feed=feed)
+    assert rc == 0, log
+    assert [r.step for r in ready] == [0, 1]
+    assert "rank 1: micro-batch 1, sample 1100: token id 5000 is outside the vocabulary [0, 99)" in log
+    assert "rank 0: batch for step 0 has no micro-batches" in log
+    assert "malformed TrainBatch on socket 'batches/rank0' at field `micro_batches[0]`" in log
+    assert [m["batches_refused"] for m in metrics(tmp_path / "run")] == [2, 2]
+
+
+def test_trainer_times_out_when_the_orchestrator_disappears_and_keeps_its_checkpoint(tmp_path, model_dir):
+    port = free_port_block(RANKS + 1)
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "cfg.toml", model_dir, run_dir, port, max_steps=10, recv_timeout_s=4)
+    orch = FakeOrchestrator("127.0.0.1", port + 1, port, RANKS)
+    proc = launch_trainer(cfg, RANKS, tmp_path / "trainer.log")
+    try:
+        for step in range(4):
+            orch.send(synthetic_batches(step, RANKS, 98))
+            orch.wait_policy()
+        orch.close()  # the orchestrator is gone
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "trainer.log").read_text()
+    assert rc != 0
+    assert "no batch for step 4 from the orchestrator" in log and "no valid message within 4" in log
+    assert (run_dir / "checkpoints" / "step_2" / "meta.json").exists()

@@ -143,7 +143,8 @@ class Transformer(nn.Module):
         logprobs_N, entropy_N = chunked_logprobs(
             hidden_BTD.reshape(b * t, d), self.output_weight, targets_BT.reshape(-1), temps_N, chunk_size
         )
-        return logprobs_N.view(b, t), entropy_N.view(b, t)
+        # Fresh tensors, not views: FSDP2 hooks a module's outputs for its backward.
+        return logprobs_N.reshape(b, t).clone(), entropy_N.reshape(b, t).clone()
 
     def logits(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.Tensor:
         """Full logits [B, T, V]: for tests and small models; training uses logprobs.py."""
