@@ -16,13 +16,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import msgspec
 import numpy as np
 import torch
 
-from primerl_algos.losses import LossInputs, LossScale, compute_loss, mean_metrics
+from primerl_algos.losses import LossInputs, LossScale, compute_loss
 from primerl_protocol import (
     BatchMessage,
     Heartbeat,
@@ -34,12 +32,8 @@ from primerl_protocol import (
     TrainBatch,
     TransportTimeout,
 )
-from primerl_trainer.checkpoint import Checkpointer
-from primerl_trainer.distributed import Dist, all_reduce_max, all_reduce_sum, init_distributed, shutdown
-from primerl_trainer.metrics import MetricsLogger
-from primerl_trainer.model import load_for_training
-from primerl_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from primerl_trainer.publish import FolderPublisher
+from primerl_trainer.distributed import Dist, all_reduce_max
+from primerl_trainer.engine import Session, token_logprobs
 
 log = logging.getLogger("primerl.trainer")
 
@@ -128,69 +122,36 @@ class BatchSource:
         self.receiver.close(linger_ms=0)
 
 
-def micro_batch_loss(model, mb: MicroBatch, loss_cfg, scale: LossScale, device: torch.device):
-    """Loss (this micro-batch's share of the batch loss) and metric sums of one packed row."""
-    ids = torch.from_numpy(mb.input_ids.astype(np.int64)).to(device)
-    pos = torch.from_numpy(mb.position_ids().astype(np.int64)).to(device)
-    temps = torch.from_numpy(mb.temperatures.copy()).to(device)
-    # Token t is predicted from tokens < t: targets are the next tokens, row shifted by one.
-    targets = torch.roll(ids, -1)
-    logprobs, entropy = model(ids[None], pos[None], targets[None], torch.roll(temps, -1)[None])
-    zero = logprobs.new_zeros(1)
-    pi = torch.cat([zero, logprobs[0, :-1]])  # pi[t] = log p(token t | < t); token 0 has none
-    ent = torch.cat([zero, entropy[0, :-1]])
-    x = LossInputs(
-        logprobs=pi,
-        inference_logprobs=torch.from_numpy(mb.inference_logprobs.copy()).to(device),
-        advantages=torch.from_numpy(mb.advantages.copy()).to(device),
-        loss_mask=torch.from_numpy(mb.loss_mask.copy()).to(device),
-        seq_lens=torch.from_numpy(mb.seq_lens.astype(np.int64)).to(device),
-        entropy=ent,
-    )
-    return compute_loss(x, loss_cfg, scale)
+def rl_loss(loss_cfg, scale: LossScale, device: torch.device):
+    """The configured RL loss of one micro-batch (its share of the global batch's loss)."""
 
+    def loss_fn(model, mb: MicroBatch):
+        pi, entropy = token_logprobs(model, mb, device)
+        x = LossInputs(
+            logprobs=pi,
+            inference_logprobs=torch.from_numpy(mb.inference_logprobs.copy()).to(device),
+            advantages=torch.from_numpy(mb.advantages.copy()).to(device),
+            loss_mask=torch.from_numpy(mb.loss_mask.copy()).to(device),
+            seq_lens=torch.from_numpy(mb.seq_lens.astype(np.int64)).to(device),
+            entropy=entropy,
+        )
+        return compute_loss(x, loss_cfg, scale)
 
-def train_flops(args, seq_lens: np.ndarray) -> float:
-    """FLOPs of forward + backward of one packed row: 6 N per token + causal attention."""
-    n = seq_lens.astype(np.float64)
-    return 6 * args.num_active_params() * n.sum() + 6 * args.num_layers * args.num_heads * args.head_dim * (n**2).sum()
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return 989e12 if ("H100" in name or "H200" in name) else None
+    return loss_fn
 
 
 def train(cfg) -> None:
     """Run the RL trainer with a root config (shared values + `trainer`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    d = init_distributed()
-    run_dir = Path(cfg.run_dir)
-    tcfg = cfg.trainer
-    torch.manual_seed(cfg.seed)
-    model, loaded = load_for_training(cfg, d)
-    args = model.args
-    opt = build_optimizer(model, tcfg.optimizer, d.device)
-    sched = build_scheduler(opt, tcfg.scheduler, cfg.max_steps)
-    ckpt = Checkpointer(run_dir, tcfg.checkpoint.keep, d)
-    start_step = 0
-    if (latest := ckpt.latest()) is not None:
-        meta = ckpt.load(latest, model, opt, sched)
-        start_step = meta["step"] + 1
-        log.info("resumed from %s; continuing at step %d", latest, start_step)
-    publish_dtype = torch.float32 if tcfg.weights.dtype == "float32" else torch.bfloat16
-    publisher = FolderPublisher(run_dir, loaded.folder, loaded.hf_config, tcfg.weights.keep, publish_dtype, d)
-    row_tokens = tcfg.micro_batch_tokens or cfg.seq_len
-    source = BatchSource(cfg, d, args.vocab_size, row_tokens)
+    session = Session(cfg, job="rl")
+    d = session.d
+    row_tokens = cfg.trainer.micro_batch_tokens or cfg.seq_len
+    source = BatchSource(cfg, d, session.args.vocab_size, row_tokens)
     policy = (
         Sender(cfg.transport.policy_endpoint(), PolicyMessage, channel="policy", settings=cfg.transport.sockets)
         if d.is_main else None
     )
-    metrics = MetricsLogger(run_dir, cfg.wandb, msgspec.to_builtins(cfg), d.is_main)
-    peak = peak_flops(d.device)
-    step = start_step
+    step = session.start_step
     try:
         while cfg.max_steps is None or step < cfg.max_steps:
             data = source.next(step)
@@ -198,65 +159,26 @@ def train(cfg) -> None:
                 break
             batch = data.batch
             scale = LossScale(tokens=batch.num_loss_tokens, sequences=batch.num_sequences)
-            t0 = time.monotonic()
-            if d.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            sums = []
-            for mb in batch.micro_batches:
-                loss, m = micro_batch_loss(model, mb, tcfg.loss, scale, d.device)
-                # FSDP averages gradients over ranks; the loss is already a share of the global
-                # batch, so scale it back up to make that average a sum.
-                (loss * d.world_size).backward()
-                sums.append({"loss": loss.detach(), **m})
-            t1 = time.monotonic()
-            grad_norm = clip_grad_norm(model, tcfg.optimizer.max_grad_norm)
-            lr = sched.get_last_lr()[0]
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            t2 = time.monotonic()
-            ready = publisher.publish(model, step)
+            stats = session.train_step(batch.micro_batches, rl_loss(cfg.trainer.loss, scale, d.device))
+            ready, publish_s = session.publish(step)
             if ready is not None:
                 policy.send(ready)
-            t3 = time.monotonic()
-            if tcfg.checkpoint.interval and (step + 1) % tcfg.checkpoint.interval == 0:
-                ckpt.save(step, model, opt, sched, {"next_step": step + 1})
-            keys = sorted(sums[0])
-            totals = all_reduce_sum([sum(float(s[k]) for s in sums) for k in keys], d)
-            total = dict(zip(keys, totals))
-            loss_value = total.pop("loss")
-            means = mean_metrics([total])
-            tokens, flops = all_reduce_sum([
-                float(sum(mb.num_tokens for mb in batch.micro_batches)),
-                float(sum(train_flops(args, mb.seq_lens) for mb in batch.micro_batches)),
-            ], d)
-            step_s = t3 - t0 + data.wait_s
-            metrics.log(step, {
-                "loss": loss_value,
-                **means,
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "tokens_per_s": tokens / max(t2 - t0, 1e-9),
-                "mfu": flops / max(t2 - t0, 1e-9) / (peak * d.world_size) if peak else None,
-                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else None,
+            checkpointed = session.maybe_checkpoint(step, {"next_step": step + 1})
+            session.log(step, {
+                **stats,
                 "policy_lag_s": time.time() - batch.created_at,
                 "batches_refused": source.num_refused,
                 "time_data": data.wait_s,
-                "time_fwd_bwd": t1 - t0,
-                "time_optimizer": t2 - t1,
-                "time_publish": t3 - t2,
-                "time_step": step_s,
+                "time_publish": publish_s,
             })
             step += 1
-        last = step - 1
-        if last >= start_step and not (tcfg.checkpoint.interval and step % tcfg.checkpoint.interval == 0):
-            ckpt.save(last, model, opt, sched, {"next_step": step})
+        if step > session.start_step and not checkpointed:
+            session.maybe_checkpoint(step - 1, {"next_step": step}, final=True)
     except TrainerError as err:
         log.error("%s", err)
         raise
     finally:
-        metrics.close()
         source.close()
         if policy is not None:
             policy.close()
-        shutdown()
+        session.close()

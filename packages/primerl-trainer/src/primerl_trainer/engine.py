@@ -1,0 +1,147 @@
+"""What the RL and SFT trainers share: the model under FSDP2, the optimizer and schedule,
+checkpoints and resuming, weight publishing, metrics, and the step itself.
+
+    session = Session(cfg, job="rl")
+    for step in range(session.start_step, max_steps):
+        stats = session.train_step(micro_batches, loss_fn)   # forward/backward, clip, AdamW
+        ready = session.publish(step)                        # weights/step_N (rank 0 gets PolicyReady)
+        session.maybe_checkpoint(step, data_state)
+        session.log(step, stats)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+import numpy as np
+import torch
+
+from primerl_algos.losses import mean_metrics
+from primerl_protocol import MicroBatch, PolicyReady
+from primerl_trainer.checkpoint import Checkpointer
+from primerl_trainer.distributed import all_reduce_sum, init_distributed, shutdown
+from primerl_trainer.metrics import MetricsLogger
+from primerl_trainer.model import load_for_training
+from primerl_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+from primerl_trainer.publish import FolderPublisher
+
+log = logging.getLogger("primerl.trainer")
+
+# loss_fn(model, micro_batch) -> (loss: this micro-batch's share of the batch loss, metric sums)
+LossFn = Callable[[torch.nn.Module, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def train_flops(args, seq_lens: np.ndarray) -> float:
+    """FLOPs of forward + backward of one packed row: 6 N per token + causal attention."""
+    n = seq_lens.astype(np.float64)
+    return 6 * args.num_active_params() * n.sum() + 6 * args.num_layers * args.num_heads * args.head_dim * (n**2).sum()
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return 989e12 if ("H100" in name or "H200" in name) else None
+
+
+def model_inputs(mb: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, positions, next-token targets and their temperatures, each [1, T]."""
+    ids = torch.from_numpy(mb.input_ids.astype(np.int64)).to(device)
+    pos = torch.from_numpy(mb.position_ids().astype(np.int64)).to(device)
+    temps = torch.from_numpy(mb.temperatures.copy()).to(device)
+    return ids[None], pos[None], torch.roll(ids, -1)[None], torch.roll(temps, -1)[None]
+
+
+def token_logprobs(model, mb: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pi, entropy) [T]: pi[t] = log p(token t | tokens < t) at token t's temperature; 0 for t = 0.
+
+    Computed inside the model's forward by the chunked path (no full logits)."""
+    ids, pos, targets, temps = model_inputs(mb, device)
+    logprobs, entropy = model(ids, pos, targets, temps)
+    zero = logprobs.new_zeros(1)
+    return torch.cat([zero, logprobs[0, :-1]]), torch.cat([zero, entropy[0, :-1]])
+
+
+class Session:
+    def __init__(self, cfg, job: str):
+        self.cfg, self.tcfg = cfg, cfg.trainer
+        self.d = d = init_distributed()
+        self.run_dir = Path(cfg.run_dir)
+        torch.manual_seed(cfg.seed)
+        self.model, loaded = load_for_training(cfg, d)
+        self.args = self.model.args
+        self.opt = build_optimizer(self.model, self.tcfg.optimizer, d.device)
+        self.sched = build_scheduler(self.opt, self.tcfg.scheduler, cfg.max_steps)
+        self.ckpt = Checkpointer(self.run_dir, self.tcfg.checkpoint.keep, d)
+        self.start_step, self.data_state = 0, {}
+        if (latest := self.ckpt.latest()) is not None:
+            meta = self.ckpt.load(latest, self.model, self.opt, self.sched)
+            self.start_step, self.data_state = meta["step"] + 1, meta["data"]
+            log.info("resumed from %s; continuing at step %d", latest, self.start_step)
+        dtype = torch.float32 if self.tcfg.weights.dtype == "float32" else torch.bfloat16
+        self.publisher = FolderPublisher(self.run_dir, loaded.folder, loaded.hf_config, self.tcfg.weights.keep, dtype, d)
+        self.model_folder = loaded.folder
+        self.metrics = MetricsLogger(self.run_dir, cfg.wandb, msgspec.to_builtins(cfg), d.is_main, job=job)
+        self.peak = peak_flops(d.device)
+
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float | None]:
+        """Forward/backward over this rank's micro-batches, clip, AdamW, schedule."""
+        d = self.d
+        t0 = time.monotonic()
+        if d.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.model.train()
+        sums = []
+        for mb in micro_batches:
+            loss, m = loss_fn(self.model, mb)
+            # FSDP averages gradients over ranks; each loss is already its share of the global
+            # batch's loss, so scale by the world size to make that average a sum.
+            (loss * d.world_size).backward()
+            sums.append({"loss": loss.detach(), **m})
+        t1 = time.monotonic()
+        grad_norm = clip_grad_norm(self.model, self.tcfg.optimizer.max_grad_norm)
+        lr = self.sched.get_last_lr()[0]
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        t2 = time.monotonic()
+        keys = sorted(sums[0])
+        local = [sum(float(s[k]) for s in sums) for k in keys]
+        local += [float(sum(mb.num_tokens for mb in micro_batches)), float(sum(train_flops(self.args, mb.seq_lens) for mb in micro_batches))]
+        *totals, tokens, flops = all_reduce_sum(local, d)
+        total = dict(zip(keys, totals))
+        loss_value = total.pop("loss")
+        return {
+            "loss": loss_value,
+            **mean_metrics([total]),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": tokens / max(t2 - t0, 1e-9),
+            "mfu": flops / max(t2 - t0, 1e-9) / (self.peak * d.world_size) if self.peak else None,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else None,
+            "time_fwd_bwd": t1 - t0,
+            "time_optimizer": t2 - t1,
+        }
+
+    def publish(self, step: int) -> tuple[PolicyReady | None, float]:
+        t0 = time.monotonic()
+        ready = self.publisher.publish(self.model, step)
+        return ready, time.monotonic() - t0
+
+    def maybe_checkpoint(self, step: int, data_state: dict, final: bool = False) -> bool:
+        interval = self.tcfg.checkpoint.interval
+        due = bool(interval) and (step + 1) % interval == 0
+        if due or final:
+            self.ckpt.save(step, self.model, self.opt, self.sched, data_state)
+        return due
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.metrics.log(step, metrics)
+
+    def close(self) -> None:
+        self.metrics.close()
+        shutdown()
