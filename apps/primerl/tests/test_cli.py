@@ -1,5 +1,6 @@
 """The commands: help lists config sections, --dry-run, config errors, engines not built."""
 
+import os
 import re
 import subprocess
 import sys
@@ -55,7 +56,10 @@ def test_rl_dry_run_prints_toml_of_the_resolved_config(config):
     )
 
 
-@pytest.mark.parametrize("name", COMMANDS)
+NOT_BUILT = ["rl", "eval", "primerl-orch", "primerl-inference"]
+
+
+@pytest.mark.parametrize("name", NOT_BUILT)
 def test_engines_not_built_yet_say_so_and_exit_nonzero(name, config):
     cmd, prefix, _ = COMMANDS[name]
     result = CliRunner().invoke(cmd, [*prefix, "@", str(config)])
@@ -75,3 +79,15 @@ def test_console_scripts_are_installed():
     for script in ["primerl", "primerl-orch", "primerl-trainer", "primerl-inference"]:
         out = subprocess.run([bindir / script, "--help"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "Usage:" in out.stdout, (script, out.stderr)
+
+
+@pytest.mark.parametrize("name", ["sft", "primerl-trainer"])
+def test_trainers_name_a_model_that_cannot_be_loaded(name, config, tmp_path):
+    cmd, prefix, _ = COMMANDS[name]
+    args = [*prefix, "@", str(config), f"model.name={tmp_path / 'no-such-model'}", f"run_dir={tmp_path / 'run'}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "primerl.sft_entry" if name == "sft" else "primerl.trainer_entry", *args[len(prefix[:1]):]],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "WANDB_MODE": "disabled"},
+    )
+    assert result.returncode == 1, result.stderr
+    assert f"cannot load model '{tmp_path / 'no-such-model'}'" in result.stderr

@@ -25,7 +25,10 @@ def test_tiny_model_loads_in_ours_and_transformers_alike(family, tie, tmp_path):
 def test_char_tokenizer_is_one_token_per_character(tmp_path):
     folder = build_tiny_model(tmp_path, "qwen3", alphabet="abc ")
     tok = transformers.AutoTokenizer.from_pretrained(folder)
-    assert len(tok) == len(SPECIAL_TOKENS) + 4
+    # the alphabet plus the characters of "system", "user", "assistant", "tool" and "\n"
+    assert len(tok) == len(SPECIAL_TOKENS) + len(set("abc systemuserassistanttool\n"))
+    assert tok.apply_chat_template([{"role": "user", "content": "ab"}], tokenize=False) == "<|im_start|>user\nab<|im_end|>\n"
+    assert "<|endoftext|>" not in tok.decode(tok.apply_chat_template([{"role": "user", "content": "ab"}])["input_ids"])
     ids = tok("abc cab").input_ids
     assert len(ids) == 7 and tok.decode(ids) == "abc cab"
 

@@ -90,6 +90,29 @@ def _engine_not_built(what: str, issue: int) -> typing.Callable[[typing.Any], No
     return lambda config: _not_built(what, issue)
 
 
+def _run_trainer(config: TrainerRunConfig) -> None:
+    from primerl_trainer.engine import SetupError
+    from primerl_trainer.rl import TrainerError, train
+
+    try:
+        train(config)
+    except (SetupError, TrainerError) as err:  # already logged by the trainer when it ran
+        click.echo(f"primerl-trainer: {err}", err=True)
+        sys.exit(EXIT_FAILED)
+
+
+def _run_sft(config: SFTConfig) -> None:
+    from primerl_trainer.engine import SetupError
+    from primerl_trainer.sft import train
+    from primerl_trainer.sft_data import DataError
+
+    try:
+        train(config)
+    except (SetupError, DataError) as err:
+        click.echo(f"primerl sft: {err}", err=True)
+        sys.exit(EXIT_FAILED)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="primerl")
 def main() -> None:
@@ -99,8 +122,8 @@ def main() -> None:
 for _name, _root, _summary, _engine in [
     ("rl", RLConfig, "Run asynchronous RL: inference, orchestrator and trainer.",
      _engine_not_built("`primerl rl` (the whole-run launcher)", 9)),
-    ("sft", SFTConfig, "Supervised fine-tuning on the FSDP2 trainer.",
-     _engine_not_built("`primerl sft` (the SFT trainer)", 5)),
+    ("sft", SFTConfig, "Supervised fine-tuning on the FSDP2 trainer (one process; for several, "
+     "torchrun --nproc-per-node N -m primerl.sft_entry @ cfg.toml).", _run_sft),
     ("eval", EvalConfig, "Evaluate a model (or each published step of a run).",
      _engine_not_built("`primerl eval`", 8)),
 ]:
@@ -110,15 +133,6 @@ orch_main = config_command(
     "primerl-orch", OrchRunConfig, "The orchestrator: the asynchronous rollout loop.",
     _engine_not_built("`primerl-orch` (the orchestrator)", 8),
 )
-def _run_trainer(config: TrainerRunConfig) -> None:
-    from primerl_trainer.rl import TrainerError, train
-
-    try:
-        train(config)
-    except TrainerError:
-        sys.exit(EXIT_FAILED)
-
-
 trainer_main = config_command(
     "primerl-trainer", TrainerRunConfig,
     "The RL trainer. Launch with torchrun: torchrun --nproc-per-node N -m primerl.trainer_entry @ cfg.toml",

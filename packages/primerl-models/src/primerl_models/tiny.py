@@ -38,11 +38,16 @@ DEFAULT_CORPUS = [
 ] * 8
 
 
+# Characters the chat template itself writes (role names, newlines): always in a char vocabulary.
+TEMPLATE_CHARS = "systemuserassistanttool\n"
+
+
 def char_tokenizer(alphabet: str):
-    """One token per character of `alphabet` (plus the specials), no merges."""
+    """One token per character of `alphabet` (plus the specials and the chat template's own
+    characters), no merges."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    chars = list(dict.fromkeys(alphabet))
+    chars = list(dict.fromkeys(alphabet + TEMPLATE_CHARS))
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")

@@ -91,3 +91,5 @@ class SFTDataConfig(Config):
     """Samples per optimizer step."""
     shuffle: bool = True
     """Shuffle the data each epoch (seeded by the shared seed)."""
+    eval_interval: NonNegative = 0
+    """Score the eval split every this many steps (0: only at the end)."""

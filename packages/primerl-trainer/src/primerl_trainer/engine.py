@@ -66,13 +66,20 @@ def token_logprobs(model, mb: MicroBatch, device: torch.device) -> tuple[torch.T
     return torch.cat([zero, logprobs[0, :-1]]), torch.cat([zero, entropy[0, :-1]])
 
 
+class SetupError(RuntimeError):
+    """The trainer cannot start: the model or the run directory is not usable (says which)."""
+
+
 class Session:
     def __init__(self, cfg, job: str):
         self.cfg, self.tcfg = cfg, cfg.trainer
         self.d = d = init_distributed()
         self.run_dir = Path(cfg.run_dir)
         torch.manual_seed(cfg.seed)
-        self.model, loaded = load_for_training(cfg, d)
+        try:
+            self.model, loaded = load_for_training(cfg, d)
+        except (FileNotFoundError, ValueError) as err:
+            raise SetupError(f"cannot load model {cfg.model.name!r}: {err}") from None
         self.args = self.model.args
         self.opt = build_optimizer(self.model, self.tcfg.optimizer, d.device)
         self.sched = build_scheduler(self.opt, self.tcfg.scheduler, cfg.max_steps)

@@ -1,0 +1,114 @@
+"""SFT data: rows of a JSONL or Parquet file (or a `datasets` name) -> token samples whose loss
+mask covers only the assistant's tokens.
+
+A row is either {"messages": [{"role", "content"}, ...]} or {"prompt": ..., "completion": ...}
+where each is a string (a user / an assistant message) or a list of messages. The model's own
+chat template (through its tokenizer) renders the conversation; the tokens each assistant
+message adds are found by rendering the conversation up to it: everything the template adds
+for the assistant message is trained on, everything else is context.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+from primerl_algos.types import Sample
+
+log = logging.getLogger("primerl.trainer")
+
+
+class DataError(ValueError):
+    """Bad SFT data: names the file and row."""
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows from a .jsonl/.json file, a .parquet file, a folder of them, or a `datasets` name."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted([*p.glob("*.jsonl"), *p.glob("*.parquet")])
+        if not files:
+            raise DataError(f"{p}: no .jsonl or .parquet files in this folder")
+        return [row for f in files for row in read_rows(str(f))]
+    if p.suffix in (".jsonl", ".json") and p.exists():
+        rows = []
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise DataError(f"{p}, line {i}: not JSON ({err})") from None
+        return rows
+    if p.suffix == ".parquet" and p.exists():
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    if p.exists():
+        raise DataError(f"{p}: unsupported file type (use .jsonl or .parquet)")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{path}: no such file, and `datasets` is not installed to load it by name") from None
+    return list(datasets.load_dataset(path, split="train"))
+
+
+def _messages(row: dict, where: str) -> list[dict]:
+    if "messages" in row:
+        msgs = row["messages"]
+    elif "prompt" in row and "completion" in row:
+        prompt, completion = row["prompt"], row["completion"]
+        msgs = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)) + (
+            [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
+        )
+    else:
+        raise DataError(f"{where}: a row needs `messages`, or `prompt` and `completion`; it has {sorted(row)}")
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+        raise DataError(f"{where}: messages must be a list of {{role, content}} objects")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise DataError(f"{where}: no assistant message to train on")
+    return msgs
+
+
+def tokenize(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and the mask of the assistants' tokens."""
+
+    def render(msgs, generation_prompt: bool) -> list[int]:
+        out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=generation_prompt)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    ids = render(messages, False)
+    mask = [False] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(render(messages[:i], True)) if i else 0
+        upto = render(messages[: i + 1], False)
+        if ids[: len(upto)] != upto:
+            raise DataError(f"{where}: the chat template renders message {i} differently in longer conversations; "
+                            "cannot tell which tokens are the assistant's")
+        for t in range(start, len(upto)):
+            mask[t] = True
+    return ids, mask
+
+
+def load_samples(path: str, tokenizer, seq_len: int) -> tuple[list[Sample], Counter]:
+    """Token samples of a data file; samples longer than seq_len are dropped and counted."""
+    samples, dropped = [], Counter()
+    for i, row in enumerate(read_rows(path)):
+        where = f"{path}, row {i}"
+        ids, mask = tokenize(tokenizer, _messages(row, where), where)
+        if len(ids) > seq_len:
+            dropped["longer_than_seq_len"] += 1
+            continue
+        if not any(mask):
+            dropped["nothing_to_train"] += 1
+            continue
+        samples.append(Sample(sample_id=i, token_ids=ids, loss_mask=mask, inference_logprobs=[0.0] * len(ids)))
+    if not samples:
+        raise DataError(f"{path}: no usable samples ({dict(dropped) or 'the file is empty'})")
+    if dropped:
+        log.warning("%s: dropped %s", path, dict(dropped))
+    return samples, dropped
