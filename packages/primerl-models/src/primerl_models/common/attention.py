@@ -91,21 +91,19 @@ def _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-@functools.cache
+try:
+    from torch.nn.attention.varlen import varlen_attn as _VARLEN
+except ImportError:  # torch < 2.10
+    _VARLEN = None
+# Read once here, not under torch.compile. The causal switch moved between torch releases:
+# `is_causal` (2.10/2.11) or `window_size=(-1, 0)` (2.13); remove when the oldest supported
+# torch has window_size.
+_VARLEN_PARAMS = inspect.signature(_VARLEN).parameters if _VARLEN is not None else {}
+_VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
+
+
 def _varlen_fn():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-@functools.cache
-def _varlen_causal_kwargs() -> dict:
-    # The causal switch moved between torch releases: `is_causal` (2.10/2.11) or
-    # `window_size=(-1, 0)` (2.13). Remove when the oldest supported torch has window_size.
-    params = inspect.signature(_varlen_fn()).parameters
-    return {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return _VARLEN
 
 
 def _varlen(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs) -> torch.Tensor:
@@ -114,9 +112,9 @@ def _varlen(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs) -> torch.Tensor:
         raise ValueError("attention backend 'varlen' needs torch.nn.attention.varlen (torch >= 2.10)")
     b, t, h, kd = q_BTHK.shape
     q_NHK, k_NGK, v_NGK = (x.reshape(b * t, x.shape[2], kd) for x in (q_BTHK, k_BTGK, v_BTGK))
-    kwargs = dict(_varlen_causal_kwargs())
+    kwargs = dict(_VARLEN_CAUSAL)
     if k_NGK.shape[1] != h:
-        if "enable_gqa" in inspect.signature(fn).parameters:
+        if "enable_gqa" in _VARLEN_PARAMS:
             kwargs["enable_gqa"] = True
         else:  # older torch: repeat the kv heads
             k_NGK, v_NGK = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k_NGK, v_NGK))
