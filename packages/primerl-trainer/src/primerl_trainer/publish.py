@@ -14,20 +14,18 @@ GPU inference servers without the training loop changing.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
 from typing import Protocol
 
 import torch
-import xxhash
 
 from primerl_models import save_hf
 from primerl_protocol import PolicyReady
+from primerl_protocol.weights import write_marker
 from primerl_trainer.distributed import Dist
 
-MARKER = "primerl.json"
 # Files of a HF model folder that travel with the weights (tokenizer, generation settings).
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -39,33 +37,6 @@ class WeightPublisher(Protocol):
     def publish(self, model: torch.nn.Module, step: int) -> PolicyReady | None:
         """Make the weights of `step` available to inference; every rank calls it.
         Returns the message to send (on rank 0), else None."""
-
-
-CHECKSUM = "xxh3_128"
-
-
-def checksum(folder: Path, files: list[str]) -> str:
-    """xxh3-128 over the files' names and bytes, in name order."""
-    h = xxhash.xxh3_128()
-    for name in sorted(files):
-        h.update(name.encode())
-        with (folder / name).open("rb") as f:
-            while chunk := f.read(16 << 20):
-                h.update(chunk)
-    return h.hexdigest()
-
-
-def verify(folder: str | Path) -> dict:
-    """The marker of a published folder, after checking its checksum (ValueError if wrong)."""
-    folder = Path(folder)
-    marker = folder / MARKER
-    if not marker.exists():
-        raise ValueError(f"{folder}: no {MARKER}: not a complete published weights folder")
-    meta = json.loads(marker.read_text())
-    got = checksum(folder, meta["files"])
-    if got != meta["checksum"]:
-        raise ValueError(f"{folder}: checksum {got} does not match {meta['checksum']} (corrupt or modified)")
-    return meta
 
 
 class FolderPublisher:
@@ -102,11 +73,9 @@ class FolderPublisher:
         for name in SIDE_FILES:
             if (self.source / name).exists():
                 shutil.copy2(self.source / name, tmp / name)
-        digest = checksum(tmp, files)
+        digest = write_marker(tmp, step, files, time.time())
         t3 = time.monotonic()
         self.last_timing = {"gather": t1 - t0, "write": t2 - t1, "checksum": t3 - t2}
-        marker = {"step": step, "files": files, "checksum": digest, "algorithm": CHECKSUM, "time": time.time()}
-        (tmp / MARKER).write_text(json.dumps(marker))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         self._prune()
