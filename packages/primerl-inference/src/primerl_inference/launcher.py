@@ -26,6 +26,7 @@ from pathlib import Path
 from primerl_inference.config import InferenceConfig
 
 ADMIN_MIDDLEWARE = "primerl_inference.admin.AdminMiddleware"
+WORKER_EXTENSION = "primerl_inference.worker.WorkerExtension"
 TOKEN_ENV = "PRIMERL_ADMIN_TOKEN"
 
 
@@ -73,6 +74,7 @@ def server_command(
         "--port", str(port),
         "--max-model-len", str(max_model_len),
         "--middleware", ADMIN_MIDDLEWARE,
+        "--worker-extension-cls", WORKER_EXTENSION,
         "--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
     env = {

