@@ -56,7 +56,7 @@ def test_rl_dry_run_prints_toml_of_the_resolved_config(config):
     )
 
 
-NOT_BUILT = ["rl", "eval", "primerl-orch", "primerl-inference"]
+NOT_BUILT = ["rl", "eval", "primerl-orch"]
 
 
 @pytest.mark.parametrize("name", NOT_BUILT)
@@ -91,3 +91,12 @@ def test_trainers_name_a_model_that_cannot_be_loaded(name, config, tmp_path):
     )
     assert result.returncode == 1, result.stderr
     assert f"cannot load model '{tmp_path / 'no-such-model'}'" in result.stderr
+
+
+def test_inference_command_names_a_server_that_does_not_come_up(tmp_path):
+    cfg = tmp_path / "inf.toml"
+    cfg.write_text(f'run_dir = "{tmp_path}"\n[model]\nname = "{tmp_path / "no-such-model"}"\n[inference]\nport = 8791\n')
+    result = CliRunner().invoke(inference_main, ["@", str(cfg)])
+    assert result.exit_code == 1
+    assert "inference replica 0 (http://127.0.0.1:8791) exited with code" in result.output
+    assert (tmp_path / "logs" / "inference-0.log").exists()

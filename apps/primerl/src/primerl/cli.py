@@ -113,6 +113,31 @@ def _run_sft(config: SFTConfig) -> None:
         sys.exit(EXIT_FAILED)
 
 
+def _run_inference(config: InferenceRunConfig) -> None:
+    import time
+
+    from primerl_inference.launcher import LaunchError, launch
+
+    try:
+        servers = launch(config.inference, config.model.name, config.seq_len, config.run_dir)
+    except LaunchError as err:
+        click.echo(f"primerl-inference: {err}", err=True)
+        sys.exit(EXIT_FAILED)
+    for url in servers.urls:
+        click.echo(f"serving {config.model.name} at {url}")
+    try:
+        while True:
+            servers.check_alive()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        click.echo("stopping the inference servers")
+    except LaunchError as err:
+        click.echo(f"primerl-inference: {err}", err=True)
+        sys.exit(EXIT_FAILED)
+    finally:
+        servers.stop()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="primerl")
 def main() -> None:
@@ -139,6 +164,7 @@ trainer_main = config_command(
     _run_trainer,
 )
 inference_main = config_command(
-    "primerl-inference", InferenceRunConfig, "vLLM inference servers with primerl's admin routes.",
-    _engine_not_built("`primerl-inference` (the vLLM server launcher)", 6),
+    "primerl-inference", InferenceRunConfig,
+    "vLLM inference servers with primerl's admin routes; prints their addresses and serves until Ctrl-C.",
+    _run_inference,
 )

@@ -209,7 +209,10 @@ class AdminMiddleware:
             try:
                 waited = time.monotonic() - t0
                 await engine.collective_rpc("primerl_reload_weights", kwargs={"weights_path": path})
-                await engine.reset_prefix_cache()
+                # Nothing is running (the gate is closed and drained), so the reset succeeds;
+                # if vLLM still declines, force it rather than serve blocks of old weights.
+                if not await engine.reset_prefix_cache():
+                    await engine.reset_prefix_cache(reset_running_requests=True)
                 self.policy = Policy(step=step, path=path, checksum=meta["checksum"])
             finally:
                 await self.gate.open()
