@@ -8,8 +8,9 @@ against a vLLM server started by hand with the same model and settings, in the s
 2. Throughput: `--concurrency` concurrent greedy requests of `--tokens` tokens each
    (ignore_eos), generated tokens per second, through a server from `primerl_inference.launch`
    (admin middleware and all) and through a plain `python -m vllm.entrypoints.openai.api_server`
-   with the same flags. Both servers run at once and are measured in alternating rounds, so
-   machine noise hits both alike; the ratio is of the medians.
+   with the same flags, both up at once; `--rounds` back-to-back pairs (order alternating),
+   reported as the median of the per-pair ratios (this machine's speed swings several-fold
+   from minute to minute; a pair is measured close enough in time to share its conditions).
 
     uv run python bench/inference.py
 """
@@ -102,8 +103,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--swaps", type=int, default=5)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--skip-swap", action="store_true", help="only the throughput comparison")
     a = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="primerl-bench-inf-"))
     shapes = {
@@ -112,15 +114,17 @@ def main() -> None:
     }
     print("weight swap, median of", a.swaps)
     print(f"{'model':<6} {'params':>9} {'MB':>6} {'swap s':>8} {'to first new response s':>24}")
-    for i, (label, shape) in enumerate(shapes.items()):
+    for i, (label, shape) in enumerate([] if a.skip_swap else shapes.items()):
         folders = model_pair(root, label, **shape)
         size = (folders[0] / "model.safetensors").stat().st_size
         swap, first = swap_latency(folders, a.swaps, root / f"run-{label}", 8400 + i)
         print(f"{label:<6} {size / 4 / 1e6:>8.1f}M {size / 1e6:>6.0f} {swap:>8.3f} {first:>24.3f}")
 
     # Throughput: our launcher vs a hand-started vLLM, same model and flags, both up at once.
+    # This machine's speed swings several-fold from minute to minute, so the estimate is the
+    # median over many short back-to-back pairs of the ratio within each pair (each pair's
+    # order alternates), which cancels slow periods that hit both members of a pair.
     folder = model_pair(root, "thr", **shapes["tiny"])[0]
-    ours = launch(InferenceConfig(port=8500, admin_token=TOKEN), str(folder), 512, root / "run-ours")
     spec = server_command(InferenceConfig(port=8501), str(folder), 512, 0, root / "run-hand", "cpu")
     plain = list(spec.argv)
     for flag in ("--middleware", "--worker-extension-cls"):  # what a user would type by hand
@@ -128,25 +132,30 @@ def main() -> None:
         del plain[i : i + 2]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": spec.env["VLLM_CPU_KVCACHE_SPACE"],
            "VLLM_CACHE_ROOT": spec.env["VLLM_CACHE_ROOT"]}
+    ours = launch(InferenceConfig(port=8500, admin_token=TOKEN), str(folder), 512, root / "run-ours")
     log = (root / "hand.log").open("w")
     hand = subprocess.Popen(plain, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    urls = {"primerl launcher": ours.urls[0], "vLLM by hand": spec.url}
+    results: dict[str, list[float]] = {k: [] for k in urls}
     try:
         wait_healthy(spec.url, hand)
-        for url in (ours.urls[0], spec.url):  # warm-up
-            throughput(url, str(folder), a.concurrency, 16)
-        results = {"primerl launcher": [], "vLLM by hand": []}
-        for _ in range(a.rounds):
-            results["primerl launcher"].append(throughput(ours.urls[0], str(folder), a.concurrency, a.tokens))
-            results["vLLM by hand"].append(throughput(spec.url, str(folder), a.concurrency, a.tokens))
+        for url in urls.values():  # warm-up round each, discarded
+            throughput(url, str(folder), a.concurrency, a.tokens)
+        for r in range(a.rounds):
+            for k in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
+                results[k].append(throughput(urls[k], str(folder), a.concurrency, a.tokens))
     finally:
         ours.stop()
         os.killpg(hand.pid, signal.SIGTERM)
         hand.wait(60)
+    pair_ratios = [x / y for x, y in zip(results["primerl launcher"], results["vLLM by hand"])]
     med = {k: statistics.median(v) for k, v in results.items()}
-    print(f"\ngeneration throughput, {a.concurrency} concurrent x {a.tokens} tokens, median of {a.rounds} alternating rounds")
-    print(f"{'server':<18} {'tokens/s':>9} {'ratio':>6}")
+    print(f"\ngeneration throughput, {a.concurrency} concurrent x {a.tokens} tokens, {a.rounds} back-to-back pairs")
+    print(f"{'server':<18} {'median tokens/s':>16}")
     for k, v in med.items():
-        print(f"{k:<18} {v:>9.0f} {v / med['vLLM by hand']:>6.3f}")
+        print(f"{k:<18} {v:>16.0f}")
+    print(f"median of the per-pair ratios (ours / by hand): {statistics.median(pair_ratios):.3f}"
+          f" (quartiles {statistics.quantiles(pair_ratios, n=4)[0]:.3f} .. {statistics.quantiles(pair_ratios, n=4)[2]:.3f})")
 
 
 if __name__ == "__main__":

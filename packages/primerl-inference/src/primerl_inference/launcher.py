@@ -79,8 +79,6 @@ def server_command(
     ]
     env = {
         "VLLM_CACHE_ROOT": str(Path(run_dir) / "cache" / "vllm"),
-        # Lets admin.py call worker methods through vLLM's collective RPC.
-        "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True" if cfg.enable_lora else "False",
         "PRIMERL_MODEL": model,
     }
