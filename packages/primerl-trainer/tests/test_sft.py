@@ -73,14 +73,11 @@ def reversal_rows(n, seed):
     return rows
 
 
-def test_sft_on_two_ranks_lowers_the_loss(tmp_path, model_dir):
-    for name, n, seed in (("train", 96, 0), ("eval", 16, 1)):
-        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in reversal_rows(n, seed)))
-    run_dir = tmp_path / "run"
-    cfg = tmp_path / "sft.toml"
+def sft_config(tmp_path, model_dir, run_dir, max_steps: int, interval: int = 6):
+    cfg = tmp_path / f"sft-{run_dir.name}-{max_steps}.toml"
     cfg.write_text(f"""
 seq_len = 128
-max_steps = 12
+max_steps = {max_steps}
 run_dir = "{run_dir}"
 [model]
 name = "{model_dir}"
@@ -96,14 +93,30 @@ dtype = "float32"
 [trainer.optimizer]
 lr = 3e-3
 [trainer.checkpoint]
-interval = 6
+interval = {interval}
 [trainer.weights]
 dtype = "float32"
 """)
+    return cfg
+
+
+def run_sft(cfg):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port_block(1)}",
            "-m", "primerl.sft_entry", "@", str(cfg)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def write_data(tmp_path):
+    for name, n, seed in (("train", 96, 0), ("eval", 16, 1)):
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in reversal_rows(n, seed)))
+
+
+def test_sft_on_two_ranks_lowers_the_loss(tmp_path, model_dir):
+    write_data(tmp_path)
+    run_dir = tmp_path / "run"
+    run_sft(sft_config(tmp_path, model_dir, run_dir, 12))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows]
     assert len(losses) == 12
@@ -112,3 +125,20 @@ dtype = "float32"
     assert len(evals) == 2 and evals[1] < evals[0]
     assert (run_dir / "weights" / "step_11" / "primerl.json").exists()
     assert (run_dir / "checkpoints" / "step_11" / "meta.json").exists()
+
+
+def test_sft_resumes_with_the_next_batch(tmp_path, model_dir):
+    """8 steps straight vs 4, stop, 4 more: same losses (data position, RNG, optimizer)."""
+    write_data(tmp_path)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_sft(sft_config(tmp_path, model_dir, straight, 8, interval=4))
+    run_sft(sft_config(tmp_path, model_dir, resumed, 4, interval=4))
+    out = run_sft(sft_config(tmp_path, model_dir, resumed, 8, interval=4))
+    assert "resumed from" in out.stdout + out.stderr
+
+    def losses(run_dir):
+        return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = losses(straight), losses(resumed)
+    assert len(a) == len(b) == 8
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (a, b)
