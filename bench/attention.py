@@ -11,9 +11,8 @@ import argparse
 import statistics
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
 from primerl_models import PackedSeqs, attention
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def timed(fn, reps: int = 10) -> float:

@@ -23,7 +23,6 @@ import statistics
 import time
 
 import torch
-
 from primerl_models import ModelArgs, Transformer, chunked_logprobs
 from primerl_models.checkpointing import apply_activation_checkpointing
 

@@ -17,7 +17,6 @@ import statistics
 import time
 
 import numpy as np
-
 from primerl_algos.packing import build_batches, plan_packing
 from primerl_algos.types import Sample
 

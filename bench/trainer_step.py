@@ -26,15 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_step import hf_dict, our_args  # noqa: E402  (shapes shared with the model benchmark)
-
 from primerl_algos.config import LossConfig
 from primerl_algos.losses import LossScale
 from primerl_models import Transformer
 from primerl_protocol import MicroBatch
+from primerl_trainer.config import OptimizerConfig
 from primerl_trainer.distributed import all_reduce_sum, init_distributed, shutdown
 from primerl_trainer.engine import peak_flops, train_flops
 from primerl_trainer.optim import build_optimizer, clip_grad_norm
-from primerl_trainer.config import OptimizerConfig
 from primerl_trainer.parallel import parallelize
 from primerl_trainer.publish import FolderPublisher
 from primerl_trainer.rl import rl_loss

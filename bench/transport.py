@@ -25,8 +25,14 @@ import statistics
 import time
 
 import numpy as np
-
-from primerl_protocol import BatchMessage, MicroBatch, Receiver, Sender, SocketSettings, TrainBatch
+from primerl_protocol import (
+    BatchMessage,
+    MicroBatch,
+    Receiver,
+    Sender,
+    SocketSettings,
+    TrainBatch,
+)
 
 SAMPLES, SAMPLE_TOKENS, ROW_TOKENS = 256, 2048, 8192
 

@@ -3,8 +3,14 @@
 import msgspec
 import pytest
 from msgspec import inspect as mi
-
-from primerl.configs import EvalConfig, InferenceRunConfig, OrchRunConfig, RLConfig, SFTConfig, TrainerRunConfig
+from primerl.configs import (
+    EvalConfig,
+    InferenceRunConfig,
+    OrchRunConfig,
+    RLConfig,
+    SFTConfig,
+    TrainerRunConfig,
+)
 from primerl_protocol.config import field_docs
 
 ROOTS = [RLConfig, SFTConfig, EvalConfig, TrainerRunConfig, OrchRunConfig, InferenceRunConfig]

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
-
 from primerl_inference.config import InferenceConfig
 from primerl_inference.launcher import launch
 from primerl_models.tiny import build_tiny_model
 from primerl_protocol.weights import write_marker
 from primerl_trainer.testing import free_port_block
+from safetensors.torch import save_file
 
 TOKEN = "test-admin-token"
 PROMPT = [5, 9, 14, 3, 7, 22, 30]

@@ -3,7 +3,6 @@
 import typing
 
 import msgspec
-
 from primerl_models import BACKENDS
 from primerl_trainer.config import TrainerConfig
 

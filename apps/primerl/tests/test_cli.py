@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from primerl.cli import inference_main, main, orch_main, trainer_main
 from primerl.configs import RLConfig
 from primerl_protocol.config import load_config

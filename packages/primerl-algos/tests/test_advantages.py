@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-
 from primerl_algos.advantages import ADVANTAGES, compute_advantages
 from primerl_algos.config import BUILTIN_ADVANTAGES, AdvantageConfig
 

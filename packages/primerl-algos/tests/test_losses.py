@@ -4,9 +4,14 @@ import math
 
 import pytest
 import torch
-
 from primerl_algos.config import BUILTIN_LOSSES, LossConfig
-from primerl_algos.losses import LOSSES, LossInputs, LossScale, compute_loss, mean_metrics
+from primerl_algos.losses import (
+    LOSSES,
+    LossInputs,
+    LossScale,
+    compute_loss,
+    mean_metrics,
+)
 
 LN2 = math.log(2)
 

@@ -1,7 +1,6 @@
 """Trajectory merging on constructed multi-turn rollouts with known answers."""
 
 import pytest
-
 from primerl_algos.merging import merge_turns
 from primerl_algos.types import Rollout, Turn
 

@@ -5,8 +5,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
-
-from primerl_algos.packing import build_batches, first_fit_decreasing, plan_packing, row_cost
+from primerl_algos.packing import (
+    build_batches,
+    first_fit_decreasing,
+    plan_packing,
+    row_cost,
+)
 from primerl_algos.types import Sample
 
 

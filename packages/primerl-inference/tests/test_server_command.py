@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from primerl_inference.config import DisaggregationConfig, InferenceConfig
 from primerl_inference.launcher import server_command
 

@@ -1,7 +1,6 @@
 """Activation checkpointing: same gradients, layers recomputed in backward, names unchanged."""
 
 import torch
-
 from primerl_models import load_model
 from primerl_models.checkpointing import apply_activation_checkpointing
 from primerl_models.tiny import build_tiny_model

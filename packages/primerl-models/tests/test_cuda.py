@@ -3,7 +3,6 @@ reference paths. Skipped on machines without CUDA; run on the lent GPU machine."
 
 import pytest
 import torch
-
 from primerl_models import PackedSeqs, attention, chunked_logprobs, load_model
 from primerl_models.common.moe import GroupedExperts
 from primerl_models.tiny import build_tiny_model

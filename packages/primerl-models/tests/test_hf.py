@@ -5,10 +5,9 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
-
 from primerl_models import load_model, read_config, save_hf, to_hf, to_ours
 from primerl_models.families import family_for
+from safetensors.torch import load_file, save_file
 
 MOE = transformers.Qwen3MoeConfig(
     vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,

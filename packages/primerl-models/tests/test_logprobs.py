@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from primerl_models import chunked_logprobs
 
 

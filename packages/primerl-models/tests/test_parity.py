@@ -3,7 +3,6 @@
 import pytest
 import torch
 import transformers
-
 from primerl_models import load_model
 
 COMMON = dict(

@@ -3,7 +3,6 @@
 import pytest
 import torch
 import transformers
-
 from primerl_models import load_model
 from primerl_models.tiny import SPECIAL_TOKENS, build_tiny_model
 

@@ -1,8 +1,6 @@
 import msgspec
 import numpy as np
 import pytest
-
-from primerl_protocol.testing import assert_same_batch, micro_batch, train_batch
 from primerl_protocol import (
     PROTOCOL_VERSION,
     BatchMessage,
@@ -13,6 +11,7 @@ from primerl_protocol import (
     ProtocolError,
     Shutdown,
 )
+from primerl_protocol.testing import assert_same_batch, micro_batch, train_batch
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
 from primerl_protocol.config import (
     Config,
     ConfigError,

@@ -1,8 +1,7 @@
 import numpy as np
 import pytest
-
-from primerl_protocol.testing import micro_batch
 from primerl_protocol import MicroBatch, TrainBatch
+from primerl_protocol.testing import micro_batch
 
 
 def test_position_ids_restart_at_each_sequence():

@@ -8,7 +8,6 @@ import sys
 import numpy as np
 import pytest
 import zmq
-
 from primerl_protocol import (
     AsyncReceiver,
     AsyncSender,

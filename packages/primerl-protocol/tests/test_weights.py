@@ -1,7 +1,6 @@
 """The published-weights contract: complete folders verify, anything else is refused by name."""
 
 import pytest
-
 from primerl_protocol.weights import MARKER, verify, write_marker
 
 

@@ -8,12 +8,16 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-
 from primerl_models import load_model
-from primerl_protocol import Encoder
 from primerl_models.tiny import build_tiny_model
+from primerl_protocol import Encoder
 from primerl_protocol.weights import verify
-from primerl_trainer.testing import FakeOrchestrator, free_port_block, launch_trainer, synthetic_batches
+from primerl_trainer.testing import (
+    FakeOrchestrator,
+    free_port_block,
+    launch_trainer,
+    synthetic_batches,
+)
 
 RANKS = 2
 

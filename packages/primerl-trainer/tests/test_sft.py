@@ -10,7 +10,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import transformers
-
 from primerl_models.tiny import build_tiny_model
 from primerl_trainer.sft_data import DataError, load_samples, read_rows, tokenize
 from primerl_trainer.testing import free_port_block

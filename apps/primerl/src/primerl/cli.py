@@ -15,6 +15,7 @@ import sys
 import typing
 
 import click
+from primerl_protocol.config import ConfigError, load_config, sections, to_toml
 
 from primerl.configs import (
     EvalConfig,
@@ -24,7 +25,6 @@ from primerl.configs import (
     SFTConfig,
     TrainerRunConfig,
 )
-from primerl_protocol.config import ConfigError, load_config, sections, to_toml
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2

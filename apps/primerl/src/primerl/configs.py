@@ -8,7 +8,6 @@ so shared values are written once and never copied.
 from __future__ import annotations
 
 import msgspec
-
 from primerl_envs.config import EnvsConfig
 from primerl_inference.config import InferenceConfig
 from primerl_orchestrator.config import EvalSettings, OrchestratorConfig

@@ -13,8 +13,7 @@ A group whose rewards are all equal gets zero advantages under every estimator.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import msgspec
-
 from primerl_protocol.config import Config
 
 # The built-in names (the registries in losses.py/advantages.py; a test keeps them in step).

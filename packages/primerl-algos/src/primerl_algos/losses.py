@@ -30,8 +30,8 @@ docs/algorithms.md has the same formulas with their config names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

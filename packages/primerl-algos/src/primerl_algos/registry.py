@@ -14,7 +14,8 @@ A name that is neither registered nor importable fails with the registered names
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
 

@@ -11,7 +11,14 @@ from primerl_models.common.attention import BACKENDS, PackedSeqs, attention
 from primerl_models.common.logprobs import chunked_logprobs
 from primerl_models.common.transformer import Transformer
 from primerl_models.families import FAMILIES, family_for
-from primerl_models.hf import build_model, load_model, read_config, save_hf, to_hf, to_ours
+from primerl_models.hf import (
+    build_model,
+    load_model,
+    read_config,
+    save_hf,
+    to_hf,
+    to_ours,
+)
 
 __all__ = [
     "BACKENDS",

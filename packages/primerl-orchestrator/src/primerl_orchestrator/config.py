@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
-
 from primerl_algos.config import AdvantageConfig, FilterConfig
 from primerl_protocol.config import Config, NonNegative, Positive
 

@@ -161,7 +161,7 @@ class Decoder:
         try:
             peek = self._peek.decode(header)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            raise ProtocolError(self.channel, None, None, f"header is not a valid message ({err})")
+            raise ProtocolError(self.channel, None, None, f"header is not a valid message ({err})") from None
         name = peek.type
         if name not in self.accepted:
             raise ProtocolError(

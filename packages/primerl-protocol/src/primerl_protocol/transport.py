@@ -203,7 +203,7 @@ class AsyncSender(_SenderBase):
         timeout = self._timeout(timeout_s)
         try:
             await asyncio.wait_for(self.socket.send_multipart(frames, copy=False), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise self._send_timeout_error(timeout) from None
 
 
@@ -221,7 +221,7 @@ class AsyncReceiver(_ReceiverBase):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 frames = await asyncio.wait_for(self.socket.recv_multipart(copy=False), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise self._recv_timeout_error(timeout) from None
             message = self._decode_or_reject(frames)
             if message is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import msgspec
-
 from primerl_algos.config import LossConfig
 from primerl_protocol.config import Config, NonNegative, Positive
 

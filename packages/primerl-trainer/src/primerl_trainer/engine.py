@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import msgspec
 import numpy as np
 import torch
-
 from primerl_algos.losses import mean_metrics
 from primerl_protocol import MicroBatch, PolicyReady
+
 from primerl_trainer.checkpoint import Checkpointer
 from primerl_trainer.distributed import all_reduce_sum, init_distributed, shutdown
 from primerl_trainer.metrics import MetricsLogger

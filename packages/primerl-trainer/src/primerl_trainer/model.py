@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from primerl_models import Transformer, load_model, read_config
+
 from primerl_trainer.distributed import Dist
 from primerl_trainer.parallel import parallelize
 

@@ -10,10 +10,9 @@ With `cpu_offload`, parameters, gradients and optimizer state live in CPU memory
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
 from primerl_models import Transformer
 from primerl_models.checkpointing import apply_activation_checkpointing
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 
 def parallelize(

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-
 from primerl_models import save_hf
 from primerl_protocol import PolicyReady
 from primerl_protocol.weights import write_marker
+
 from primerl_trainer.distributed import Dist
 
 # Files of a HF model folder that travel with the weights (tokenizer, generation settings).

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from primerl_algos.losses import LossInputs, LossScale, compute_loss
 from primerl_protocol import (
     BatchMessage,
@@ -32,6 +31,7 @@ from primerl_protocol import (
     TrainBatch,
     TransportTimeout,
 )
+
 from primerl_trainer.distributed import Dist, all_reduce_max
 from primerl_trainer.engine import Session, token_logprobs
 

@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 import torch
-
 from primerl_algos.packing import build_micro_batch, plan_packing
 from primerl_algos.types import Sample
+
 from primerl_trainer.distributed import all_reduce_sum
 from primerl_trainer.engine import Session, token_logprobs
 from primerl_trainer.sft_data import load_samples

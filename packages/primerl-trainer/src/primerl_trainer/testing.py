@@ -14,8 +14,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-from primerl_protocol import BatchMessage, MicroBatch, PolicyMessage, PolicyReady, Receiver, Sender, SocketSettings, TrainBatch
+from primerl_protocol import (
+    BatchMessage,
+    MicroBatch,
+    PolicyMessage,
+    PolicyReady,
+    Receiver,
+    Sender,
+    SocketSettings,
+    TrainBatch,
+)
 
 
 def free_port_block(n: int) -> int:

@@ -6,8 +6,8 @@ whose checkpoint differs overrides `Family.to_ours` / `Family.to_hf`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from primerl_models.common.args import ModelArgs
 

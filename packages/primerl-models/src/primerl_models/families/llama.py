@@ -1,7 +1,12 @@
 """Llama (3.x): GQA, SwiGLU, RoPE with optional Llama-3 frequency scaling."""
 
 from primerl_models.common.args import ModelArgs
-from primerl_models.families.base import Family, dense_args, dense_hf_config, unsupported
+from primerl_models.families.base import (
+    Family,
+    dense_args,
+    dense_hf_config,
+    unsupported,
+)
 
 
 def args_from_hf(cfg: dict) -> ModelArgs:

@@ -1,7 +1,12 @@
 """Qwen3 dense: Llama's layout plus RMSNorm on each head of q and k."""
 
 from primerl_models.common.args import ModelArgs
-from primerl_models.families.base import Family, dense_args, dense_hf_config, unsupported
+from primerl_models.families.base import (
+    Family,
+    dense_args,
+    dense_hf_config,
+    unsupported,
+)
 
 
 def args_from_hf(cfg: dict) -> ModelArgs:

@@ -12,7 +12,13 @@ from primerl_protocol.config.base import (
 )
 from primerl_protocol.config.docs import class_doc, field_docs, sections
 from primerl_protocol.config.dump import to_toml
-from primerl_protocol.config.load import ConfigError, compose, load_config, split_args, validate
+from primerl_protocol.config.load import (
+    ConfigError,
+    compose,
+    load_config,
+    split_args,
+    validate,
+)
 
 __all__ = [
     "Config",
