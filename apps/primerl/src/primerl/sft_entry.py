@@ -1,6 +1,9 @@
 """`python -m primerl.sft_entry @ cfg.toml`: `primerl sft`, for torchrun's `-m`."""
 
+import sys
+
 from primerl.cli import main
+from primerl.torchrun import run_and_exit
 
 if __name__ == "__main__":
-    main(["sft", *__import__("sys").argv[1:]])
+    run_and_exit(main, ["sft", *sys.argv[1:]])

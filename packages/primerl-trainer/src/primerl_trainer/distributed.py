@@ -68,5 +68,9 @@ def all_reduce_max(value: float, d: Dist) -> float:
 
 
 def shutdown() -> None:
+    """Leave the process group together: no rank tears it down while another still uses it."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

@@ -13,6 +13,7 @@ position is part of the checkpoint, so a restart continues with the next batch.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -92,6 +93,7 @@ def train(cfg) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     session = Session(cfg, job="sft")
     d = session.d
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no Rust thread pool per rank
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(session.model_folder)
