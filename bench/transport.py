@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import pickle
-import socket
 import statistics
 import time
 
@@ -33,6 +32,7 @@ from primerl_protocol import (
     SocketSettings,
     TrainBatch,
 )
+from primerl_protocol.testing import free_tcp_endpoint
 
 SAMPLES, SAMPLE_TOKENS, ROW_TOKENS = 256, 2048, 8192
 
@@ -88,15 +88,10 @@ def receiver(endpoint: str, mode: str, count: int, done: mp.Queue) -> None:
     rx.close()
 
 
-def free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
 
 def run_once(mode: str, batch: TrainBatch, lists: dict, count: int) -> float:
     """Seconds from the first encode to the last decode of `count` batches."""
-    endpoint = free_endpoint()
+    endpoint = free_tcp_endpoint()
     done: mp.Queue = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(target=receiver, args=(endpoint, mode, count, done))
     proc.start()

@@ -1,7 +1,6 @@
 """The transport over real ZeroMQ sockets on loopback (and one real second process)."""
 
 import asyncio
-import socket
 import subprocess
 import sys
 
@@ -21,18 +20,17 @@ from primerl_protocol import (
     TrainBatch,
     TransportTimeout,
 )
-from primerl_protocol.testing import assert_same_batch, micro_batch, train_batch
-
-
-def free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+from primerl_protocol.testing import (
+    assert_same_batch,
+    free_tcp_endpoint,
+    micro_batch,
+    train_batch,
+)
 
 
 @pytest.fixture
 def endpoint():
-    return free_endpoint()
+    return free_tcp_endpoint()
 
 
 def test_batch_crosses_the_socket_intact(endpoint):

@@ -1,5 +1,7 @@
 """Builders of valid synthetic messages, for tests and benchmarks of any package."""
 
+import socket
+
 import numpy as np
 
 from primerl_protocol import MicroBatch, TrainBatch
@@ -42,3 +44,10 @@ def assert_same_batch(a: TrainBatch, b: TrainBatch) -> None:
             xa, ya = getattr(x, name), getattr(y, name)
             assert xa.dtype == ya.dtype, name
             np.testing.assert_array_equal(xa, ya, err_msg=name)
+
+
+def free_tcp_endpoint() -> str:
+    """tcp://127.0.0.1:<a port that was free just now>."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"

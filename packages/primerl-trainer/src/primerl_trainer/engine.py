@@ -117,7 +117,8 @@ class Session:
         self.opt.zero_grad(set_to_none=True)
         t2 = time.monotonic()
         keys = sorted(sums[0])
-        local = [sum(float(s[k]) for s in sums) for k in keys]
+        # Summed on the device, copied to the host once (not one sync per metric and micro-batch).
+        local = torch.stack([sum(s[k] for s in sums).float() for k in keys]).tolist()
         local += [float(sum(mb.num_tokens for mb in micro_batches)), float(sum(train_flops(self.args, mb.seq_lens) for mb in micro_batches))]
         *totals, tokens, flops = all_reduce_sum(local, d)
         total = dict(zip(keys, totals))

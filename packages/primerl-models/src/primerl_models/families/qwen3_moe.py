@@ -1,17 +1,13 @@
 """Qwen3-MoE: Qwen3 attention; MLPs are mixtures of experts (softmax router, top-k)."""
 
+from dataclasses import replace
+
 from primerl_models.common.args import ModelArgs
-from primerl_models.families.base import (
-    Family,
-    dense_args,
-    dense_hf_config,
-    unsupported,
-)
+from primerl_models.families import qwen3
+from primerl_models.families.base import Family, dense_hf_config
 
 
 def args_from_hf(cfg: dict) -> ModelArgs:
-    if cfg.get("use_sliding_window"):
-        unsupported(cfg, "use_sliding_window", "full attention only")
     num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
     step = cfg.get("decoder_sparse_step", 1) or 1
     dense_only = set(cfg.get("mlp_only_layers") or [])
@@ -19,9 +15,8 @@ def args_from_hf(cfg: dict) -> ModelArgs:
         num_experts > 0 and i not in dense_only and (i + 1) % step == 0
         for i in range(cfg["num_hidden_layers"])
     ]
-    return dense_args(
-        cfg,
-        qk_norm=True,
+    return replace(
+        qwen3.args_from_hf(cfg),  # Qwen3's attention (and its checks)
         num_experts=num_experts,
         num_experts_per_tok=cfg["num_experts_per_tok"],
         moe_intermediate_size=cfg["moe_intermediate_size"],
