@@ -39,6 +39,8 @@ class Rollout(msgspec.Struct, kw_only=True):
     """What went wrong in the environment, if anything (such rollouts never train)."""
     env: str = ""
     """Which environment it came from."""
+    metrics: dict[str, float] = {}
+    """Per-rollout metrics the environment recorded (its named rewards and metrics)."""
 
     @property
     def num_completion_tokens(self) -> int:

@@ -5,20 +5,37 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from primerl_protocol.config import Config
+from primerl_protocol.config import Config, Positive
 
 
 class EnvConfig(Config):
     """One verifiers environment and its arguments."""
 
     id: str
-    """Built-in name (reverse-text, ...), an installed package, or a local module path."""
+    """Built-in name (reverse-text, alphabet-sort, math, tool-use, code), an installed taskset
+    package's id, or the path of a local module (a .py file or a package folder)."""
     args: dict[str, Any] = {}
-    """Keyword arguments passed to the environment's loader."""
+    """Fields of the taskset's config (verifiers `TasksetConfig`), e.g. `num_tasks`."""
+    name: str | None = None
+    """Name in metrics and logs (default: the id, without a path)."""
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     """Share of training tasks drawn from this environment, relative to the others."""
     mode: Literal["in_process", "server"] = "in_process"
-    """Run the environment inside the orchestrator, or served as a separate process."""
+    """Run the environment inside the orchestrator, or served by a separate process
+    (verifiers' env server over ZeroMQ)."""
+    harness: str = "primerl-chat"
+    """verifiers harness that plays the tasks (primerl's in-process chat loop by default;
+    `null` is verifiers' own, one process per rollout)."""
+    max_turns: Positive | None = None
+    """Most model calls per rollout; the rollout is cut there (marked truncated)."""
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """Wall-clock limit of one rollout in seconds; the rollout is cut there (an error)."""
+
+    @property
+    def display_name(self) -> str:
+        if self.name:
+            return self.name
+        return self.id.rstrip("/").rsplit("/", 1)[-1].removesuffix(".py")
 
 
 class EnvsConfig(Config):

@@ -76,6 +76,10 @@ def server_command(
         "--middleware", ADMIN_MIDDLEWARE,
         "--worker-extension-cls", WORKER_EXTENSION,
         "--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching",
+        # verifiers' training client (primerl-envs) renders prompts itself and calls the
+        # token-in/token-out route, which reads sampled tokens back as `token_id:N`.
+        "--enable-scale-out",
+        "--return-tokens-as-token-ids",
     ]
     env = {
         "VLLM_CACHE_ROOT": str(Path(run_dir) / "cache" / "vllm"),

@@ -23,9 +23,24 @@ from primerl_models.families import FAMILIES
 from primerl_models.hf import save_hf
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Tool calls as Qwen writes them: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+# with the markers as single (non-special) tokens so tool-call parsers find them.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+# ChatML, plus tools the Qwen way in miniature: tool names listed in a system turn, an
+# assistant's tool calls written after its content, tool results in `tool` turns.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\ntools: ' }}"
+    "{% for tool in tools %}{{ (tool.function.name if tool.function is defined else tool.name) + ' ' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set fn = call.function if call.function is defined else call %}"
+    "{{ '<tool_call>{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{{ fn.arguments if fn.arguments is string else fn.arguments | tojson }}{{ '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
@@ -39,7 +54,7 @@ DEFAULT_CORPUS = [
 
 
 # Characters the chat template itself writes (role names, newlines): always in a char vocabulary.
-TEMPLATE_CHARS = "systemuserassistanttool\n"
+TEMPLATE_CHARS = "systemuserassistanttool:\n {}\",_namearguments"
 
 
 def char_tokenizer(alphabet: str):
@@ -53,6 +68,7 @@ def char_tokenizer(alphabet: str):
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens(TOOL_TOKENS)
     return tok
 
 
@@ -70,6 +86,7 @@ def bpe_tokenizer(corpus: list[str], vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens(TOOL_TOKENS)
     return tok
 
 

@@ -1,0 +1,305 @@
+"""Load verifiers environments from primerl's config and run their episodes.
+
+    env = Environment(EnvConfig(id="reverse-text", args={"num_tasks": 100}))
+    async with env:                                   # starts its serving resources
+        task = env.tasks.next()                       # data position is env.tasks.position
+        traces = await env.run(task, model_context(url, model, tokenizer, sampling))
+
+An environment is a verifiers `Taskset` (plus, optionally, its own `Env` subclass) loaded by
+id, exactly as `vf-eval` loads it, so users' environments run unmodified. What primerl
+overrides, because verifiers' defaults reach for a vendor's cloud: the runtime (verifiers'
+default is a remote sandbox; here `subprocess`), the model client (always our own vLLM servers,
+through verifiers' training client so traces carry token ids and logprobs) and the harness
+(primerl's in-process chat loop, see primerl_chat). Nothing is pushed anywhere.
+
+`mode = "server"` runs the environment in a child process with verifiers' env server (ZeroMQ)
+and sends it each task; the orchestrator's event loop then never runs environment code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from primerl_envs import compat
+from primerl_envs.config import EnvConfig
+
+BUILTIN = {
+    "reverse-text": "primerl-reverse-text",
+    "alphabet-sort": "primerl-alphabet-sort",
+    "math": "primerl-math",
+    "tool-use": "primerl-tool-use",
+    "code": "primerl-code",
+}
+"""primerl's built-in environments: short name -> verifiers taskset id (a top-level module)."""
+
+
+class EnvLoadError(ValueError):
+    """An environment that cannot be loaded: names the environment and what was wrong."""
+
+
+def resolve_taskset_id(env_id: str) -> str:
+    """The verifiers taskset id for a config id: built-in name, installed id, or local path.
+
+    A local path (a `.py` file or a package folder) has its parent folder put on `sys.path`
+    and is then loaded by its module name, as verifiers loads any taskset.
+    """
+    if env_id in BUILTIN:
+        return BUILTIN[env_id]
+    if env_id.endswith(".py") or "/" in env_id or env_id.startswith("."):
+        path = Path(env_id).expanduser()
+        if not path.exists():
+            raise EnvLoadError(f"environment {env_id!r}: no such file or folder ({path.resolve()})")
+        parent = str(path.resolve().parent)
+        if parent not in sys.path:
+            sys.path.insert(0, parent)
+        return path.stem if path.is_file() else path.name
+    return env_id
+
+
+def verifiers_config(cfg: EnvConfig):
+    """The verifiers env config for `cfg`: its taskset with `args`, every agent role played by
+    the configured harness in a local runtime with the configured turn and time limits."""
+    import verifiers.v1 as vf
+    from pydantic import ValidationError
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    taskset_id = resolve_taskset_id(cfg.id)
+    taskset = {"id": taskset_id, **cfg.args}
+    agent: dict[str, Any] = {
+        "runtime": {"type": "subprocess"},
+        "harness": {"id": cfg.harness},
+        "network_notice": False,
+    }
+    if cfg.max_turns is not None:
+        agent["max_turns"] = cfg.max_turns
+    where = f"environment {cfg.display_name!r} (id {cfg.id!r})"
+    try:
+        plain = vf.resolve_env_config({"taskset": taskset})
+        roles = agent_config_fields(plain)
+        raw: dict[str, Any] = {"taskset": taskset, **{role: agent for role in roles}}
+        if cfg.timeout_s is not None:
+            raw["timeout"] = {"episode": cfg.timeout_s}
+        return vf.resolve_env_config(raw)
+    except ModuleNotFoundError as e:
+        raise EnvLoadError(
+            f"{where}: not found. Built-in environments: {', '.join(BUILTIN)}; otherwise give an "
+            f"installed taskset package or the path of a local module ({e})"
+        ) from e
+    except ValidationError as e:
+        raise EnvLoadError(f"{where}: bad arguments (envs.*.args): {e}") from e
+    except (TypeError, ValueError, AttributeError, ImportError) as e:
+        raise EnvLoadError(f"{where}: {e}") from e
+
+
+class TaskStream:
+    """Tasks of a taskset in a reproducible order, resumable from a position.
+
+    A finite taskset is read once and cycled through in epochs, each shuffled with
+    `seed + epoch`; an infinite one is read in order. `position` counts the tasks handed out,
+    so saving it and building a new stream with it continues exactly where this one was.
+    """
+
+    def __init__(self, taskset, seed: int = 0, position: int = 0, shuffle: bool = True) -> None:
+        self.seed = seed
+        self.shuffle = shuffle
+        self.position = 0
+        self._infinite = not taskset.bounded
+        self._iter: Iterator | None = iter(taskset) if self._infinite else None
+        self._tasks = [] if self._infinite else list(taskset)
+        if not self._infinite and not self._tasks:
+            raise EnvLoadError(f"taskset {type(taskset).__name__} has no tasks")
+        self._epoch = -1
+        self._order: list[int] = []
+        for _ in range(position):
+            self.next()
+
+    def _order_for(self, epoch: int) -> list[int]:
+        order = list(range(len(self._tasks)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self):
+        if self._infinite:
+            assert self._iter is not None
+            task = next(self._iter)
+        else:
+            epoch, index = divmod(self.position, len(self._tasks))
+            if epoch != self._epoch:
+                self._epoch, self._order = epoch, self._order_for(epoch)
+            task = self._tasks[self._order[index]]
+        self.position += 1
+        return task
+
+    def __len__(self) -> int:
+        return 0 if self._infinite else len(self._tasks)
+
+
+def _serve(config_data: dict, address: str, paths: list[str], queue) -> None:
+    """Child process of a served environment: verifiers' env server on `address`."""
+    for p in paths:
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    compat.install()
+    from verifiers.v1.serve import serve_env
+
+    serve_env(max_workers=1, address=address, address_queue=queue, config_data=config_data)
+
+
+class Environment:
+    """One configured environment: its tasks, and episodes run in-process or on its server."""
+
+    def __init__(self, cfg: EnvConfig, seed: int = 0, position: int = 0) -> None:
+        import verifiers.v1 as vf
+
+        compat.install()
+        self.cfg = cfg
+        self.name = cfg.display_name
+        self.vf_config = verifiers_config(cfg)
+        try:
+            taskset = vf.load_taskset(self.vf_config.taskset)
+            self.tasks = TaskStream(taskset, seed=seed, position=position)
+        except EnvLoadError:
+            raise
+        except Exception as e:
+            raise EnvLoadError(f"environment {self.name!r}: loading its tasks failed: {e}") from e
+        self._env = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._client = None
+
+    async def __aenter__(self) -> Environment:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        if self.cfg.mode == "server":
+            await self._start_server()
+            return
+        import verifiers.v1 as vf
+
+        try:
+            self._env = vf.load_environment(self.vf_config)
+        except Exception as e:
+            raise EnvLoadError(f"environment {self.name!r}: {e}") from e
+        self._stack = contextlib.AsyncExitStack()
+        await self._stack.enter_async_context(self._env.serving())
+
+    async def _start_server(self) -> None:
+        from verifiers.v1.serve import EnvClient, env_config_data
+
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        paths = [p for p in sys.path if p]
+        self._process = ctx.Process(
+            target=_serve,
+            args=(env_config_data(self.vf_config), "tcp://127.0.0.1:0", paths, queue),
+            name=f"primerl-env-{self.name}",
+            daemon=True,
+        )
+        self._process.start()
+        loop = asyncio.get_running_loop()
+        try:
+            address = await asyncio.wait_for(loop.run_in_executor(None, queue.get), timeout=120)
+        except TimeoutError as e:
+            self._process.kill()
+            raise EnvLoadError(
+                f"environment {self.name!r}: its server did not report an address in 120 s "
+                f"(exit code {self._process.exitcode})"
+            ) from e
+        self._client = EnvClient(address)
+        await self._client.wait_for_server_startup()
+
+    async def stop(self) -> None:
+        if self._stack is not None:
+            await self._stack.aclose()
+            self._stack = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        if self._process is not None:
+            self._process.terminate()
+            self._process.join(10)
+            if self._process.is_alive():
+                self._process.kill()
+            self._process = None
+
+    async def run(self, task, ctx) -> list:
+        """One episode of `task` with the model in `ctx`; its traces (one per agent run).
+
+        Failures inside the episode (a reward function that raised, a harness error, a time
+        limit) are recorded on the traces, never raised: the caller turns them into errored
+        rollouts. An episode that produced no trace at all yields one error trace record.
+        """
+        if self._client is not None:
+            episode = await self._client.run(
+                ctx.client, ctx.model, ctx.sampling, task.data.model_dump(mode="json")
+            )
+        elif self._env is not None:
+            (slot,) = self._env.slots(task)
+            episode = await self._env.run_slot(slot, ctx)
+        else:
+            raise RuntimeError(f"environment {self.name!r} is not started")
+        if episode.traces:
+            if episode.errors:
+                for trace in episode.traces:
+                    trace.errors.extend(episode.errors)
+                    trace.ok = False
+            return list(episode.traces)
+        raise EpisodeError(
+            f"environment {self.name!r}: episode produced no trace: "
+            + "; ".join(f"{e.type}: {e.message}" for e in episode.errors)
+        )
+
+
+class EpisodeError(RuntimeError):
+    """An episode that failed before any agent ran (counted as an errored rollout)."""
+
+
+def model_context(
+    base_url: str,
+    model: str,
+    tokenizer: str,
+    *,
+    temperature: float = 1.0,
+    max_tokens: int | None = None,
+    top_p: float | None = None,
+    tool_parser: str | None = "qwen3",
+    extra_sampling: dict | None = None,
+    headers: dict[str, str] | None = None,
+):
+    """A verifiers model context for one of primerl's vLLM servers.
+
+    verifiers' training client renders prompts with the model's own chat template (from the
+    local `tokenizer` folder), calls the server's token-in/token-out route and records token
+    ids and logprobs on the trace. `tool_parser` reads tool calls out of sampled tokens
+    (`qwen3`: `<tool_call>{json}</tool_call>`).
+    """
+    import verifiers.v1 as vf
+    from renderers import DefaultRendererConfig
+
+    renderer = DefaultRendererConfig(tool_parser=tool_parser) if tool_parser else DefaultRendererConfig()
+    client = vf.TrainClientConfig(
+        base_url=base_url.rstrip("/") + "/v1",
+        api_key_var="PRIMERL_INFERENCE_API_KEY",
+        renderer=renderer,
+        renderer_model_name=tokenizer,
+        headers=headers or {},
+    )
+    sampling: dict[str, Any] = {"temperature": temperature}
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    if top_p is not None:
+        sampling["top_p"] = top_p
+    sampling.update(extra_sampling or {})
+    return vf.ModelContext(model=model, client=client, sampling=vf.SamplingConfig(**sampling))

@@ -1,0 +1,122 @@
+"""verifiers traces -> primerl rollouts (and through primerl-algos' merging, training samples).
+
+A trace records every model call (`trace.calls`) and a message graph whose nodes hold the
+exact tokens each message added (`node.token_ids`, with `node.mask` True on sampled tokens and
+`node.logprobs` for them). Each call becomes one `Turn`: its prompt is every token on the path
+from the root to its assistant node plus that node's template scaffold; its completion is the
+node's sampled span. `primerl_algos.merging.merge_turns` then joins turns that extend each other
+into one sample and starts a new one where the chat template rewrote the history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from primerl_algos.types import Rollout, Turn
+
+
+LIMITS = {"max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens"}
+"""verifiers' stop conditions that cut a rollout short (a task's own @stop ends it normally)."""
+
+
+class TraceError(ValueError):
+    """A trace whose tokens cannot make training data (names the trace and the call)."""
+
+
+def trace_turns(trace) -> list[Turn]:
+    """One Turn per model call of `trace`, in call order."""
+    nodes = trace.nodes
+    turns: list[Turn] = []
+    for index, call in enumerate(trace.calls):
+        if call.node is None:
+            continue  # a call that failed before committing a message
+        node = nodes[call.node]
+        mask = node.mask
+        sampled = [i for i, m in enumerate(mask) if m]
+        if not sampled:
+            continue  # nothing sampled (e.g. an empty reply): nothing to train on
+        first, last = sampled[0], sampled[-1]
+        if last - first + 1 != len(sampled):
+            raise TraceError(
+                f"trace {trace.id}, call {index}: sampled tokens are not one contiguous span"
+            )
+        logprobs = list(node.logprobs or [])
+        if len(logprobs) != len(sampled):
+            raise TraceError(
+                f"trace {trace.id}, call {index}: {len(sampled)} sampled tokens but "
+                f"{len(logprobs)} logprobs (was the client a training client?)"
+            )
+        prefix: list[int] = []
+        path: list[int] = []
+        parent = node.parent
+        while parent is not None:
+            path.append(parent)
+            parent = nodes[parent].parent
+        for nid in reversed(path):
+            prefix.extend(nodes[nid].token_ids)
+        prefix.extend(node.token_ids[:first])
+        turns.append(
+            Turn(
+                prompt_ids=prefix,
+                completion_ids=list(node.token_ids[first : last + 1]),
+                completion_logprobs=logprobs,
+            )
+        )
+    return turns
+
+
+def _error_text(errors: Iterable) -> str | None:
+    parts = [f"{e.type}: {e.message}" for e in errors]
+    if not parts:
+        return None
+    text = "; ".join(parts)
+    return text if len(text) <= 2000 else text[:2000] + "..."
+
+
+def trace_to_rollout(
+    trace,
+    *,
+    sample_id: int,
+    group_id: int,
+    env: str,
+    temperature: float = 1.0,
+    policy_step: int = 0,
+) -> Rollout:
+    """A rollout from one finished trace: tokens per turn, reward, metrics, error, truncation.
+
+    A trace that errored (reward function raised, harness failed, time limit) keeps its tokens
+    for inspection but carries `error`, so filters drop it before training.
+    """
+    error = _error_text(trace.errors)
+    if error is None and not trace.ok:
+        error = "trace did not complete"
+    try:
+        turns = trace_turns(trace)
+    except TraceError as e:
+        turns, error = [], str(e)
+    if error is None and not turns:
+        error = "no sampled tokens in the trace (no model call completed)"
+    metrics: dict[str, float] = {}
+    for name, reward in trace.rewards.items():
+        if reward is not None:
+            metrics[f"reward/{name}"] = float(reward.score)
+    for name, value in trace.metrics.items():
+        if value is not None:
+            metrics[name] = float(value)
+    truncated = (
+        trace.is_timeout
+        or trace.stop_condition in LIMITS
+        or any(call.finish_reason == "length" for call in trace.calls)
+    )
+    return Rollout(
+        sample_id=sample_id,
+        group_id=group_id,
+        turns=turns,
+        reward=float(trace.reward) if error is None else 0.0,
+        temperature=temperature,
+        policy_step=policy_step,
+        truncated=truncated,
+        error=error,
+        env=env,
+        metrics=metrics,
+    )

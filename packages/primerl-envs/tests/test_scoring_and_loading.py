@@ -1,0 +1,85 @@
+"""primerl-envs without a model server: reward helpers (by hand), loading errors, task streams."""
+
+from fractions import Fraction
+
+import pytest
+from primerl_envs.config import EnvConfig
+from primerl_envs.environment import BUILTIN, EnvLoadError, Environment, TaskStream, verifiers_config
+from primerl_envs.scoring import boxed_answer_matches, last_boxed, lcs_length, lcs_ratio, parse_number
+
+
+def test_lcs_by_hand():
+    assert lcs_length("abcde", "ace") == 3
+    assert lcs_length("abc", "acb") == 2
+    assert lcs_length("", "abc") == 0
+    assert lcs_ratio("abc", "abc") == 1.0
+    assert lcs_ratio("abc", "xyz") == 0.0
+    assert lcs_ratio("abc", "acb") == pytest.approx(2 * 2 / 6)
+    assert lcs_ratio(["b", "a"], ["a", "b"]) == pytest.approx(2 * 1 / 4)
+
+
+def test_boxed_answers():
+    assert last_boxed(r"so \boxed{3} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert last_boxed("no box") is None
+    assert last_boxed(r"\boxed{unclosed") is None
+    assert parse_number("7/2") == Fraction(7, 2) == parse_number("3.5")
+    assert parse_number("1,000") == 1000
+    assert parse_number("x") is None
+    assert boxed_answer_matches(r"answer: \boxed{3.5}", "7/2")
+    assert boxed_answer_matches(r"\boxed{ 42 }", "42")
+    assert not boxed_answer_matches(r"\boxed{41}", "42")
+    assert not boxed_answer_matches("42", "42")  # an answer must be boxed
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_builtin_environments_load_and_make_tasks(name):
+    env = Environment(EnvConfig(id=name, args={"num_tasks": 7}))
+    assert len(env.tasks) == 7
+    task = env.tasks.next()
+    assert task.data.prompt_text
+    # verifiers' cloud defaults are replaced by local ones.
+    role = env.vf_config.agent
+    assert role.runtime.type == "subprocess"
+    assert role.harness.id == "primerl-chat"
+
+
+def test_unknown_environment_names_builtins():
+    with pytest.raises(EnvLoadError, match="no-such-env.*reverse-text"):
+        verifiers_config(EnvConfig(id="no-such-env"))
+
+
+def test_missing_local_module_names_the_path(tmp_path):
+    with pytest.raises(EnvLoadError, match="no such file"):
+        verifiers_config(EnvConfig(id=str(tmp_path / "missing_env.py")))
+
+
+def test_bad_argument_names_the_field():
+    with pytest.raises(EnvLoadError, match="num_taskz"):
+        Environment(EnvConfig(id="reverse-text", args={"num_taskz": 3}))
+
+
+def test_local_module_environment(tmp_path):
+    (tmp_path / "my_local_env.py").write_text(
+        "import verifiers.v1 as vf\n"
+        "class D(vf.TaskData):\n    answer: str\n"
+        "class T(vf.Task[D, vf.State, vf.TaskConfig]):\n"
+        "    @vf.reward\n    async def r(self, trace: vf.Trace) -> float:\n        return 1.0\n"
+        "class S(vf.Taskset[T, vf.TasksetConfig]):\n"
+        "    def load(self):\n        return [T(D(prompt=str(i), answer='x')) for i in range(3)]\n"
+        "__all__ = ['S']\n"
+    )
+    env = Environment(EnvConfig(id=str(tmp_path / "my_local_env.py")))
+    assert env.name == "my_local_env"
+    assert sorted(env.tasks.next().data.prompt for _ in range(3)) == ["0", "1", "2"]
+
+
+def test_task_stream_epochs_and_resume():
+    env = Environment(EnvConfig(id="reverse-text", args={"num_tasks": 5}))
+    taskset = env.tasks
+    first = [taskset.next().data.id for _ in range(12)]
+    # every epoch of 5 holds each task exactly once, in a new order per epoch
+    assert sorted(first[:5]) == sorted(first[5:10]) == sorted(f"reverse-{i}" for i in range(5))
+    assert first[:5] != first[5:10]
+    # a stream built at position 7 continues exactly where this one was at 7
+    resumed = TaskStream(__import__("verifiers.v1", fromlist=["x"]).load_taskset(env.vf_config.taskset), seed=0, position=7)
+    assert [resumed.next().data.id for _ in range(5)] == first[7:12]
