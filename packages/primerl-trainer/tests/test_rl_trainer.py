@@ -175,7 +175,8 @@ def test_bad_batches_are_refused_naming_the_sample_and_training_goes_on(tmp_path
     rc, ready, log = run_trainer(tmp_path, model_dir, tmp_path / "run", steps=2, feed=feed)
     assert rc == 0, log
     assert [r.step for r in ready] == [0, 1]
-    assert "rank 1: micro-batch 1, sample 1100: token id 5000 is outside the vocabulary [0, 99)" in log
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    assert f"rank 1: micro-batch 1, sample 1100: token id 5000 is outside the vocabulary [0, {vocab})" in log
     assert "rank 0: batch for step 0 has no micro-batches" in log
     assert "malformed TrainBatch on socket 'batches/rank0' at field `micro_batches[0]`" in log
     assert [m["batches_refused"] for m in metrics(tmp_path / "run")] == [2, 2]
