@@ -37,11 +37,16 @@ def server(tmp_path_factory):
     servers.stop()
 
 
-def episode(server, cfg: EnvConfig, regex: str | None = None, *, tasks: int = 1, max_tokens: int = 120):
-    """Run `tasks` episodes of the environment's first tasks; their rollouts and the tasks."""
+def episode(server, cfg: EnvConfig, regex=None, *, tasks: int = 1, max_tokens: int = 120):
+    """Run `tasks` episodes of the environment's first tasks; (task, trace, rollout) for each.
+
+    `regex` (a string, or a function of the task giving one) forces the sampled text."""
     url, model = server
-    extra = {"structured_outputs": {"regex": regex}} if regex is not None else {}
-    ctx = model_context(url, model, model, temperature=1.0, max_tokens=max_tokens, extra_sampling=extra)
+
+    def context(task):
+        pattern = regex(task) if callable(regex) else regex
+        extra = {} if pattern is None else {"structured_outputs": {"regex": pattern}}
+        return model_context(url, model, model, temperature=1.0, max_tokens=max_tokens, extra_sampling=extra)
 
     async def go():
         env = Environment(cfg)
@@ -49,10 +54,7 @@ def episode(server, cfg: EnvConfig, regex: str | None = None, *, tasks: int = 1,
             out = []
             for i in range(tasks):
                 task = env.tasks.next()
-                regex_i = regex(task) if callable(regex) else regex
-                c = model_context(url, model, model, temperature=1.0, max_tokens=max_tokens,
-                                  extra_sampling={"structured_outputs": {"regex": regex_i}}) if callable(regex) else ctx
-                traces = await env.run(task, c)
+                traces = await env.run(task, context(task))
                 out += [(task, trace, trace_to_rollout(trace, sample_id=i, group_id=i, env=env.name)) for trace in traces]
             return out
 

@@ -11,17 +11,13 @@ import random
 import string
 
 import verifiers.v1 as vf
+from primerl_envs.tasks import AnswerData
 from primerl_envs.scoring import lcs_ratio
 
 __all__ = ["AlphabetSortTaskset"]
 
 
-class AlphabetSortData(vf.TaskData):
-    answer: str
-    """The words, sorted, separated by spaces."""
-
-
-class AlphabetSortTask(vf.Task[AlphabetSortData, vf.State, vf.TaskConfig]):
+class AlphabetSortTask(vf.Task[AnswerData, vf.State, vf.TaskConfig]):
     @vf.reward(weight=1.0)
     async def sorted_words(self, trace: vf.Trace) -> float:
         got = (trace.last_reply or "").split()
@@ -52,6 +48,6 @@ class AlphabetSortTaskset(vf.Taskset[AlphabetSortTask, AlphabetSortConfig]):
             n = rng.randint(cfg.min_words, cfg.max_words)
             words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(cfg.word_length)) for _ in range(n)]
             yield AlphabetSortTask(
-                AlphabetSortData(id=f"sort-{i}", prompt=cfg.instruction + " ".join(words), answer=" ".join(sorted(words))),
+                AnswerData(id=f"sort-{i}", prompt=cfg.instruction + " ".join(words), answer=" ".join(sorted(words))),
                 cfg.task,
             )

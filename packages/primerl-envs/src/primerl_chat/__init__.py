@@ -23,8 +23,6 @@ from verifiers.v1.harnesses.utils import mcp as vf_mcp
 
 __all__ = ["ChatHarness"]
 
-HARNESS_ID = "primerl-chat"
-
 
 class ChatHarnessConfig(vf.HarnessConfig):
     """The in-process chat loop: model turns until a reply without tool calls."""

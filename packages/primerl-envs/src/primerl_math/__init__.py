@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import verifiers.v1 as vf
+from primerl_envs.tasks import AnswerData
 from primerl_envs.scoring import boxed_answer_matches, last_boxed
 
 __all__ = ["MathTaskset"]
@@ -24,12 +25,7 @@ WORD_PROBLEMS = [
 NAMES = ["Ann", "Bo", "Cy", "Di", "Ed"]
 
 
-class MathData(vf.TaskData):
-    answer: str
-    """The exact answer."""
-
-
-class MathTask(vf.Task[MathData, vf.State, vf.TaskConfig]):
+class MathTask(vf.Task[AnswerData, vf.State, vf.TaskConfig]):
     @vf.reward(weight=1.0)
     async def correct(self, trace: vf.Trace) -> float:
         return 1.0 if boxed_answer_matches(trace.last_reply or "", self.data.answer) else 0.0
@@ -70,4 +66,4 @@ class MathTaskset(vf.Taskset[MathTask, MathConfig]):
                 a, b = max(a, b), min(a, b)
                 question = template.format(name=rng.choice(NAMES), a=a, b=b)
                 answer = solve(a, b)
-            yield MathTask(MathData(id=f"math-{i}", prompt=cfg.instruction + question, answer=str(answer)), cfg.task)
+            yield MathTask(AnswerData(id=f"math-{i}", prompt=cfg.instruction + question, answer=str(answer)), cfg.task)

@@ -12,17 +12,13 @@ import random
 import string
 
 import verifiers.v1 as vf
+from primerl_envs.tasks import AnswerData
 from primerl_envs.scoring import lcs_ratio
 
 __all__ = ["ReverseTextTaskset"]
 
 
-class ReverseTextData(vf.TaskData):
-    answer: str
-    """The reversed text."""
-
-
-class ReverseTextTask(vf.Task[ReverseTextData, vf.State, vf.TaskConfig]):
+class ReverseTextTask(vf.Task[AnswerData, vf.State, vf.TaskConfig]):
     @vf.reward(weight=1.0)
     async def lcs(self, trace: vf.Trace) -> float:
         return lcs_ratio(trace.last_reply or "", self.data.answer)
@@ -50,6 +46,6 @@ class ReverseTextTaskset(vf.Taskset[ReverseTextTask, ReverseTextConfig]):
         for i in range(cfg.num_tasks):
             text = "".join(rng.choice(cfg.alphabet) for _ in range(rng.randint(cfg.min_length, cfg.max_length)))
             yield ReverseTextTask(
-                ReverseTextData(id=f"reverse-{i}", prompt=cfg.instruction + text, answer=text[::-1]),
+                AnswerData(id=f"reverse-{i}", prompt=cfg.instruction + text, answer=text[::-1]),
                 cfg.task,
             )

@@ -12,15 +12,11 @@ from __future__ import annotations
 import random
 
 import verifiers.v1 as vf
+from primerl_envs.tasks import AnswerData
 from primerl_envs.scoring import boxed_answer_matches
 from primerl_tool_use.tools import Tools
 
 __all__ = ["ToolUseTaskset"]
-
-
-class ToolUseData(vf.TaskData):
-    answer: str
-    """The exact value of the expression."""
 
 
 class ToolUseTaskConfig(vf.TaskConfig):
@@ -28,7 +24,7 @@ class ToolUseTaskConfig(vf.TaskConfig):
     """Config of the tool server."""
 
 
-class ToolUseTask(vf.Task[ToolUseData, vf.State, ToolUseTaskConfig]):
+class ToolUseTask(vf.Task[AnswerData, vf.State, ToolUseTaskConfig]):
     @classmethod
     def toolsets(cls, config: ToolUseTaskConfig) -> list[vf.Toolset]:
         return [Tools(config.tools)]
@@ -60,4 +56,4 @@ class ToolUseTaskset(vf.Taskset[ToolUseTask, ToolUseConfig]):
         for i in range(cfg.num_tasks):
             a, b, c = (rng.randint(1, cfg.max_operand) for _ in range(3))
             prompt = f"Use the tools to compute ({a} + {b}) * {c}, then answer \\boxed{{value}}."
-            yield ToolUseTask(ToolUseData(id=f"tools-{i}", prompt=prompt, answer=str((a + b) * c)), cfg.task)
+            yield ToolUseTask(AnswerData(id=f"tools-{i}", prompt=prompt, answer=str((a + b) * c)), cfg.task)
