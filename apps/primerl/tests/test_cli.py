@@ -55,7 +55,7 @@ def test_rl_dry_run_prints_toml_of_the_resolved_config(config):
     )
 
 
-NOT_BUILT = ["rl", "eval", "primerl-orch"]
+NOT_BUILT = ["rl"]
 
 
 @pytest.mark.parametrize("name", NOT_BUILT)
@@ -64,6 +64,17 @@ def test_engines_not_built_yet_say_so_and_exit_nonzero(name, config):
     result = CliRunner().invoke(cmd, [*prefix, "@", str(config)])
     assert result.exit_code == 3
     assert "is not built yet (tracked in issue #" in result.output
+
+
+def test_orchestrator_and_eval_without_environments_fail_naming_the_section(config):
+    cmd, prefix, _ = COMMANDS["primerl-orch"]
+    result = CliRunner().invoke(cmd, [*prefix, "@", str(config)])
+    assert result.exit_code == 1
+    assert "no training environments: add at least one [[envs.train]] entry" in result.output
+    cmd, prefix, _ = COMMANDS["eval"]
+    result = CliRunner().invoke(cmd, [*prefix, "@", str(config), 'inference.urls=["http://127.0.0.1:9"]'])
+    assert result.exit_code == 1
+    assert "no eval environments: add at least one [[envs.eval]] entry" in result.output
 
 
 def test_config_error_exits_2_naming_the_key(config):

@@ -67,11 +67,17 @@ def run_trainer(tmp_path, model_dir, run_dir, steps, first=0, max_steps=None, fe
     proc = launch_trainer(cfg, RANKS, log)
     ready = []
     try:
+        if first:  # a resumed trainer first publishes the weights it restored
+            ready.append(orch.wait_policy())
         for step in range(first, first + steps):
             if feed:
                 feed(step, orch)
             else:
-                orch.send(synthetic_batches(step, RANKS, 98))
+                batches = synthetic_batches(step, RANKS, 98)
+                # what the orchestrator sends along with rank 0's batch
+                batches[0].metrics = {"reward/mean": step / 10}
+                batches[0].state = {"next_group": 4 * (step + 1)}
+                orch.send(batches)
             ready.append(orch.wait_policy())
         rc = proc.wait(timeout=180)
     finally:
@@ -135,6 +141,8 @@ def test_metrics_go_to_jsonl_and_offline_wandb(straight_run):
     first = metrics(run_dir)[0]
     for key in ("loss", "mismatch_kl", "entropy", "grad_norm", "lr", "tokens_per_s", "time_fwd_bwd", "time_publish"):
         assert key in first, key
+    # the orchestrator's metrics of each step, logged on the same step
+    assert [m["reward/mean"] for m in metrics(run_dir)] == pytest.approx([s / 10 for s in range(6)])
     assert "step 0 | loss" in log  # the console line
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert runs and list(runs[0].glob("*.wandb"))
@@ -145,9 +153,14 @@ def test_resume_gives_the_same_losses_and_weights(tmp_path, model_dir, straight_
     run_dir = tmp_path / "run"
     rc, _, log = run_trainer(tmp_path, model_dir, run_dir, steps=3, max_steps=3)
     assert rc == 0, log
+    # the checkpoint of step 2 holds the orchestrator state sent with batch 2
+    meta = json.loads((run_dir / "checkpoints" / "step_2" / "meta.json").read_text())
+    assert meta["data"] == {"next_step": 3, "orchestrator": {"next_group": 12}}
     rc, ready, log = run_trainer(tmp_path, model_dir, run_dir, steps=3, first=3, max_steps=6)
     assert rc == 0, log
     assert "resumed from" in log
+    assert ready[0].step == 2  # the restored weights, published before any batch
+    assert ready[0].location.endswith("weights/step_2")
     resumed = [m["loss"] for m in metrics(run_dir)]
     straight = [m["loss"] for m in metrics(straight_dir)]
     np.testing.assert_allclose(resumed, straight, atol=1e-6, rtol=0)

@@ -138,6 +138,50 @@ def _run_inference(config: InferenceRunConfig) -> None:
         servers.stop()
 
 
+def _run_orchestrator(config: OrchRunConfig) -> None:
+    from primerl_envs.environment import EnvLoadError
+    from primerl_orchestrator.loop import OrchestratorError, run
+    from primerl_orchestrator.servers import NoServerError
+
+    try:
+        run(config)
+    except (OrchestratorError, NoServerError, EnvLoadError) as err:
+        click.echo(f"primerl-orch: {err}", err=True)
+        sys.exit(EXIT_FAILED)
+    except KeyboardInterrupt:
+        click.echo("primerl-orch: stopped", err=True)
+        sys.exit(EXIT_FAILED)
+
+
+def _run_eval(config: EvalConfig) -> None:
+    import asyncio
+    import logging
+
+    from primerl_envs.environment import EnvLoadError
+    from primerl_inference.launcher import LaunchError, admin_token, launch
+    from primerl_orchestrator.evals import eval_run
+    from primerl_orchestrator.servers import NoServerError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    servers = None
+    try:
+        if config.inference.urls:
+            urls = config.inference.server_urls()
+        else:  # start our own servers for the eval
+            servers = launch(config.inference, config.model.name, config.seq_len, config.run_dir)
+            urls = servers.urls
+        results = asyncio.run(eval_run(config, urls, admin_token(config.inference)))
+    except (LaunchError, NoServerError, EnvLoadError, ValueError) as err:
+        click.echo(f"primerl eval: {err}", err=True)
+        sys.exit(EXIT_FAILED)
+    finally:
+        if servers is not None:
+            servers.stop()
+    for r in results:
+        scores = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in r.items() if "@" in k)
+        click.echo(f"policy {r['policy']}: {scores}")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="primerl")
 def main() -> None:
@@ -149,14 +193,14 @@ for _name, _root, _summary, _engine in [
      _engine_not_built("`primerl rl` (the whole-run launcher)", 9)),
     ("sft", SFTConfig, "Supervised fine-tuning on the FSDP2 trainer (one process; for several, "
      "torchrun --nproc-per-node N -m primerl.sft_entry @ cfg.toml).", _run_sft),
-    ("eval", EvalConfig, "Evaluate a model (or each published step of a run).",
-     _engine_not_built("`primerl eval`", 8)),
+    ("eval", EvalConfig, "Evaluate a model (or each published step of a run); results in run_dir/evals.jsonl.",
+     _run_eval),
 ]:
     main.add_command(config_command(_name, _root, _summary, _engine, prog=f"primerl {_name}"))
 
 orch_main = config_command(
     "primerl-orch", OrchRunConfig, "The orchestrator: the asynchronous rollout loop.",
-    _engine_not_built("`primerl-orch` (the orchestrator)", 8),
+    _run_orchestrator,
 )
 trainer_main = config_command(
     "primerl-trainer", TrainerRunConfig,

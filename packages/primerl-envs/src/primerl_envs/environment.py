@@ -141,6 +141,14 @@ class TaskStream:
         self.position += 1
         return task
 
+    def at(self, position: int):
+        """The task handed out at `position` (finite tasksets), without moving the stream."""
+        if self._infinite:
+            raise EnvLoadError("an endless taskset has no random access; only `next()`")
+        epoch, index = divmod(position, len(self._tasks))
+        order = self._order if epoch == self._epoch else self._order_for(epoch)
+        return self._tasks[order[index]]
+
     def __len__(self) -> int:
         return 0 if self._infinite else len(self._tasks)
 

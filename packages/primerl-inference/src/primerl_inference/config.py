@@ -20,6 +20,9 @@ class DisaggregationConfig(Config):
 class InferenceConfig(Config):
     """vLLM OpenAI-compatible servers with primerl's admin routes (docs/inference.md)."""
 
+    urls: list[str] = []
+    """Servers that are already running (http://host:port), used by the orchestrator and
+    `primerl eval` instead of the host/port/num_replicas layout below."""
     host: str = "127.0.0.1"
     """Interface the servers listen on."""
     port: Port = 8000
@@ -74,6 +77,13 @@ class InferenceConfig(Config):
                 f"gpus lists {len(self.gpus)} GPUs, but {self.num_replicas} replicas x "
                 f"{self.gpus_per_replica} GPUs each need {self.num_replicas * self.gpus_per_replica}"
             )
+
+    def server_urls(self) -> list[str]:
+        """Where the servers answer: `urls`, else replica i at host:port + i."""
+        if self.urls:
+            return [u.rstrip("/") for u in self.urls]
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return [f"http://{host}:{self.port + i}" for i in range(self.num_replicas)]
 
     @property
     def gpus_per_replica(self) -> int:

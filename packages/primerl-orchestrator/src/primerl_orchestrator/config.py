@@ -29,6 +29,14 @@ class EvalSettings(Config):
     """Rollouts per eval task (k of avg@k and pass@k)."""
     temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Sampling temperature for evals."""
+    max_tokens: Positive | None = None
+    """Most tokens generated per turn in evals (default: orchestrator.sampling.max_tokens, or
+    1024 for `primerl eval`)."""
+    max_tasks: Positive | None = None
+    """Evaluate on the first this many tasks of each eval environment (default: all of them;
+    needed for endless tasksets)."""
+    pass_threshold: float = 1.0
+    """A rollout with at least this reward counts as solving its task (pass@k)."""
 
 
 class OrchestratorConfig(Config):
@@ -50,6 +58,10 @@ class OrchestratorConfig(Config):
     """Rollout and group filters."""
     eval: EvalSettings = msgspec.field(default_factory=EvalSettings)
     """Online evals."""
+    max_retries: NonNegative = 2
+    """Times a rollout is run again on another server when its server failed."""
+    send_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    """Longest wait for the trainer to take a batch before the orchestrator gives up."""
 
     def __post_init__(self) -> None:
         if self.batch_size % self.group_size:

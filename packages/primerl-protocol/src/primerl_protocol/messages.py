@@ -15,12 +15,14 @@ Shape legend: T = tokens in a packed row, S = sequences (samples) in that row.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
-"""Bumped on any change to a message's fields; peers of other versions are refused."""
+PROTOCOL_VERSION = 2
+"""Bumped on any change to a message's fields; peers of other versions are refused.
+2: TrainBatch carries the orchestrator's metrics and resume state."""
 
 
 class Message(msgspec.Struct, tag=True, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -124,6 +126,12 @@ class TrainBatch(Message):
     and constant normalisation)."""
     created_at: float = msgspec.field(default_factory=time.time)
     """Wall-clock time (s since epoch) the orchestrator built the batch."""
+    metrics: dict[str, float] = {}
+    """The orchestrator's metrics of this step (rewards, drops, off-policy level, rates), for
+    the trainer to log on the same step axis (rank 0's batch carries them)."""
+    state: dict[str, Any] = {}
+    """What the orchestrator needs to resume after this step (data positions, unfinished
+    groups); the trainer stores it in the checkpoint of this step (rank 0's batch carries it)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_ranks:

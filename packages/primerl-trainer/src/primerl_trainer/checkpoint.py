@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from primerl_protocol.checkpoints import CHECKPOINTS, checkpoint_dirs
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from primerl_trainer.distributed import Dist
@@ -41,12 +42,12 @@ def _set_rng_state(state: dict) -> None:
 
 class Checkpointer:
     def __init__(self, run_dir: str | Path, keep: int, d: Dist):
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = Path(run_dir) / CHECKPOINTS
         self.keep, self.d = keep, d
 
     def latest(self) -> Path | None:
-        done = [p for p in self.root.glob("step_*") if (p / "meta.json").exists()]
-        return max(done, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+        dirs = checkpoint_dirs(self.root.parent)
+        return dirs[-1] if dirs else None
 
     def save(self, step: int, model, optimizer, scheduler, data: dict) -> Path:
         final, tmp = self.root / f"step_{step}", self.root / f".step_{step}.tmp"
@@ -88,6 +89,5 @@ class Checkpointer:
     def _prune(self) -> None:
         if not self.keep:
             return
-        steps = sorted(int(p.name.removeprefix("step_")) for p in self.root.glob("step_*") if (p / "meta.json").exists())
-        for old in steps[: -self.keep]:
-            shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)
+        for old in checkpoint_dirs(self.root.parent)[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)

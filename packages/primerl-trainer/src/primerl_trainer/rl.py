@@ -6,8 +6,10 @@ Each step: receive this rank's TrainBatch over ZeroMQ (all ranks agree to drop a
 fails validation and wait for the step's next one), compute the trainer's logprobs of every
 token at its sampling temperature, the configured loss normalised over the global batch,
 backward, clip, AdamW; publish the weights (PolicyReady to the orchestrator); checkpoint every
-K steps and at the end. A restart on the same run directory resumes from the newest
-checkpoint. If no batch arrives within `transport.sockets.recv_timeout_s` (the orchestrator is
+K steps and at the end, with the orchestrator's resume state that came with the step's batch.
+Metrics the orchestrator sent with the batch are logged with the trainer's own, on one step
+axis. A restart on the same run directory resumes from the newest checkpoint and first
+publishes the restored weights, so inference serves them again. If no batch arrives within `transport.sockets.recv_timeout_s` (the orchestrator is
 gone), the trainer stops with a clear error and keeps its checkpoints.
 """
 
@@ -153,6 +155,12 @@ def train(cfg) -> None:
     )
     step = session.start_step
     try:
+        if step > 0:
+            # Resumed: inference may serve anything (a fresh server, or weights of steps this
+            # run lost), so publish the restored weights first; the orchestrator waits for them.
+            ready, _ = session.publish(step - 1)
+            if ready is not None:
+                policy.send(ready)
         while cfg.max_steps is None or step < cfg.max_steps:
             data = source.next(step)
             if data is None:
@@ -163,8 +171,9 @@ def train(cfg) -> None:
             ready, publish_s = session.publish(step)
             if ready is not None:
                 policy.send(ready)
-            checkpointed = session.maybe_checkpoint(step, {"next_step": step + 1})
+            checkpointed = session.maybe_checkpoint(step, {"next_step": step + 1, "orchestrator": batch.state})
             session.log(step, {
+                **batch.metrics,
                 **stats,
                 "policy_lag_s": time.time() - batch.created_at,
                 "batches_refused": source.num_refused,
@@ -173,7 +182,7 @@ def train(cfg) -> None:
             })
             step += 1
         if step > session.start_step and not checkpointed:
-            session.maybe_checkpoint(step - 1, {"next_step": step}, final=True)
+            session.maybe_checkpoint(step - 1, {"next_step": step, "orchestrator": batch.state}, final=True)
     except TrainerError as err:
         log.error("%s", err)
         raise

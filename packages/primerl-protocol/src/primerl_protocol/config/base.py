@@ -55,6 +55,9 @@ class TransportConfig(Config):
     """Trainer rank r receives its batches on batch_port + r."""
     policy_port: Port = 5600
     """The orchestrator receives PolicyReady from the trainer here."""
+    trainer_ranks: Positive = 1
+    """Data-parallel ranks of the trainer: the orchestrator packs each step for this many and
+    sends rank r its share on batch_port + r."""
     sockets: SocketSettings = SocketSettings(recv_timeout_s=1800.0)
     """High-water marks, linger, timeouts and kernel buffers of both sockets. A trainer that
     hears nothing (not even a heartbeat) for recv_timeout_s stops with a clear error."""

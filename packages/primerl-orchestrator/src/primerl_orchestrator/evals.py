@@ -1,0 +1,138 @@
+"""Evals: k rollouts of each task of the eval environments, scored as avg@k and pass@k.
+
+For a task with n rollouts of which c solved it (reward >= the pass threshold):
+  avg@k   mean reward over the k rollouts, averaged over tasks
+  pass@k  1 - C(n - c, k) / C(n, k), the unbiased estimate of "at least one of k solves it"
+          (Chen et al., 2021), averaged over tasks; with n = k it is 1 if any rollout solved it
+  pass@1  c / n averaged over tasks
+Errored rollouts count as unsolved with reward 0 (and are reported as `error_rate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from primerl_envs.environment import Environment
+
+from primerl_orchestrator.generate import Generator
+
+log = logging.getLogger("primerl.orchestrator")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k rollouts drawn without replacement from n (c of
+    them correct) is correct."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def score_tasks(rewards_per_task: list[list[float]], k: int, threshold: float) -> dict[str, float]:
+    """avg@k, pass@1 and pass@k over tasks, each given its list of n >= k rewards."""
+    if not rewards_per_task:
+        return {}
+    avg, p1, pk = [], [], []
+    for rewards in rewards_per_task:
+        n, c = len(rewards), sum(r >= threshold for r in rewards)
+        avg.append(sum(rewards) / n)
+        p1.append(c / n)
+        pk.append(pass_at_k(n, c, k))
+    t = len(rewards_per_task)
+    return {f"avg@{k}": sum(avg) / t, "pass@1": sum(p1) / t, f"pass@{k}": sum(pk) / t}
+
+
+async def evaluate(
+    envs: list[Environment], gen: Generator, settings, *, max_tokens: int, concurrency: int,
+) -> dict[str, float]:
+    """`eval/<env>/...` metrics of every environment in `envs` (EvalSettings `settings`)."""
+    k = settings.num_samples
+    limit = asyncio.Semaphore(concurrency)
+    out: dict[str, float] = {}
+    t0 = time.monotonic()
+
+    async def one(env, task, task_index: int, i: int) -> tuple[float, bool, int]:
+        async with limit:
+            rollouts = await gen.play(
+                env, task, sample_id=task_index * k + i, group_id=task_index,
+                temperature=settings.temperature, max_tokens=max_tokens,
+            )
+        r = rollouts[0]
+        return (0.0 if r.error else r.reward), r.error is not None, r.num_completion_tokens
+
+    for env in envs:
+        n_tasks = len(env.tasks) if settings.max_tasks is None else min(settings.max_tasks, len(env.tasks) or settings.max_tasks)
+        if n_tasks == 0:
+            raise ValueError(f"eval environment {env.name!r} has an endless taskset: set eval.max_tasks")
+        tasks = [env.tasks.at(i) for i in range(n_tasks)]
+        results = await asyncio.gather(*(one(env, t, ti, i) for ti, t in enumerate(tasks) for i in range(k)))
+        rewards = [[results[ti * k + i][0] for i in range(k)] for ti in range(n_tasks)]
+        for name, value in score_tasks(rewards, k, settings.pass_threshold).items():
+            out[f"eval/{env.name}/{name}"] = value
+        out[f"eval/{env.name}/error_rate"] = sum(e for _, e, _ in results) / len(results)
+        out[f"eval/{env.name}/completion_tokens"] = sum(t for _, _, t in results) / len(results)
+        out[f"eval/{env.name}/tasks"] = float(n_tasks)
+    out["time/eval"] = time.monotonic() - t0
+    return out
+
+
+def published_steps(run: str | Path) -> list[tuple[int, Path, str]]:
+    """(step, folder, checksum) of every complete published weights folder of a run, in order."""
+    from primerl_protocol.weights import MARKER
+
+    out = []
+    for folder in (Path(run) / "weights").glob("step_*"):
+        marker = folder / MARKER
+        if folder.name[5:].isdigit() and marker.exists():
+            out.append((int(folder.name[5:]), folder, json.loads(marker.read_text())["checksum"]))
+    return sorted(out)
+
+
+async def eval_run(cfg, urls: list[str], admin_token: str | None) -> list[dict]:
+    """`primerl eval`: the eval environments on `cfg.model`, or on each published step of
+    `cfg.run` (policy N + 1 = the weights after step N); results appended to
+    `run_dir/evals.jsonl`, steps already there are not evaluated again."""
+    from primerl_orchestrator.servers import ServerPool
+
+    if not cfg.envs.eval:
+        raise ValueError("no eval environments: add at least one [[envs.eval]] entry")
+    out_path = Path(cfg.run_dir) / "evals.jsonl"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if out_path.exists():
+        done = {json.loads(line).get("policy") for line in out_path.read_text().splitlines() if line.strip()}
+    e = cfg.eval
+    results = []
+    async with contextlib.AsyncExitStack() as stack:
+        envs = [await stack.enter_async_context(Environment(c, seed=cfg.seed)) for c in cfg.envs.eval]
+        pool = ServerPool(urls, cfg.model.name, admin_token)
+        stack.push_async_callback(pool.close)
+        await pool.start()
+        gen = Generator(pool, cfg.model.name, cfg.model.tokenizer or cfg.model.name)
+        if cfg.run is None:
+            targets = [(0, None, None)]
+        else:
+            targets = [(step + 1, folder, digest) for step, folder, digest in published_steps(cfg.run)]
+            if not targets:
+                raise ValueError(f"{cfg.run} has no published weights (weights/step_N folders)")
+        for policy, folder, digest in targets:
+            if policy in done:
+                log.info("policy %d already evaluated in %s", policy, out_path)
+                continue
+            if folder is not None:
+                await pool.load_weights(str(folder), policy, digest)
+            metrics = await evaluate(envs, gen, e, max_tokens=e.max_tokens or 1024, concurrency=256)
+            record = {"policy": policy, "model": cfg.model.name if folder is None else str(folder), **metrics}
+            with out_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            log.info("policy %d | %s", policy, " ".join(f"{k.removeprefix('eval/')} {v:.3f}"
+                                                        for k, v in metrics.items() if "@" in k))
+            results.append(record)
+    return results

@@ -1,0 +1,71 @@
+"""Rollouts of an environment's task on the server pool: routing, retries, policy tags.
+
+Each rollout leases the least-loaded healthy server for its whole episode (every turn goes
+to the same server, whose prefix cache holds the conversation so far) and is tagged with the
+policy version that server served when the rollout started: the oldest policy any of its
+tokens can come from, which is what the off-policy bound needs. A rollout that failed at the
+model call (verifiers records a `ProviderError`) makes the pool probe its server; when the
+server is at fault the rollout runs again, from the start, on another one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from primerl_algos.types import Rollout
+from primerl_envs.environment import Environment, model_context
+
+from primerl_orchestrator.servers import ServerPool
+
+log = logging.getLogger("primerl.orchestrator")
+
+AGENT_SLOTS = 8
+"""Sample ids of rollout i of group g are (g * group_size + i) * AGENT_SLOTS + j for the j-th
+agent's trace of the episode (j = 0 for single-agent environments)."""
+
+MODEL_ERRORS = ("ProviderError", "InterceptionError")
+"""verifiers' error types for a failed model call (vs. the environment's own failures)."""
+
+
+def is_model_error(error: str | None) -> bool:
+    return error is not None and any(error.startswith(t) or f"; {t}" in error for t in MODEL_ERRORS)
+
+
+class Generator:
+    def __init__(self, pool: ServerPool, model: str, tokenizer: str, *, max_retries: int = 2) -> None:
+        self.pool, self.model, self.tokenizer = pool, model, tokenizer
+        self.max_retries = max_retries
+        self._contexts: dict[tuple, object] = {}
+        self.retries = 0
+        """Rollouts run again because their server failed."""
+
+    def context(self, url: str, temperature: float, max_tokens: int, top_p: float):
+        key = (url, temperature, max_tokens, top_p)
+        if key not in self._contexts:  # one per server and sampling: verifiers reuses its client
+            self._contexts[key] = model_context(
+                url, self.model, self.tokenizer, temperature=temperature, max_tokens=max_tokens,
+                top_p=None if top_p == 1.0 else top_p,
+            )
+        return self._contexts[key]
+
+    async def play(
+        self, env: Environment, task, *, sample_id: int, group_id: int, temperature: float, max_tokens: int,
+        top_p: float = 1.0,
+    ) -> list[Rollout]:
+        """One episode of `task` as rollouts (never raises for what went wrong in the episode)."""
+        attempt = 0
+        while True:
+            async with self.pool.lease() as server:
+                ctx = self.context(server.url, temperature, max_tokens, top_p)
+                rollouts = await env.rollouts(
+                    task, ctx, sample_id=sample_id, group_id=group_id, temperature=temperature,
+                    policy_step=server.version,
+                )
+            failed = next((r.error for r in rollouts if is_model_error(r.error)), None)
+            if failed is None or attempt >= self.max_retries:
+                return rollouts
+            if not await self.pool.report_failure(server, failed):
+                return rollouts  # the server is fine: the request itself failed (e.g. too long)
+            attempt += 1
+            self.retries += 1
+            log.info("rollout %d (env %s) failed on %s; retrying on another server", sample_id, env.name, server.url)

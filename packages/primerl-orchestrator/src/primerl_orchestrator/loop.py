@@ -1,0 +1,392 @@
+"""The orchestrator: one asyncio process between the environments, inference and the trainer.
+
+    asyncio.run(Orchestrator(cfg).run())      # cfg: shared values + orchestrator, inference, envs
+
+Three tasks share the state below:
+- the producer starts groups (group_size rollouts of one task, drawn from the training mix)
+  while the rollouts in flight stay under `max_in_flight` and the next group would land in a
+  batch its policy may feed: a group started on policy v may train at step v + k at the latest
+  (k = max_async_level), so it starts only if the batch it is expected to land in, the current
+  one plus the groups already started ahead of it, is <= v + k. With k = 0 this is synchronous
+  RL: the groups of step N start when the servers serve policy N.
+- the builder takes finished groups (in the order they finish) into step N's batch. A group
+  whose oldest rollout is older than N - k is dropped and counted (`off_policy/dropped`),
+  never trained on; its place is filled by another. Then filters, advantages, merging,
+  packing, and each trainer rank gets its TrainBatch over ZeroMQ; a slow trainer blocks the
+  send (and so, through the rule above, the producer).
+- the policy listener takes the trainer's PolicyReady(step N) and has every server load it
+  as policy N + 1 (the weights after N + 1 optimizer steps). Online evals run at policy
+  versions that are multiples of `eval.interval`, beside training rollouts of the same policy;
+  the next weight load waits for them, so each eval sees one policy.
+
+Each step's metrics ride to the trainer with rank 0's batch (logged there with the trainer's,
+on one step axis, to metrics.jsonl and W&B), are printed here and appended to
+`run_dir/orchestrator/metrics.jsonl`. So does the resume state: the data position of every
+environment, the next group id, and the groups started but not yet trained on (they are run
+again after a resume). The trainer stores it in its checkpoint; a restarted orchestrator
+reads the newest checkpoint, continues at the next step and waits for the trainer to publish
+the restored weights. Nothing is repeated or skipped: every group id is trained exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+from primerl_envs.environment import EnvMix, Environment
+from primerl_protocol import AsyncReceiver, AsyncSender, BatchMessage, PolicyMessage, PolicyReady, Shutdown
+from primerl_protocol.checkpoints import latest_checkpoint
+
+from primerl_orchestrator.batching import Group, build_step
+from primerl_orchestrator.evals import evaluate
+from primerl_orchestrator.generate import AGENT_SLOTS, Generator
+from primerl_orchestrator.servers import ServerPool
+
+log = logging.getLogger("primerl.orchestrator")
+
+
+class OrchestratorError(RuntimeError):
+    """The run cannot go on (no servers, the trainer stopped, bad resume state); says why."""
+
+
+def admin_token(inference_cfg) -> str | None:
+    import os
+
+    return inference_cfg.admin_token or os.environ.get("PRIMERL_ADMIN_TOKEN")
+
+
+class Orchestrator:
+    def __init__(self, cfg) -> None:
+        o = cfg.orchestrator
+        self.cfg, self.o = cfg, o
+        self.G, self.T, self.k = o.group_size, o.batch_size // o.group_size, o.max_async_level
+        self.run_dir = Path(cfg.run_dir)
+        self.out_dir = self.run_dir / "orchestrator"
+        self.step = 0
+        """The step whose batch is being built."""
+        self.next_group = 0
+        self.version: int | None = 0
+        """Policy version the servers serve (None: waiting for the trainer's first publish)."""
+        self.redo: deque[tuple[int, str, int]] = deque()
+        """(group id, env, task position) of groups to run again first (from a resume)."""
+        self.running: dict[int, Group] = {}
+        self.done: deque[Group] = deque()
+        self.taken = 0
+        """Groups already in the batch being built."""
+        self.failure: BaseException | None = None
+        self.trainer_stopped: str | None = None
+        self._cond = asyncio.Condition()
+        self._tasks: set[asyncio.Task] = set()
+        self._eval_task: asyncio.Task | None = None
+        self._eval_metrics: dict[str, float] = {}
+        # counters since the last step
+        self._finished_rollouts = 0
+        self._generated_tokens = 0
+        self._load_s = 0.0
+        self._last_step_at = time.monotonic()
+        self.stale_dropped = 0
+        """Rollouts dropped for being older than the bound, over the run."""
+        self.sent: list[dict] = []
+        """Per step: the step, its sample ids and their policy steps (what was sent)."""
+
+    # -- set-up -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        cfg = self.cfg
+        if not cfg.envs.train:
+            raise OrchestratorError("no training environments: add at least one [[envs.train]] entry")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        async with contextlib.AsyncExitStack() as stack:
+            self.envs = [await stack.enter_async_context(Environment(e, seed=cfg.seed)) for e in cfg.envs.train]
+            self.eval_envs = [await stack.enter_async_context(Environment(e, seed=cfg.seed)) for e in cfg.envs.eval]
+            self.by_name = {e.name: e for e in self.envs}
+            self.mix = EnvMix(self.envs)
+            self.pool = ServerPool(cfg.inference.server_urls(), cfg.model.name, admin_token(cfg.inference))
+            stack.push_async_callback(self.pool.close)
+            await self.pool.start()
+            if not self.pool.admin_token:
+                raise OrchestratorError(
+                    "inference.admin_token (or $PRIMERL_ADMIN_TOKEN) is not set: the orchestrator could "
+                    "not tell the servers to load new weights"
+                )
+            self.gen = Generator(self.pool, cfg.model.name, cfg.model.tokenizer or cfg.model.name,
+                                 max_retries=self.o.max_retries)
+            self._resume()
+            self._open_sockets(stack)
+            log.info(
+                "orchestrator: %d servers (%d healthy), %d x %d rollouts per step, max_async_level %d, from step %d",
+                len(self.pool.servers), len(self.pool.healthy()), self.T, self.G, self.k, self.step,
+            )
+            finished = False
+            try:
+                self._spawn(self._listen_policy())
+                self._spawn(self._produce())
+                if self.version == 0:
+                    self._maybe_eval(0)
+                await self._build()
+                await self._final_eval()
+                finished = True
+            finally:
+                for task in list(self._tasks) + ([self._eval_task] if self._eval_task else []):
+                    task.cancel()
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+                if not finished:
+                    await self._tell_trainer_to_stop("the orchestrator stopped")
+
+    def _open_sockets(self, stack: contextlib.AsyncExitStack) -> None:
+        t = self.cfg.transport
+        settings = t.sockets
+        self.senders = []
+        for r in range(t.trainer_ranks):
+            sender = AsyncSender(t.batch_endpoint(r), BatchMessage, channel=f"batches/rank{r}", bind=True, settings=settings)
+            stack.callback(sender.close)
+            self.senders.append(sender)
+        self.policy_rx = AsyncReceiver(t.policy_endpoint(), PolicyMessage, channel="policy", bind=True, settings=settings)
+        stack.callback(self.policy_rx.close)
+
+    def _resume(self) -> None:
+        found = latest_checkpoint(self.run_dir)
+        if found is None:
+            return
+        path, meta = found
+        state = meta.get("data", {}).get("orchestrator") or {}
+        self.step = int(meta["step"]) + 1
+        self.version = None  # the resumed trainer publishes its restored weights first
+        if not state:
+            log.warning("%s holds no orchestrator state: continuing at step %d with fresh data positions", path, self.step)
+            return
+        try:
+            if int(state["next_step"]) != self.step:
+                raise ValueError(f"its next_step {state['next_step']} is not step {self.step}")
+            self.next_group = int(state["next_group"])
+            self.mix.load_state(state["mix"])
+            for gid, env, pos in state["redo"]:
+                if env not in self.by_name:
+                    raise ValueError(f"group {gid} comes from environment {env!r}, which is no longer configured")
+                self.redo.append((int(gid), env, int(pos)))
+        except (KeyError, TypeError, ValueError) as err:
+            raise OrchestratorError(f"cannot resume from {path}: bad orchestrator state ({err})") from None
+        log.info("resuming at step %d from %s: %d unfinished groups run again", self.step, path, len(self.redo))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.failure is None:
+            self.failure = task.exception()
+            asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+    async def _until(self, predicate) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: predicate() or self.failure is not None or self.trainer_stopped)
+        if self.failure is not None:
+            raise self.failure
+        if self.trainer_stopped and not predicate():
+            raise OrchestratorError(f"the trainer stopped ({self.trainer_stopped})")
+
+    # -- producing --------------------------------------------------------------------
+
+    def may_start(self) -> bool:
+        """Whether a new group may start now (the in-flight limit and the off-policy rule)."""
+        if self.version is None:
+            return False
+        running = len(self.running) * self.G
+        if running and running + self.G > self.o.max_in_flight:
+            return False
+        lands_in = self.step + (self.taken + len(self.running) + len(self.done)) // self.T
+        if self.cfg.max_steps is not None and lands_in >= self.cfg.max_steps:
+            return False
+        return lands_in <= self.version + self.k
+
+    async def _produce(self) -> None:
+        while True:
+            await self._until(self.may_start)
+            await self.pool.maybe_revive()
+            if self.redo:
+                gid, name, pos = self.redo.popleft()
+                env = self.by_name[name]
+                task = env.tasks.at(pos)  # endless tasksets have no random access: this raises
+            else:
+                gid, env = self.next_group, self.mix.next()
+                pos = env.tasks.position
+                task = env.tasks.next()
+                self.next_group += 1
+            group = Group(gid, env.name, pos)
+            self.running[gid] = group
+            self._spawn(self._run_group(group, env, task))
+
+    async def _run_group(self, group: Group, env: Environment, task) -> None:
+        s = self.o.sampling
+        base = group.group_id * self.G
+        results = await asyncio.gather(*(
+            self.gen.play(env, task, sample_id=(base + i) * AGENT_SLOTS, group_id=group.group_id,
+                          temperature=s.temperature, max_tokens=s.max_tokens, top_p=s.top_p)
+            for i in range(self.G)
+        ))
+        group.rollouts = [r for rs in results for r in rs]
+        self._finished_rollouts += len(group.rollouts)
+        self._generated_tokens += sum(r.num_completion_tokens for r in group.rollouts)
+        del self.running[group.group_id]
+        self.done.append(group)
+        await self._notify()
+
+    # -- building ---------------------------------------------------------------------
+
+    async def _build(self) -> None:
+        max_steps = self.cfg.max_steps
+        while max_steps is None or self.step < max_steps:
+            t0 = time.monotonic()
+            groups, stale = [], 0
+            while len(groups) < self.T:
+                await self._until(lambda: bool(self.done))
+                group = self.done.popleft()
+                if group.policy_step < self.step - self.k:
+                    stale += len(group.rollouts)
+                    log.warning("dropped group %d: policy %d is older than step %d allows (max_async_level %d)",
+                                group.group_id, group.policy_step, self.step, self.k)
+                    await self._notify()  # its place is free: the producer starts another
+                    continue
+                groups.append(group)
+                self.taken += 1
+            t1 = time.monotonic()
+            batches, metrics = build_step(self.step, groups, self.o, seq_len=self.cfg.seq_len,
+                                          num_ranks=self.cfg.transport.trainer_ranks)
+            self.taken = 0
+            self.stale_dropped += stale
+            elapsed = max(t1 - self._last_step_at, 1e-9)
+            metrics |= {
+                "off_policy/dropped": float(stale),
+                "off_policy/level": float(self.step - min(g.policy_step for g in groups)),
+                "rollouts/per_s": self._finished_rollouts / elapsed,
+                "rollouts/tokens_per_s": self._generated_tokens / elapsed,
+                "rollouts/retried": float(self.gen.retries),
+                "policy/version": float(self.version if self.version is not None else -1),
+                "time/wait_rollouts": t1 - t0,
+                "time/build": time.monotonic() - t1,
+                "time/load_weights": self._load_s,
+                **self.pool.stats(),
+                **self._eval_metrics,
+            }
+            self._eval_metrics = {}
+            self._finished_rollouts = self._generated_tokens = 0
+            self._load_s = 0.0
+            self._last_step_at = t1
+            batches[0].metrics = metrics
+            batches[0].state = self.resume_state(self.step + 1)
+            t2 = time.monotonic()
+            for sender, batch in zip(self.senders, batches):
+                await sender.send(batch, timeout_s=self.o.send_timeout_s)
+            metrics["time/send"] = time.monotonic() - t2
+            self.sent.append({
+                "step": self.step,
+                "sample_ids": [int(i) for b in batches for mb in b.micro_batches for i in mb.sample_ids if i >= 0],
+                "policy_steps": [int(p) for b in batches for mb in b.micro_batches
+                                 for i, p in zip(mb.sample_ids, mb.policy_steps) if i >= 0],
+                "group_ids": sorted(g.group_id for g in groups),
+            })
+            self._log_step(self.step, metrics)
+            self.step += 1
+            await self._notify()
+
+    def resume_state(self, next_step: int) -> dict:
+        """What a restart needs to build `next_step` and after: nothing repeated, nothing skipped."""
+        unfinished = [(g.group_id, g.env, g.position) for g in [*self.running.values(), *self.done]]
+        unfinished += list(self.redo)
+        return {
+            "next_step": next_step,
+            "next_group": self.next_group,
+            "mix": self.mix.state(),
+            "redo": [list(u) for u in sorted(unfinished)],
+        }
+
+    def _log_step(self, step: int, m: dict[str, float]) -> None:
+        reward = (f"reward {m['reward/mean']:.3f} [{m['reward/min']:.2f}, {m['reward/max']:.2f}]"
+                  if "reward/mean" in m else "reward -")
+        log.info(
+            "step %d | %s | off-policy %d | %.1f rollouts/s | %s tok/s | samples %d | wait %.2fs send %.2fs load %.2fs",
+            step, reward, m["off_policy/level"], m["rollouts/per_s"], f"{m['rollouts/tokens_per_s']:,.0f}",
+            m["batch/samples"], m["time/wait_rollouts"], m["time/send"], m["time/load_weights"],
+        )
+        with (self.out_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, **m}) + "\n")
+
+    # -- policies and evals -----------------------------------------------------------
+
+    async def _listen_policy(self) -> None:
+        while True:
+            msg = await self.policy_rx.recv()
+            if isinstance(msg, Shutdown):
+                self.trainer_stopped = msg.reason or "it sent Shutdown"
+                await self._notify()
+                return
+            if not isinstance(msg, PolicyReady):
+                continue
+            if self._eval_task is not None:
+                await asyncio.shield(self._eval_task)  # an eval sees one policy
+            version = msg.step + 1
+            self._load_s += await self.pool.load_weights(msg.location, version, msg.checksum)
+            self.version = version
+            log.info("servers serve policy %d (%s)", version, msg.location)
+            self._maybe_eval(version)
+            await self._notify()
+
+    def _maybe_eval(self, version: int) -> None:
+        interval = self.o.eval.interval
+        if not self.eval_envs or not interval or version % interval:
+            return
+        self._eval_task = asyncio.create_task(self._eval(version))
+
+    async def _eval(self, version: int) -> None:
+        e = self.o.eval
+        try:
+            metrics = await evaluate(self.eval_envs, self.gen, e, max_tokens=e.max_tokens or self.o.sampling.max_tokens,
+                                     concurrency=self.o.max_in_flight)
+        except Exception as err:  # an eval failing must not stop training
+            log.error("eval of policy %d failed: %s", version, err)
+            return
+        finally:
+            self._eval_task = None
+        metrics["eval/policy"] = float(version)
+        self._eval_metrics |= metrics
+        line = " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items() if "@" in k)
+        log.info("eval of policy %d | %s", version, line)
+        with (self.out_dir / "evals.jsonl").open("a") as f:
+            f.write(json.dumps({"policy": version, **metrics}) + "\n")
+
+    async def _final_eval(self) -> None:
+        """After the last step: the eval of the final policy, if evals are on."""
+        if not self.eval_envs or not self.o.eval.interval or self.cfg.max_steps is None:
+            return
+        final = self.cfg.max_steps
+        try:
+            await asyncio.wait_for(self._until(lambda: self.version == final), self.o.send_timeout_s)
+        except (TimeoutError, OrchestratorError) as err:
+            log.warning("no final eval: the trainer did not publish policy %d (%s)", final, err)
+            return
+        if self._eval_task is not None:  # the listener started it (final is a multiple of the interval)
+            await self._eval_task
+        elif final % self.o.eval.interval:
+            await self._eval(final)
+
+    async def _tell_trainer_to_stop(self, reason: str) -> None:
+        for sender in getattr(self, "senders", []):
+            with contextlib.suppress(Exception):
+                await sender.send(Shutdown(sender="orchestrator", reason=reason), timeout_s=1.0)
+
+
+def run(cfg) -> None:
+    """`primerl-orch`: the orchestrator until max_steps (or until stopped)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    asyncio.run(Orchestrator(cfg).run())

@@ -1,0 +1,232 @@
+"""The inference servers as the orchestrator sees them: health, load, policy, routing.
+
+    pool = ServerPool(urls, model="...", admin_token="...")
+    await pool.start()                       # probe every server; refuse to run with none
+    async with pool.lease() as server:       # the least-loaded healthy server
+        ... every turn of one rollout goes to server.url (sticky: its prefix stays cached)
+    await pool.load_weights(path, version, checksum)   # every healthy server, concurrently
+
+A server is healthy when `/health` answers 200 and `/v1/models` answers JSON that lists the
+model. A rollout that failed at the model call makes the orchestrator probe its server
+(`report_failure`); one that fails the probe (killed, hung, answering garbage) is marked
+unhealthy and gets no more rollouts. Unhealthy servers are probed again every
+`revive_interval_s`; one that comes back first loads the current weights, then serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+log = logging.getLogger("primerl.orchestrator")
+
+
+class NoServerError(RuntimeError):
+    """No healthy inference server (says which were tried and what was wrong with each)."""
+
+
+@dataclass
+class Server:
+    url: str
+    index: int
+    healthy: bool = True
+    problem: str | None = None
+    """Why it is unhealthy."""
+    in_flight: int = 0
+    """Rollouts running on it now."""
+    version: int = 0
+    """Policy version it serves (0: the weights it started with)."""
+    rollouts: int = 0
+    """Rollouts started on it so far."""
+    failures: int = 0
+    """Times it was marked unhealthy."""
+
+
+@dataclass
+class Weights:
+    path: str
+    version: int
+    checksum: str | None
+
+
+class ServerPool:
+    def __init__(
+        self,
+        urls: list[str],
+        model: str,
+        admin_token: str | None,
+        *,
+        probe_timeout_s: float = 5.0,
+        load_timeout_s: float = 600.0,
+        revive_interval_s: float = 10.0,
+        wait_timeout_s: float = 600.0,
+    ) -> None:
+        if not urls:
+            raise NoServerError("no inference servers configured (inference.urls, or inference.port/num_replicas)")
+        self.servers = [Server(url.rstrip("/"), i) for i, url in enumerate(urls)]
+        self.model = model
+        self.admin_token = admin_token
+        self.probe_timeout_s = probe_timeout_s
+        self.load_timeout_s = load_timeout_s
+        self.revive_interval_s = revive_interval_s
+        self.wait_timeout_s = wait_timeout_s
+        self.weights: Weights | None = None
+        """The weights every server should serve (None: the ones they started with)."""
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(probe_timeout_s))
+        self._changed = asyncio.Event()
+        self._last_revive = time.monotonic()
+
+    # -- health -----------------------------------------------------------------------
+
+    async def probe(self, server: Server) -> str | None:
+        """What is wrong with `server`, or None when it serves the model."""
+        try:
+            r = await self._http.get(server.url + "/health")
+            if r.status_code != 200:
+                return f"/health answered HTTP {r.status_code}"
+            r = await self._http.get(server.url + "/v1/models")
+            if r.status_code != 200:
+                return f"/v1/models answered HTTP {r.status_code}"
+            try:
+                ids = [m["id"] for m in r.json()["data"]]
+            except (ValueError, KeyError, TypeError):
+                return f"/v1/models answered something that is not a model list: {r.text[:80]!r}"
+            if self.model not in ids:
+                return f"serves {ids}, not {self.model!r}"
+        except httpx.HTTPError as err:
+            return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        return None
+
+    def mark_unhealthy(self, server: Server, problem: str) -> None:
+        if server.healthy:
+            server.failures += 1
+            log.warning("inference server %s is unhealthy (%s); its rollouts go to the others", server.url, problem)
+        server.healthy, server.problem = False, problem
+
+    async def start(self) -> None:
+        """Probe every server; at least one must serve the model."""
+        problems = await asyncio.gather(*(self.probe(s) for s in self.servers))
+        for server, problem in zip(self.servers, problems):
+            if problem:
+                self.mark_unhealthy(server, problem)
+        if not self.healthy():
+            raise NoServerError(self._none_healthy())
+
+    def healthy(self) -> list[Server]:
+        return [s for s in self.servers if s.healthy]
+
+    def _none_healthy(self) -> str:
+        lines = "; ".join(f"{s.url}: {s.problem}" for s in self.servers)
+        return f"no healthy inference server serving {self.model!r} ({lines})"
+
+    async def report_failure(self, server: Server, error: str) -> bool:
+        """A rollout on `server` failed at the model call; True if the server is at fault."""
+        problem = await self.probe(server)
+        if problem:
+            self.mark_unhealthy(server, f"{problem}; a rollout failed with: {error[:200]}")
+            return True
+        return False
+
+    async def revive(self) -> None:
+        """Probe the unhealthy servers; bring back those that serve again (current weights first)."""
+        self._last_revive = time.monotonic()
+        for server in [s for s in self.servers if not s.healthy]:
+            if await self.probe(server):
+                continue
+            if self.weights is not None and server.version != self.weights.version:
+                try:
+                    await self._load(server, self.weights)
+                except (httpx.HTTPError, RuntimeError) as err:
+                    server.problem = f"came back but could not load weights: {err}"
+                    continue
+            server.healthy, server.problem = True, None
+            log.info("inference server %s is healthy again (policy %d)", server.url, server.version)
+            self._changed.set()
+
+    # -- routing ----------------------------------------------------------------------
+
+    def pick(self) -> Server | None:
+        """The healthy server with the fewest rollouts in flight (ties: fewest so far)."""
+        candidates = self.healthy()
+        if not candidates:
+            return None
+        return min(candidates, key=lambda s: (s.in_flight, s.rollouts, s.index))
+
+    @contextlib.asynccontextmanager
+    async def lease(self) -> AsyncIterator[Server]:
+        """A server for one rollout, counted as in flight on it until the block ends.
+
+        With no healthy server, waits (probing the unhealthy ones) up to `wait_timeout_s`,
+        then raises NoServerError."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        while (server := self.pick()) is None:
+            if time.monotonic() > deadline:
+                raise NoServerError(self._none_healthy())
+            await self.revive()
+            if self.pick() is None:
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=min(self.revive_interval_s, 2.0))
+        server.in_flight += 1
+        server.rollouts += 1
+        try:
+            yield server
+        finally:
+            server.in_flight -= 1
+
+    async def maybe_revive(self) -> None:
+        """Revive unhealthy servers if the interval has passed (cheap to call often)."""
+        if any(not s.healthy for s in self.servers) and time.monotonic() - self._last_revive > self.revive_interval_s:
+            await self.revive()
+
+    # -- weights ----------------------------------------------------------------------
+
+    async def _load(self, server: Server, w: Weights) -> None:
+        if not self.admin_token:
+            raise RuntimeError("no admin token (inference.admin_token or $PRIMERL_ADMIN_TOKEN) to load weights with")
+        r = await self._http.post(
+            server.url + "/admin/load_weights",
+            json={"path": w.path, "step": w.version, "checksum": w.checksum},
+            headers={"Authorization": f"Bearer {self.admin_token}"},
+            timeout=self.load_timeout_s,
+        )
+        if r.status_code != 200:
+            raise RuntimeError(f"/admin/load_weights answered HTTP {r.status_code}: {r.text[:300]}")
+        server.version = w.version
+
+    async def load_weights(self, path: str, version: int, checksum: str | None = None) -> float:
+        """Every healthy server loads the weights at `path` as policy `version`; seconds taken.
+
+        A server that fails to load is marked unhealthy (it would serve an old policy);
+        weights refused by every server raise NoServerError."""
+        t0 = time.monotonic()
+        self.weights = w = Weights(path, version, checksum)
+        servers = self.healthy()
+        results = await asyncio.gather(*(self._load(s, w) for s in servers), return_exceptions=True)
+        for server, result in zip(servers, results):
+            if isinstance(result, BaseException):
+                self.mark_unhealthy(server, f"loading policy {version} from {path} failed: {result}")
+        if not self.healthy():
+            raise NoServerError(self._none_healthy())
+        return time.monotonic() - t0
+
+    @property
+    def version(self) -> int:
+        """The policy version every healthy server serves (the oldest of them)."""
+        return min((s.version for s in self.healthy()), default=0)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "servers/healthy": float(len(self.healthy())),
+            "servers/unhealthy": float(len(self.servers) - len(self.healthy())),
+            "servers/in_flight": float(sum(s.in_flight for s in self.servers)),
+        }
+
+    async def close(self) -> None:
+        await self._http.aclose()

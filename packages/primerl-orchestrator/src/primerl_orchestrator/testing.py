@@ -1,0 +1,116 @@
+"""A test double of the trainer, for testing the orchestrator without torch (and it says so).
+
+`TrainerDouble` connects to the orchestrator's sockets exactly as the trainer does, receives
+each step's TrainBatch on every rank, records what it would train on (steps, sample ids,
+policy steps, metrics), sleeps `step_time_s` (a deliberately slow trainer), then publishes
+"new" weights: a copy of the unchanged model folder as `weights/step_N` with the real marker
+and checksum, so inference servers load it through the real admin route. It writes
+checkpoints' `meta.json` as the trainer does (with the orchestrator's state), resumes from
+them, and can stop abruptly after a given step (a crash).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from primerl_protocol import BatchMessage, PolicyMessage, PolicyReady, Receiver, Sender, Shutdown, TrainBatch
+from primerl_protocol.checkpoints import CHECKPOINTS, META, latest_checkpoint
+from primerl_protocol.weights import write_marker
+
+
+@dataclass
+class TrainedStep:
+    step: int
+    sample_ids: list[int]
+    policy_steps: list[int]
+    metrics: dict
+    received_at: float
+
+
+@dataclass
+class TrainerDouble:
+    transport: object
+    """The shared TransportConfig (endpoints, ranks, socket settings)."""
+    run_dir: Path
+    model: Path
+    """A model folder, republished unchanged as every step's weights."""
+    max_steps: int
+    step_time_s: float = 0.0
+    checkpoint_interval: int = 0
+    crash_after: int | None = None
+    """Stop without a word after training this step (before its checkpoint)."""
+    steps: list[TrainedStep] = field(default_factory=list)
+    published: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+
+    def start(self) -> TrainerDouble:
+        self._thread = threading.Thread(target=self._main, name="trainer-double", daemon=True)
+        self._thread.start()
+        return self
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"trainer double still running after {timeout_s}s (trained {len(self.steps)} steps)")
+        if self.error is not None:
+            raise self.error
+
+    def _main(self) -> None:
+        t = self.transport
+        rx = [Receiver(t.batch_endpoint(r), BatchMessage, channel=f"batches/rank{r}", settings=t.sockets)
+              for r in range(t.trainer_ranks)]
+        policy = Sender(t.policy_endpoint(), PolicyMessage, channel="policy", settings=t.sockets)
+        try:
+            found = latest_checkpoint(self.run_dir)
+            step = 0 if found is None else found[1]["step"] + 1
+            if step:
+                policy.send(self._publish(step - 1))
+            while step < self.max_steps:
+                batches = [r.recv(timeout_s=300) for r in rx]
+                if any(isinstance(b, Shutdown) for b in batches):
+                    return
+                batches = [b for b in batches if isinstance(b, TrainBatch)]
+                assert all(b.step == step for b in batches), [b.step for b in batches]
+                ids, steps = [], []
+                for b in batches:
+                    for mb in b.micro_batches:
+                        keep = mb.sample_ids >= 0
+                        ids += mb.sample_ids[keep].tolist()
+                        steps += mb.policy_steps[keep].tolist()
+                self.steps.append(TrainedStep(step, ids, steps, dict(batches[0].metrics), time.time()))
+                time.sleep(self.step_time_s)
+                if self.crash_after == step:
+                    return
+                policy.send(self._publish(step))
+                if self.checkpoint_interval and (step + 1) % self.checkpoint_interval == 0:
+                    self._checkpoint(step, batches[0].state)
+                step += 1
+        except BaseException as err:  # reported by join()
+            self.error = err
+        finally:
+            for r in rx:
+                r.close(0)
+            policy.close(0)
+
+    def _publish(self, step: int) -> PolicyReady:
+        root = Path(self.run_dir) / "weights"
+        final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(self.model, tmp)
+        files = [p.name for p in tmp.glob("*.safetensors")]
+        digest = write_marker(tmp, step, files, time.time())
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        self.published.append(step)
+        return PolicyReady(step=step, location=str(final.resolve()), checksum=digest)
+
+    def _checkpoint(self, step: int, orchestrator_state: dict) -> None:
+        folder = Path(self.run_dir) / CHECKPOINTS / f"step_{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = {"step": step, "world_size": 1, "data": {"next_step": step + 1, "orchestrator": orchestrator_state}}
+        (folder / META).write_text(json.dumps(meta))

@@ -1,0 +1,176 @@
+"""Parts of the orchestrator that need no inference server: pass@k, batch building, the
+start rule of the off-policy bound, routing and health probes (against real HTTP sockets)."""
+
+import asyncio
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+from primerl_algos.types import Rollout, Turn
+from primerl_orchestrator.batching import Group, build_step
+from primerl_orchestrator.config import OrchestratorConfig
+from primerl_orchestrator.evals import pass_at_k, score_tasks
+from primerl_orchestrator.generate import is_model_error
+from primerl_orchestrator.loop import Orchestrator
+from primerl_orchestrator.servers import NoServerError, ServerPool
+
+
+def test_pass_at_k_by_hand():
+    # n = 5 rollouts, c = 2 correct: P(no correct among 2 drawn) = C(3,2)/C(5,2) = 3/10
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)  # = c / n
+    assert pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(4, 1, 4) == 1.0  # n = k: any correct rollout passes
+    assert pass_at_k(5, 3, 3) == 1.0  # fewer wrong ones (2) than draws (3)
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(3, 1, 4)
+
+
+def test_avg_and_pass_over_tasks_by_hand():
+    # task A: rewards 1, 0 (one solved); task B: 0.5, 0.5 (none reaches the threshold 1)
+    scores = score_tasks([[1.0, 0.0], [0.5, 0.5]], k=2, threshold=1.0)
+    assert scores["avg@2"] == pytest.approx((0.5 + 0.5) / 2)
+    assert scores["pass@1"] == pytest.approx((0.5 + 0.0) / 2)
+    assert scores["pass@2"] == pytest.approx((1.0 + 0.0) / 2)
+
+
+def test_model_errors_are_told_from_environment_errors():
+    assert is_model_error("ProviderError: Connection refused")
+    assert is_model_error("TaskError: reward exploded; InterceptionError: closed")
+    assert not is_model_error("TaskError: reward function exploded")
+    assert not is_model_error(None)
+
+
+def rollout(sample_id, group_id, reward, policy_step=0, error=None, prompt=(1, 2, 3), completion=(4, 5)):
+    turns = [Turn(prompt_ids=list(prompt), completion_ids=list(completion), completion_logprobs=[-0.5] * len(completion))]
+    return Rollout(sample_id=sample_id, group_id=group_id, turns=turns, reward=reward, policy_step=policy_step,
+                   error=error, env="toy")
+
+
+def test_build_step_advantages_filters_and_metrics():
+    cfg = OrchestratorConfig(batch_size=6, group_size=3)
+    groups = [
+        Group(0, "toy", 0, [rollout(0, 0, 1.0, 4), rollout(1, 0, 0.0, 4), rollout(2, 0, 0.5, 3, error="TaskError: x")]),
+        Group(1, "toy", 1, [rollout(3, 1, 0.5, 5), rollout(4, 1, 0.5, 5), rollout(5, 1, 0.5, 5)]),  # all equal
+    ]
+    batches, m = build_step(5, groups, cfg, seq_len=16, num_ranks=2)
+    assert [b.rank for b in batches] == [0, 1] and all(b.step == 5 for b in batches)
+    trained = {int(i): float(mb.advantages[start]) for b in batches for mb in b.micro_batches
+               for i, start in zip(mb.sample_ids, mb.cu_seqlens()[:-1]) if i >= 0}
+    # group 0 without the errored rollout: rewards 1, 0 -> grpo advantages +1, -1
+    assert trained == pytest.approx({0: 1.0, 1: -1.0}, abs=1e-4)
+    assert m["filter/errored"] == 1 and m["filter/zero_advantage"] == 3
+    assert m["reward/mean"] == pytest.approx((1.0 + 0.0 + 0.5 * 3) / 5)  # errored rollouts excluded
+    assert m["rollouts/error_rate"] == pytest.approx(1 / 6)
+    assert m["off_policy/max"] == 1.0 and m["off_policy/mean"] == 1.0  # step 5, policy 4
+    assert batches[0].num_loss_tokens == 4 and m["batch/loss_tokens"] == 4
+
+
+def test_a_step_with_nothing_to_train_still_gets_padding_batches():
+    cfg = OrchestratorConfig(batch_size=2, group_size=2)
+    batches, m = build_step(0, [Group(0, "toy", 0, [rollout(0, 0, 1.0), rollout(1, 0, 1.0)])], cfg, seq_len=16, num_ranks=2)
+    assert len(batches) == 2 and m["batch/samples"] == 0
+    for b in batches:
+        (mb,) = b.micro_batches
+        assert not mb.loss_mask.any() and list(mb.sample_ids) == [-1]
+
+
+def test_samples_longer_than_a_row_are_dropped_and_counted():
+    cfg = OrchestratorConfig(batch_size=2, group_size=2)
+    long = rollout(1, 0, 0.0, completion=tuple(range(4, 30)))
+    _, m = build_step(0, [Group(0, "toy", 0, [rollout(0, 0, 1.0), long])], cfg, seq_len=16, num_ranks=1)
+    assert m["filter/longer_than_row"] == 1 and m["batch/samples"] == 1
+
+
+def orchestrator(k, batch_size=8, group_size=4, max_steps=None, max_in_flight=512):
+    cfg = SimpleNamespace(
+        orchestrator=OrchestratorConfig(batch_size=batch_size, group_size=group_size, max_async_level=k,
+                                        max_in_flight=max_in_flight),
+        run_dir="/nonexistent", max_steps=max_steps,
+    )
+    return Orchestrator(cfg)
+
+
+def start_all(orch) -> int:
+    """Start groups (as placeholders) while the rule allows; how many started."""
+    n = 0
+    while orch.may_start():
+        orch.running[n + 1000 * len(orch.done)] = Group(n, "toy", n)
+        n += 1
+    return n
+
+
+def test_start_rule_k0_is_synchronous_and_k_allows_k_batches_ahead():
+    # 2 groups per batch. k = 0: only step 0's groups start on policy 0.
+    assert start_all(orchestrator(k=0)) == 2
+    # k = 2: steps 0, 1, 2 may all come from policy 0
+    assert start_all(orchestrator(k=2)) == 6
+    # building step 3 while the servers still serve policy 0, k = 2: nothing may start
+    o = orchestrator(k=2)
+    o.step = 3
+    assert start_all(o) == 0
+    o.version = 1  # policy 1 may feed steps up to 3
+    assert start_all(o) == 2
+    o.version = None  # waiting for a resumed trainer's weights
+    assert not o.may_start()
+
+
+def test_start_rule_respects_max_steps_and_in_flight():
+    assert start_all(orchestrator(k=4, max_steps=2)) == 4  # no groups for step 2
+    assert start_all(orchestrator(k=4, max_in_flight=12)) == 3  # 3 groups x 4 rollouts
+
+
+class GarbageHandler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"\x00\xffnot json at all"
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def garbage_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), GarbageHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_probes_name_what_is_wrong_and_no_healthy_server_is_an_error(garbage_server):
+    async def go():
+        pool = ServerPool([garbage_server, "http://127.0.0.1:9"], "m", "t", probe_timeout_s=2)
+        with pytest.raises(NoServerError) as err:
+            await pool.start()
+        await pool.close()
+        return str(err.value), pool
+
+    message, pool = asyncio.run(go())
+    assert "not a model list" in message and "ConnectError" in message
+    assert [s.healthy for s in pool.servers] == [False, False]
+
+
+def test_least_loaded_routing():
+    pool = ServerPool(["http://a", "http://b", "http://c"], "m", "t")
+    a, b, c = pool.servers
+    a.in_flight, b.in_flight, c.in_flight = 3, 1, 2
+    assert pool.pick() is b
+    b.healthy = False
+    assert pool.pick() is c
+    c.in_flight = 3
+    c.rollouts, a.rollouts = 10, 5  # a tie in flight goes to the one that has had fewer
+    assert pool.pick() is a
+
+    async def lease_two():
+        async with pool.lease() as first:
+            async with pool.lease() as second:
+                return first, second, first.in_flight
+
+    first, second, during = asyncio.run(lease_two())
+    assert (first, second) == (a, c) and during == 4 and a.in_flight == 3
