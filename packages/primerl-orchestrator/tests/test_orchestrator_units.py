@@ -2,8 +2,6 @@
 start rule of the off-policy bound, routing and health probes (against real HTTP sockets)."""
 
 import asyncio
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +12,7 @@ from primerl_orchestrator.evals import pass_at_k, score_tasks
 from primerl_orchestrator.generate import is_model_error
 from primerl_orchestrator.loop import Orchestrator
 from primerl_orchestrator.servers import NoServerError, ServerPool
+from primerl_orchestrator.testing import garbage_server
 
 
 def test_pass_at_k_by_hand():
@@ -121,31 +120,15 @@ def test_start_rule_respects_max_steps_and_in_flight():
     assert start_all(orchestrator(k=4, max_in_flight=12)) == 3  # 3 groups x 4 rollouts
 
 
-class GarbageHandler(BaseHTTPRequestHandler):
-    def do_GET(self):
-        body = b"\x00\xffnot json at all"
-        self.send_response(200)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_POST = do_GET
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
-def garbage_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), GarbageHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+def garbage():
+    with garbage_server() as url:
+        yield url
 
 
-def test_probes_name_what_is_wrong_and_no_healthy_server_is_an_error(garbage_server):
+def test_probes_name_what_is_wrong_and_no_healthy_server_is_an_error(garbage):
     async def go():
-        pool = ServerPool([garbage_server, "http://127.0.0.1:9"], "m", "t", probe_timeout_s=2)
+        pool = ServerPool([garbage, "http://127.0.0.1:9"], "m", "t", probe_timeout_s=2)
         with pytest.raises(NoServerError) as err:
             await pool.start()
         await pool.close()

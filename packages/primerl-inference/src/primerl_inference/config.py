@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
 import msgspec
 from primerl_protocol.config import Config, Port, Positive
+
+
+ADMIN_TOKEN_ENV = "PRIMERL_ADMIN_TOKEN"
 
 
 class DisaggregationConfig(Config):
@@ -77,6 +81,10 @@ class InferenceConfig(Config):
                 f"gpus lists {len(self.gpus)} GPUs, but {self.num_replicas} replicas x "
                 f"{self.gpus_per_replica} GPUs each need {self.num_replicas * self.gpus_per_replica}"
             )
+
+    def resolved_admin_token(self) -> str | None:
+        """`admin_token`, else $PRIMERL_ADMIN_TOKEN (what the servers and their clients use)."""
+        return self.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
 
     def server_urls(self) -> list[str]:
         """Where the servers answer: `urls`, else replica i at host:port + i."""

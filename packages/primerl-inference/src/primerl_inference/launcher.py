@@ -23,11 +23,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from primerl_inference.config import InferenceConfig
+from primerl_inference.config import ADMIN_TOKEN_ENV, InferenceConfig
 
 ADMIN_MIDDLEWARE = "primerl_inference.admin.AdminMiddleware"
 WORKER_EXTENSION = "primerl_inference.worker.WorkerExtension"
-TOKEN_ENV = "PRIMERL_ADMIN_TOKEN"
+TOKEN_ENV = ADMIN_TOKEN_ENV
 
 
 class LaunchError(RuntimeError):
@@ -42,7 +42,7 @@ def resolve_device(cfg: InferenceConfig) -> str:
 
 
 def admin_token(cfg: InferenceConfig) -> str | None:
-    return cfg.admin_token or os.environ.get(TOKEN_ENV)
+    return cfg.resolved_admin_token()
 
 
 @dataclass

