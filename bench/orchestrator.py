@@ -11,6 +11,10 @@
    token route (the same prompt tokens, the same number of sampled tokens, logprobs on), at the
    same concurrency, in the same run, alternating, median of the ratios.
 
+Placement (default): the inference server on the first half of the cores, the trainer and
+the orchestrator on the rest, as on a machine with one accelerator for inference and one for
+training; `--no-pin` lets everything share every core.
+
     uv run python bench/orchestrator.py            # writes bench/results/orchestrator.json
 """
 
@@ -19,9 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import string
-import subprocess
 import sys
 import tempfile
 import time
@@ -85,7 +89,7 @@ lr = 1e-4
 interval = 0
 [trainer.weights]
 dtype = "float32"
-keep = 2
+keep = 1000
 """)
     return path
 
@@ -110,13 +114,11 @@ def rl_run(root: Path, model: Path, url: str, k: int, a) -> float:
     finally:
         if trainer.poll() is None:
             trainer.kill()
-    # policy v is served after step v - 1; steps warmup .. end are timed by publications
-    times = dict(orch.policies)
-    end = max(times)
-    # the trainer's last publication is not loaded by the orchestrator (it has stopped);
-    # time from the policy after the warm-up to the last one loaded, per step in between
-    first = a.warmup
-    return (times[end] - times[first]) / (end - first)
+    # the trainer's publication times (the markers' clocks) of the steps after the warm-up
+    published = {int(m.parent.name[5:]): json.loads(m.read_text())["time"]
+                 for m in (run_dir / "weights").glob("step_*/primerl.json")}
+    first, last = a.warmup - 1, max(published)
+    return (published[last] - published[first]) / (last - first)
 
 
 def overhead_pair(model: Path, url: str, a, root: Path) -> tuple[float, float]:
@@ -170,14 +172,26 @@ def main() -> None:
     p.add_argument("--overhead-steps", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="let everything share every core (default: inference on the first half of the "
+                        "cores, trainer and orchestrator on the rest, as on a machine with one GPU for each)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "orchestrator.json"))
     a = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-orch-"))
     model = build_tiny_model(root / "model", "qwen3", alphabet=ALPHABET, hidden_size=a.hidden, num_layers=a.layers,
                              num_heads=4, num_kv_heads=2, head_dim=64)
-    servers = launch(InferenceConfig(port=free_port_block(1), admin_token=TOKEN), str(model), a.seq_len, root / "srv")
+    cores = sorted(os.sched_getaffinity(0))
+    inference_cores = set(cores[: max(1, len(cores) // 2)]) if a.pin else set(cores)
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(inference_cores)))} if a.pin else {}
+    icfg = InferenceConfig(port=free_port_block(1), admin_token=TOKEN, extra_env=bind)
+    os.sched_setaffinity(0, inference_cores)  # the server's processes inherit this
+    try:
+        servers = launch(icfg, str(model), a.seq_len, root / "srv")
+    finally:
+        os.sched_setaffinity(0, set(cores) - inference_cores if a.pin else set(cores))
+    print(f"inference on cores {sorted(inference_cores)}, orchestrator and trainer on {sorted(os.sched_getaffinity(0))}")
     url = servers.urls[0]
-    results: dict = {"args": vars(a), "step_s": {0: [], 1: [], 2: []}, "overhead": []}
+    results: dict = {"args": vars(a), "cores": {"inference": sorted(inference_cores), "rest": sorted(os.sched_getaffinity(0))}, "step_s": {0: [], 1: [], 2: []}, "overhead": []}
     try:
         for r in range(a.rounds):
             order = [0, 1, 2] if r % 2 == 0 else [2, 1, 0]

@@ -96,6 +96,7 @@ def start_all(orch) -> int:
     n = 0
     while orch.may_start():
         orch.running[n + 1000 * len(orch.done)] = Group(n, "toy", n)
+        orch.in_flight += orch.G
         n += 1
     return n
 

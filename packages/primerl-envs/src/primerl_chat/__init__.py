@@ -8,24 +8,33 @@ interception is the contract, not the process"), every model call still goes thr
 interception endpoint, so the trace records tokens, logprobs and tool calls exactly as with
 `null`. Tools come from the task's MCP toolsets through verifiers' own MCP helpers.
 
+The model calls are plain HTTP posts to the interception endpoint on one aiohttp session per
+event loop: the OpenAI SDK on httpx spent about half of the orchestrator's CPU time in
+httpcore's connection-pool bookkeeping at 64 rollouts in flight (bench/orchestrator.py).
+
 Id for configs: `primerl-chat` (`agent.harness.id`); primerl sets it by default.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import weakref
 from contextlib import AsyncExitStack
 
-import httpx
+import aiohttp
 import verifiers.v1 as vf
-from openai import APIStatusError, AsyncOpenAI
 from verifiers.v1.harnesses.utils import mcp as vf_mcp
 
-__all__ = ["ChatHarness"]
+__all__ = ["ChatHarness", "close_session"]
 
 
 class ChatHarnessConfig(vf.HarnessConfig):
     """The in-process chat loop: model turns until a reply without tool calls."""
+
+
+class ModelCallError(RuntimeError):
+    """The interception endpoint refused a model call while the rollout was still running."""
 
 
 class ChatHarness(vf.Harness[ChatHarnessConfig]):
@@ -54,55 +63,84 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt:
             messages.extend(m.model_dump(mode="json", exclude_none=True) for m in prompt)
-        client = AsyncOpenAI(
-            base_url=endpoint,
-            api_key=secret,
-            max_retries=0,
-            timeout=httpx.Timeout(None, connect=10.0),
-        )
-        try:
-            async with AsyncExitStack() as stack:
-                tools: list[dict] = []
-                dispatch: dict = {}
-                servers: dict = {}
-                if mcp_urls:
-                    spec = {
-                        "mcpServers": {
-                            name: {"url": url, "timeout": self.config.tool_timeout}
-                            for name, url in mcp_urls.items()
-                        }
+        async with AsyncExitStack() as stack:
+            tools: list[dict] = []
+            dispatch: dict = {}
+            servers: dict = {}
+            if mcp_urls:
+                spec = {
+                    "mcpServers": {
+                        name: {"url": url, "timeout": self.config.tool_timeout}
+                        for name, url in mcp_urls.items()
                     }
-                    tools, dispatch, servers = await vf_mcp.connect_mcp(spec, stack)
-                await self._loop(client, ctx.model, messages, tools, dispatch, servers, trace)
-        finally:
-            await client.close()
+                }
+                tools, dispatch, servers = await vf_mcp.connect_mcp(spec, stack)
+            call = _ModelCall(endpoint.rstrip("/") + "/chat/completions", secret)
+            await self._loop(call, ctx.model, messages, tools, dispatch, servers, trace)
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 
-    async def _loop(self, client, model, messages, tools, dispatch, servers, trace) -> None:
+    async def _loop(self, call, model, messages, tools, dispatch, servers, trace) -> None:
         while True:
-            kwargs: dict = {"model": model, "messages": messages}
+            body: dict = {"model": model, "messages": messages}
             if tools:
-                kwargs["tools"] = tools
+                body["tools"] = tools
             try:
-                completion = await client.chat.completions.create(**kwargs)
-            except APIStatusError:
+                completion = await call(body)
+            except ModelCallError:
                 # The interception refuses a turn once a limit or @stop ended the rollout;
-                # the trace already says why. Anything else is a real failure.
+                # the trace already says why. Anything else is a real failure (the
+                # interception keeps the model's own error for the trace).
                 if trace.stop_condition is not None:
                     return
                 raise
-            message = completion.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))
-            if not message.tool_calls or trace.stop_condition is not None:
+            message = {k: v for k, v in completion["choices"][0]["message"].items() if v is not None}
+            messages.append(message)
+            if not message.get("tool_calls") or trace.stop_condition is not None:
                 return
-            for call in message.tool_calls:
-                messages.append(await _run_tool(call, dispatch, servers))
+            for tool_call in message["tool_calls"]:
+                messages.append(await _run_tool(tool_call, dispatch, servers))
 
 
-async def _run_tool(call, dispatch: dict, servers: dict) -> dict:
-    name = call.function.name
+class _ModelCall:
+    def __init__(self, url: str, secret: str) -> None:
+        self.url = url
+        self.headers = {"Authorization": f"Bearer {secret}"}
+
+    async def __call__(self, body: dict) -> dict:
+        async with _session().post(self.url, json=body, headers=self.headers) as response:
+            raw = await response.read()
+        if response.status != 200:
+            raise ModelCallError(f"model call answered HTTP {response.status}: {raw[:300]!r}")
+        return json.loads(raw)
+
+
+_SESSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _session() -> aiohttp.ClientSession:
+    """One HTTP session per event loop, shared by every rollout's model calls."""
+    loop = asyncio.get_running_loop()
+    session = _SESSIONS.get(loop)
+    if session is None or session.closed:
+        session = _SESSIONS[loop] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, connect=10.0),
+        )
+    return session
+
+
+async def close_session() -> None:
+    """Close this event loop's session (the environments call it when they stop)."""
+    session = _SESSIONS.pop(asyncio.get_running_loop(), None)
+    if session is not None:
+        await session.close()
+
+
+async def _run_tool(call: dict, dispatch: dict, servers: dict) -> dict:
+    function = call.get("function") or {}
+    name = function.get("name", "")
     try:
-        args = json.loads(call.function.arguments or "{}")
+        args = json.loads(function.get("arguments") or "{}")
     except json.JSONDecodeError as e:
         content = f"error: invalid JSON in tool arguments ({e})"
     else:
@@ -112,4 +150,4 @@ async def _run_tool(call, dispatch: dict, servers: dict) -> dict:
             content = f"error: no tool named {name!r}; available: {sorted(dispatch)}"
         else:
             content = await vf_mcp.call_mcp(servers, dispatch, name, args)
-    return {"role": "tool", "tool_call_id": call.id, "name": name, "content": content}
+    return {"role": "tool", "tool_call_id": call.get("id"), "name": name, "content": content}

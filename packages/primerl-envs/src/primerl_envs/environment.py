@@ -235,6 +235,9 @@ class Environment:
         if self._stack is not None:
             await self._stack.aclose()
             self._stack = None
+            import primerl_chat
+
+            await primerl_chat.close_session()
         if self._client is not None:
             await self._client.close()
             self._client = None

@@ -69,6 +69,9 @@ class Orchestrator:
         self.redo: deque[tuple[int, str, int]] = deque()
         """(group id, env, task position) of groups to run again first (from a resume)."""
         self.running: dict[int, Group] = {}
+        self.in_flight = 0
+        """Training rollouts running now (a group's finished rollouts free their places at
+        once, so one slow rollout does not hold its whole group's share of max_in_flight)."""
         self.done: deque[Group] = deque()
         self.taken = 0
         """Groups already in the batch being built."""
@@ -206,8 +209,7 @@ class Orchestrator:
         """Whether a new group may start now (the in-flight limit and the off-policy rule)."""
         if self.version is None:
             return False
-        running = len(self.running) * self.G
-        if running and running + self.G > self.o.max_in_flight:
+        if self.in_flight and self.in_flight + self.G > self.o.max_in_flight:
             return False
         lands_in = self.step + (self.taken + len(self.running) + len(self.done)) // self.T
         if self.cfg.max_steps is not None and lands_in >= self.cfg.max_steps:
@@ -229,6 +231,7 @@ class Orchestrator:
                 self.next_group += 1
             group = Group(gid, env.name, pos)
             self.running[gid] = group
+            self.in_flight += self.G
             if self.generation_started is None:
                 self.generation_started = time.monotonic()
             self._spawn(self._run_group(group, env, task))
@@ -236,11 +239,16 @@ class Orchestrator:
     async def _run_group(self, group: Group, env: Environment, task) -> None:
         s = self.o.sampling
         base = group.group_id * self.G
-        results = await asyncio.gather(*(
-            self.gen.play(env, task, sample_id=(base + i) * AGENT_SLOTS, group_id=group.group_id,
-                          temperature=s.temperature, max_tokens=s.max_tokens, top_p=s.top_p)
-            for i in range(self.G)
-        ))
+
+        async def one(i: int):
+            try:
+                return await self.gen.play(env, task, sample_id=(base + i) * AGENT_SLOTS, group_id=group.group_id,
+                                           temperature=s.temperature, max_tokens=s.max_tokens, top_p=s.top_p)
+            finally:
+                self.in_flight -= 1
+                await self._notify()
+
+        results = await asyncio.gather(*(one(i) for i in range(self.G)))
         group.rollouts = [r for rs in results for r in rs]
         self._finished_rollouts += len(group.rollouts)
         self._generated_tokens += sum(r.num_completion_tokens for r in group.rollouts)
