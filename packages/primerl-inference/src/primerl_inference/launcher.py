@@ -12,6 +12,7 @@ environment, so the GPU-only options are tested here without a GPU.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -129,7 +130,7 @@ def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
             return r.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):  # not up yet, or hung up mid-answer
         return False
 
 

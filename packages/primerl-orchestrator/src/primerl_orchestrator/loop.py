@@ -39,7 +39,15 @@ from collections import deque
 from pathlib import Path
 
 from primerl_envs.environment import EnvMix, Environment
-from primerl_protocol import AsyncReceiver, AsyncSender, BatchMessage, PolicyMessage, PolicyReady, Shutdown
+from primerl_protocol import (
+    AsyncReceiver,
+    AsyncSender,
+    BatchMessage,
+    PolicyMessage,
+    PolicyReady,
+    Shutdown,
+    TransportTimeout,
+)
 from primerl_protocol.checkpoints import latest_checkpoint
 
 from primerl_orchestrator.batching import Group, build_step
@@ -105,6 +113,11 @@ class Orchestrator:
         cfg = self.cfg
         if not cfg.envs.train:
             raise OrchestratorError("no training environments: add at least one [[envs.train]] entry")
+        if not cfg.inference.resolved_admin_token():
+            raise OrchestratorError(
+                "inference.admin_token (or $PRIMERL_ADMIN_TOKEN) is not set: the orchestrator could "
+                "not tell the servers to load new weights"
+            )
         self.out_dir.mkdir(parents=True, exist_ok=True)
         async with contextlib.AsyncExitStack() as stack:
             self.envs = [await stack.enter_async_context(Environment(e, seed=cfg.seed)) for e in cfg.envs.train]
@@ -114,11 +127,6 @@ class Orchestrator:
             self.pool = ServerPool(cfg.inference.server_urls(), cfg.model.name, cfg.inference.resolved_admin_token())
             stack.push_async_callback(self.pool.close)
             await self.pool.start()
-            if not self.pool.admin_token:
-                raise OrchestratorError(
-                    "inference.admin_token (or $PRIMERL_ADMIN_TOKEN) is not set: the orchestrator could "
-                    "not tell the servers to load new weights"
-                )
             self.gen = Generator(self.pool, cfg.model.name, cfg.model.tokenizer or cfg.model.name,
                                  max_retries=self.o.max_retries)
             self._resume()
@@ -134,7 +142,7 @@ class Orchestrator:
                 if self.version == 0:
                     self._maybe_eval(0)
                 await self._build()
-                await self._final_eval()
+                await self._finish()
                 finished = True
             finally:
                 for task in list(self._tasks) + ([self._eval_task] if self._eval_task else []):
@@ -307,7 +315,12 @@ class Orchestrator:
             batches[0].state = self.resume_state(step + 1)
             t2 = time.monotonic()
             for sender, batch in zip(self.senders, batches):
-                await sender.send(batch, timeout_s=self.o.send_timeout_s)
+                try:
+                    await sender.send(batch, timeout_s=self.o.send_timeout_s)
+                except TransportTimeout as err:
+                    raise OrchestratorError(
+                        f"the trainer did not take the batch of step {step} ({err}); is it running?"
+                    ) from None
             metrics["time/send"] = time.monotonic() - t2
             self.sent.append({
                 "step": step,
@@ -344,9 +357,23 @@ class Orchestrator:
 
     # -- policies and evals -----------------------------------------------------------
 
+    def _waiting_for_policy(self) -> bool:
+        """Nothing can move until the trainer publishes (the start rule holds everything back)."""
+        return not self.in_flight and not self.done and not self.may_start()
+
     async def _listen_policy(self) -> None:
+        patience = self.cfg.transport.sockets.recv_timeout_s
         while True:
-            msg = await self.policy_rx.recv()
+            try:
+                msg = await self.policy_rx.recv(timeout_s=patience)
+            except TransportTimeout:
+                if self._waiting_for_policy():
+                    raise OrchestratorError(
+                        f"waited {patience:.0f}s (transport.sockets.recv_timeout_s) for the trainer to publish "
+                        + ("the weights it resumed from" if self.version is None else f"the policy after {self.version}")
+                        + f" (step {self.step} needs it); is it running?"
+                    ) from None
+                continue
             if isinstance(msg, Shutdown):
                 self.trainer_stopped = msg.reason or "it sent Shutdown"
                 await self._notify()
@@ -386,15 +413,14 @@ class Orchestrator:
         with (self.out_dir / "evals.jsonl").open("a") as f:
             f.write(json.dumps({"policy": version, **metrics}) + "\n")
 
-    async def _final_eval(self) -> None:
-        """After the last step: the eval of the final policy, if evals are on."""
-        if not self.eval_envs or not self.o.eval.interval or self.cfg.max_steps is None:
-            return
+    async def _finish(self) -> None:
+        """After the last batch: wait until the trainer has published the final policy (it is
+        still training the last steps, and publishes to us), then the final eval."""
         final = self.cfg.max_steps
-        try:
-            await asyncio.wait_for(self._until(lambda: self.version == final), self.o.send_timeout_s)
-        except (TimeoutError, OrchestratorError) as err:
-            log.warning("no final eval: the trainer did not publish policy %d (%s)", final, err)
+        if final is None:
+            return
+        await self._until(lambda: self.version == final)
+        if not self.eval_envs or not self.o.eval.interval:
             return
         if self._eval_task is not None:  # the listener started it (final is a multiple of the interval)
             await self._eval_task

@@ -49,7 +49,8 @@ class TrainerDouble:
     crash_after: int | None = None
     """Stop without a word after training this step (before its checkpoint)."""
     publish: bool = True
-    """Publish weights after each step (off: the servers keep their weights; for benchmarks)."""
+    """Publish weights after each step (off: only after the last one, so the servers keep
+    their weights during the run; for benchmarks)."""
     steps: list[TrainedStep] = field(default_factory=list)
     published: list[int] = field(default_factory=list)
     error: BaseException | None = None
@@ -92,7 +93,7 @@ class TrainerDouble:
                 time.sleep(self.step_time_s)
                 if self.crash_after == step:
                     return
-                if self.publish:
+                if self.publish or step == self.max_steps - 1:
                     policy.send(self._publish(step))
                 if self.checkpoint_interval and (step + 1) % self.checkpoint_interval == 0:
                     self._checkpoint(step, batches[0].state)

@@ -142,6 +142,15 @@ def rl_loss(loss_cfg, scale: LossScale, device: torch.device):
     return loss_fn
 
 
+def tell(policy: Sender, ready) -> None:
+    """Send PolicyReady; an orchestrator that does not take it is logged, not fatal (the
+    weights are on disk, and the next step's wait for data says whether it is gone)."""
+    try:
+        policy.send(ready)
+    except TransportTimeout as err:
+        log.error("the orchestrator did not take PolicyReady(step %d): %s", ready.step, err)
+
+
 def train(cfg) -> None:
     """Run the RL trainer with a root config (shared values + `trainer`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -160,7 +169,7 @@ def train(cfg) -> None:
             # run lost), so publish the restored weights first; the orchestrator waits for them.
             ready, _ = session.publish(step - 1)
             if ready is not None:
-                policy.send(ready)
+                tell(policy, ready)
         while cfg.max_steps is None or step < cfg.max_steps:
             data = source.next(step)
             if data is None:
@@ -170,7 +179,7 @@ def train(cfg) -> None:
             stats = session.train_step(batch.micro_batches, rl_loss(cfg.trainer.loss, scale, d.device))
             ready, publish_s = session.publish(step)
             if ready is not None:
-                policy.send(ready)
+                tell(policy, ready)
             checkpointed = session.maybe_checkpoint(step, {"next_step": step + 1, "orchestrator": batch.state})
             session.log(step, {
                 **batch.metrics,
