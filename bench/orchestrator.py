@@ -38,7 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps" / "primerl" / "src"))
 
-from primerl.configs import OrchRunConfig  # noqa: E402
+from primerl.configs import OrchRunConfig, TrainerRunConfig  # noqa: E402
 from primerl_envs.config import EnvConfig, EnvsConfig  # noqa: E402
 from primerl_inference.config import InferenceConfig  # noqa: E402
 from primerl_inference.launcher import launch  # noqa: E402
@@ -47,7 +47,8 @@ from primerl_orchestrator.config import OrchestratorConfig, SamplingConfig  # no
 from primerl_orchestrator.loop import Orchestrator  # noqa: E402
 from primerl_orchestrator.testing import TrainerDouble  # noqa: E402
 from primerl_protocol import SocketSettings  # noqa: E402
-from primerl_protocol.config import ModelConfig, TransportConfig  # noqa: E402
+from primerl_protocol.config import ModelConfig, TransportConfig, WandbConfig, to_toml  # noqa: E402
+from primerl_trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig, WeightsConfig  # noqa: E402
 from primerl_trainer.testing import free_port_block, launch_trainer  # noqa: E402
 
 TOKEN = "bench"
@@ -68,32 +69,14 @@ def orch_config(run_dir: Path, model: Path, url: str, port: int, *, k: int, step
     )
 
 
-def trainer_toml(path: Path, cfg: OrchRunConfig, a) -> Path:
-    t = cfg.transport
-    path.write_text(f"""
-seq_len = {cfg.seq_len}
-max_steps = {cfg.max_steps}
-run_dir = "{cfg.run_dir}"
-[model]
-name = "{cfg.model.name}"
-[transport]
-batch_port = {t.batch_port}
-policy_port = {t.policy_port}
-[transport.sockets]
-recv_timeout_s = 600
-linger_ms = 0
-[wandb]
-mode = "disabled"
-[trainer]
-dtype = "float32"
-[trainer.optimizer]
-lr = 1e-4
-[trainer.checkpoint]
-interval = 0
-[trainer.weights]
-dtype = "float32"
-keep = 1000
-""")
+def trainer_toml(path: Path, cfg: OrchRunConfig) -> Path:
+    """The trainer's config: the same shared values (model, seq_len, ports, ...) as the orchestrator's."""
+    trainer = TrainerConfig(
+        dtype="float32", optimizer=OptimizerConfig(lr=1e-4), checkpoint=CheckpointConfig(interval=0),
+        weights=WeightsConfig(dtype="float32", keep=1000),  # every step's marker times the run
+    )
+    shared = {f: getattr(cfg, f) for f in ("model", "seq_len", "max_steps", "run_dir", "seed", "transport")}
+    path.write_text(to_toml(TrainerRunConfig(**shared, trainer=trainer, wandb=WandbConfig(mode="disabled"))))
     return path
 
 
@@ -104,7 +87,7 @@ def rl_run(root: Path, model: Path, url: str, k: int, a) -> float:
     port = free_port_block(2)
     cfg = orch_config(run_dir, model, url, port, k=k, steps=a.warmup + a.steps, a=a)
     log = run_dir / "trainer.log"
-    trainer = launch_trainer(trainer_toml(run_dir / "trainer.toml", cfg, a), 1, log)
+    trainer = launch_trainer(trainer_toml(run_dir / "trainer.toml", cfg), 1, log)
     orch = Orchestrator(cfg)
     try:
         asyncio.run(asyncio.wait_for(orch.run(), 1200))
