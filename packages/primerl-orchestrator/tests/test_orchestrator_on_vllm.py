@@ -26,7 +26,10 @@ from primerl_orchestrator.loop import Orchestrator, OrchestratorError
 from primerl_orchestrator.testing import TrainerDouble, garbage_server
 from primerl_protocol import SocketSettings
 from primerl_protocol.config import ModelConfig, TransportConfig
-from primerl_trainer.testing import free_port_block
+from primerl.configs import TrainerRunConfig
+from primerl_protocol.config import WandbConfig, to_toml
+from primerl_trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig, WeightsConfig
+from primerl_trainer.testing import free_port_block, launch_trainer
 
 TOKEN = "test-admin-token"
 GROUP = 4
@@ -124,6 +127,40 @@ def test_a_trainer_that_stops_publishing_stops_the_orchestrator_with_a_clear_err
     with pytest.raises(OrchestratorError, match=r"waited 5s .* for the trainer to publish the policy after 0 \(step 1 needs it\)"):
         asyncio.run(asyncio.wait_for(Orchestrator(cfg).run(), 300))
     trainer.join(30)
+
+
+def test_with_the_real_trainer_on_two_ranks(servers, tmp_path):
+    """Not a double: the RL trainer under torchrun with 2 gloo ranks learns from the batches."""
+    running, model = servers
+    url = next(u for u in running.urls if httpx.get(u + "/health").status_code == 200)
+    cfg = make_cfg(tmp_path / "run", model, [url], k=1, max_steps=3)
+    cfg = msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport, trainer_ranks=2))
+    trainer_cfg = TrainerRunConfig(
+        model=cfg.model, seq_len=cfg.seq_len, max_steps=cfg.max_steps, run_dir=cfg.run_dir, transport=cfg.transport,
+        wandb=WandbConfig(mode="disabled"),
+        trainer=TrainerConfig(dtype="float32", optimizer=OptimizerConfig(lr=1e-4), checkpoint=CheckpointConfig(interval=2),
+                              weights=WeightsConfig(dtype="float32")),
+    )
+    config = tmp_path / "trainer.toml"
+    config.write_text(to_toml(trainer_cfg))
+    log = tmp_path / "trainer.log"
+    trainer = launch_trainer(config, 2, log)
+    orch = Orchestrator(cfg)
+    try:
+        asyncio.run(asyncio.wait_for(orch.run(), 600))
+        assert trainer.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:  # the trainer's own metrics and the orchestrator's, on one step
+        assert "loss" in r and "mismatch_kl" in r and 0.0 <= r["reward/mean"] <= 1.0
+        assert r["mismatch_kl"] < 1e-2 or r["off_policy/level"] > 0  # same weights: trainer and vLLM agree
+    assert rows[0]["mismatch_kl"] < 1e-3  # step 0: vLLM and the trainer hold the same weights
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_1" / "meta.json").read_text())
+    assert meta["data"]["orchestrator"]["next_step"] == 2 and meta["world_size"] == 2
+    assert policy_of(url) == 3  # the final policy is served
 
 
 def groups_of(sample_ids):
