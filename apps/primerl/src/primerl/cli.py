@@ -198,6 +198,23 @@ for _name, _root, _summary, _engine in [
 ]:
     main.add_command(config_command(_name, _root, _summary, _engine, prog=f"primerl {_name}"))
 
+@main.command("report", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--window", default=20, show_default=True, help="Steps in the reward's moving average and the summary's first/last means.")
+def report(run_dir: str, window: int) -> None:
+    """PNG plots (reward, loss, mismatch KL, entropy, tokens/s, off-policy level) and a text
+    summary of a run, written to RUN_DIR/report/ (for runs without Weights & Biases)."""
+    from primerl.report import ReportError, write_report
+
+    try:
+        out = write_report(run_dir, window)
+    except ReportError as err:
+        click.echo(f"primerl report: {err}", err=True)
+        sys.exit(EXIT_FAILED)
+    click.echo((out / "summary.txt").read_text(), nl=False)
+    click.echo(f"plots and summary in {out}")
+
+
 orch_main = config_command(
     "primerl-orch", OrchRunConfig, "The orchestrator: the asynchronous rollout loop.",
     _run_orchestrator,

@@ -1,0 +1,129 @@
+"""`primerl report RUN_DIR`: PNG plots and a short text summary of a run, without W&B.
+
+Reads `RUN_DIR/metrics.jsonl` (the trainer's metrics with the orchestrator's of each step;
+for SFT runs only the trainer's) and `RUN_DIR/orchestrator/evals.jsonl` when there is one,
+and writes `RUN_DIR/report/`: one PNG per metric that the run logged (reward with its moving
+average, loss, mismatch KL, entropy, tokens/s, off-policy level) and `summary.txt`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+# (file name, title, [(metric key, label)], log scale)
+PLOTS = [
+    ("reward", "Reward", [("reward/mean", "mean reward")], False),
+    ("loss", "Loss", [("loss", "loss")], False),
+    ("mismatch_kl", "Mismatch KL (trainer vs inference)", [("mismatch_kl", "mismatch KL")], True),
+    ("entropy", "Entropy", [("entropy", "entropy")], False),
+    ("tokens_per_s", "Tokens per second",
+     [("tokens_per_s", "trained"), ("rollouts/tokens_per_s", "generated")], False),
+    ("off_policy", "Off-policy level", [("off_policy/level", "level"), ("off_policy/mean", "mean over samples")], False),
+]
+
+
+class ReportError(ValueError):
+    """The run directory cannot be reported on (says which file and line)."""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ReportError(f"{path}, line {i}: not JSON ({err.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step", row.get("policy")), int):
+            raise ReportError(f"{path}, line {i}: expected an object with an integer `step`")
+        rows.append(row)
+    return rows
+
+
+def load_metrics(run_dir: Path) -> list[dict]:
+    """The run's metric rows, one per step (a resumed run's later rows win)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise ReportError(f"{run_dir} has no metrics.jsonl: is it a primerl run directory?")
+    by_step = {row["step"]: row for row in read_jsonl(path)}
+    if not by_step:
+        raise ReportError(f"{path} is empty: the run has not finished a step yet")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the rows that have a finite `key`."""
+    pts = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    if not pts:
+        return np.zeros(0), np.zeros(0)
+    steps, values = zip(*pts)
+    return np.array(steps), np.array(values)
+
+
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Mean of the last `window` values at each point (fewer at the start)."""
+    csum = np.cumsum(np.insert(values, 0, 0.0))
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(0, idx - window)
+    return (csum[idx] - csum[lo]) / (idx - lo)
+
+
+def summary(rows: list[dict], evals: list[dict], window: int = 20) -> str:
+    lines = [f"steps: {rows[0]['step']}..{rows[-1]['step']} ({len(rows)} logged)"]
+    _, reward = series(rows, "reward/mean")
+    if len(reward):
+        n = min(window, len(reward))
+        first, last = reward[:n].mean(), reward[-n:].mean()
+        lines.append(f"reward: first {n} steps {first:.4f}, last {n} steps {last:.4f} (change {last - first:+.4f})")
+    for key, name in [("mismatch_kl", "mismatch KL"), ("loss", "loss"), ("entropy", "entropy"),
+                      ("tokens_per_s", "trained tokens/s"), ("rollouts/tokens_per_s", "generated tokens/s"),
+                      ("off_policy/level", "off-policy level")]:
+        _, v = series(rows, key)
+        if len(v):
+            lines.append(f"{name}: mean {v.mean():.4g}, max {v.max():.4g}, last {v[-1]:.4g}")
+    for e in evals:
+        scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in e.items() if "@" in k)
+        lines.append(f"eval of policy {e['policy']}: {scores}")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: str | Path, window: int = 20) -> Path:
+    """Write RUN_DIR/report/ (PNGs and summary.txt); returns the folder."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = load_metrics(run_dir)
+    evals_path = run_dir / "orchestrator" / "evals.jsonl"
+    evals = read_jsonl(evals_path) if evals_path.exists() else []
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    for name, title, keys, log_scale in PLOTS:
+        drawn = [(label, *series(rows, key)) for key, label in keys]
+        drawn = [d for d in drawn if len(d[1])]
+        if not drawn:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        for label, steps, values in drawn:
+            ax.plot(steps, values, label=label, alpha=0.5 if name == "reward" else 1.0)
+            if name == "reward":
+                ax.plot(steps, moving_average(values, window), label=f"moving average ({window} steps)", linewidth=2)
+        if log_scale and all((v > 0).all() for _, _, v in drawn):
+            ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(drawn) > 1 or name == "reward":
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png")
+        plt.close(fig)
+    (out / "summary.txt").write_text(summary(rows, evals, window))
+    return out
