@@ -1,5 +1,6 @@
-"""The commands: help lists config sections, --dry-run, config errors, engines not built."""
+"""The commands: help lists config sections, --dry-run, config errors, bad set-ups named before anything starts."""
 
+import json
 import os
 import re
 import subprocess
@@ -55,15 +56,24 @@ def test_rl_dry_run_prints_toml_of_the_resolved_config(config):
     )
 
 
-NOT_BUILT = ["rl"]
-
-
-@pytest.mark.parametrize("name", NOT_BUILT)
-def test_engines_not_built_yet_say_so_and_exit_nonzero(name, config):
-    cmd, prefix, _ = COMMANDS[name]
-    result = CliRunner().invoke(cmd, [*prefix, "@", str(config)])
-    assert result.exit_code == 3
-    assert "is not built yet (tracked in issue #" in result.output
+@pytest.mark.parametrize("setup, message", [
+    ("model", "model.name: tiny/config.json not found"),
+    ("gpt2", "model_type 'gpt2' is not implemented by primerl-models; supported:"),
+    ("no-envs", "envs.train: no training environments"),
+    ("missing-env", "envs.train[0].id:"),
+])
+def test_rl_bad_setups_fail_before_any_process_starts(tmp_path, setup, message):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2" if setup == "gpt2" else "qwen3"}))
+    name = "tiny" if setup == "model" else str(model)
+    envs = {"no-envs": "", "missing-env": '[[envs.train]]\nid = "./no_such_env.py"\n'}.get(
+        setup, '[[envs.train]]\nid = "reverse-text"\n')
+    path = tmp_path / "rl.toml"
+    path.write_text(f'run_dir = "{tmp_path / "run"}"\n[model]\nname = "{name}"\n{envs}')
+    result = CliRunner().invoke(main, ["rl", "@", str(path)])
+    assert result.exit_code == 1 and message in result.output, result.output
+    assert not (tmp_path / "run" / "logs").exists()  # nothing was started
 
 
 def test_orchestrator_and_eval_without_environments_fail_naming_the_section(config):

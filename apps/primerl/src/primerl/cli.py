@@ -5,8 +5,8 @@ Each command reads its config the same way (see primerl_protocol.config.load):
     primerl rl @ base.toml @ override.toml trainer.optimizer.lr=1e-5 --dry-run
 
 and then hands it to its engine. Commands stay thin: config in, engine call, clear exit code.
-Exit codes: 0 done, 1 the engine failed (it says why), 2 bad config or arguments, 3 engine not
-built yet.
+Exit codes: 0 done, 1 the engine failed (it says why), 2 bad config or arguments, 130 stopped
+with Ctrl-C.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from primerl.configs import (
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
-EXIT_NOT_BUILT = 3
 
 USAGE = """
 Config: TOML files after `@`, composed left to right, then dotted overrides
@@ -42,15 +41,6 @@ def _epilog(root: type) -> str:
     lines = ["\b", "Config sections and top-level keys:"]
     lines += [f"  {name:<14} {doc}" for name, doc in sections(root)]
     return "\n".join(lines)
-
-
-def _not_built(what: str, issue: int) -> typing.NoReturn:
-    click.echo(
-        f"{what} is not built yet (tracked in issue #{issue}). Your config is valid: "
-        "--dry-run prints it.",
-        err=True,
-    )
-    sys.exit(EXIT_NOT_BUILT)
 
 
 def config_command(
@@ -83,11 +73,6 @@ def config_command(
         engine(config)
 
     return command
-
-
-def _engine_not_built(what: str, issue: int) -> typing.Callable[[typing.Any], None]:
-    """The engine of a command whose implementation has not landed yet."""
-    return lambda config: _not_built(what, issue)
 
 
 def _run_trainer(config: TrainerRunConfig) -> None:
@@ -136,6 +121,19 @@ def _run_inference(config: InferenceRunConfig) -> None:
         sys.exit(EXIT_FAILED)
     finally:
         servers.stop()
+
+
+def _run_rl(config: RLConfig) -> None:
+    from primerl.launch import RunError, run_rl
+
+    try:
+        run_rl(config)
+    except RunError as err:
+        click.echo(f"primerl rl: {err}", err=True)
+        sys.exit(EXIT_FAILED)
+    except KeyboardInterrupt:
+        click.echo("primerl rl: stopped (Ctrl-C); rerun the same command to resume", err=True)
+        sys.exit(130)
 
 
 def _run_orchestrator(config: OrchRunConfig) -> None:
@@ -189,8 +187,7 @@ def main() -> None:
 
 
 for _name, _root, _summary, _engine in [
-    ("rl", RLConfig, "Run asynchronous RL: inference, orchestrator and trainer.",
-     _engine_not_built("`primerl rl` (the whole-run launcher)", 9)),
+    ("rl", RLConfig, "Run asynchronous RL: inference, orchestrator and trainer, on this machine.", _run_rl),
     ("sft", SFTConfig, "Supervised fine-tuning on the FSDP2 trainer (one process; for several, "
      "torchrun --nproc-per-node N -m primerl.sft_entry @ cfg.toml).", _run_sft),
     ("eval", EvalConfig, "Evaluate a model (or each published step of a run); results in run_dir/evals.jsonl.",

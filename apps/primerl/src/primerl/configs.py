@@ -51,6 +51,11 @@ class RLConfig(SharedConfig):
     """vLLM servers: replicas, parallelism, admin token."""
     envs: EnvsConfig = msgspec.field(default_factory=EnvsConfig)
     """Training and eval environments."""
+    trainer_gpus: list[int] | None = None
+    """GPUs of the trainer, one rank each (default: the GPUs after inference's); ignored on CPU."""
+    colocate: bool = False
+    """Inference and trainer share the same GPUs (lower inference.gpu_memory_utilization to
+    leave the trainer room)."""
 
 
 class SFTConfig(SharedConfig, kw_only=True):

@@ -6,6 +6,8 @@ occasionally aborted during interpreter finalisation with "terminate called with
 active exception" after all its work was done (seen in CI on the SFT tests, not
 reproducible in isolation), and torchrun then reports the whole job failed. Remove when
 that teardown race is understood and fixed.
+
+Each rank also dies with its torchrun (`die_with_parent`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,24 @@ import os
 import sys
 
 
+def die_with_parent() -> None:
+    """Be killed when torchrun dies (Linux). torchrun starts each rank in a session of its own,
+    so a torchrun that is killed outright (SIGKILL, the OOM killer) would leave its ranks
+    running, still connected to the orchestrator's sockets and taking batches meant for a
+    restarted trainer."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return  # not a torchrun rank (e.g. `python -m primerl.sft_entry` under nohup): keep running
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() == 1:  # torchrun died before the line above
+        os._exit(1)
+
+
 def run_and_exit(command, args: list[str] | None = None) -> None:
+    die_with_parent()
     try:
         command(args)
         code = 0

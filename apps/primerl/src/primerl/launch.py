@@ -1,0 +1,236 @@
+"""`primerl rl @ cfg.toml`: the whole run on this machine from one config.
+
+1. Checks what can be checked before anything starts: the model folder and its architecture
+   (primerl-models must implement it), every environment id, the trainer's rank count.
+2. Lays out the run directory: `configs/` (the resolved config and each process's
+   projection of it), `logs/` (one log per process).
+3. Starts the inference servers (and waits until they serve), the torchrun trainer and the
+   orchestrator, each in its own process group.
+4. Watches them: prints one line per step (step, reward, tokens/s, off-policy level, ETA);
+   when a process exits with an error, or on Ctrl-C, stops all of them (SIGTERM, then
+   SIGKILL) and says which one failed, its exit code and the end of its log.
+
+Rerunning the same command on the same run directory resumes: the trainer from its newest
+checkpoint, the orchestrator from the state stored in it.
+
+Placement: on a machine without a GPU everything runs on the CPU (`transport.trainer_ranks`
+gloo ranks). With GPUs, inference takes `inference.gpus` (or the first ones) and the trainer
+`trainer_gpus` (or the ones inference does not use), one rank per GPU; with `colocate = true`
+both use the same GPUs, vLLM limited to `inference.gpu_memory_utilization` of their memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+from primerl_inference.launcher import LaunchError, launch, resolve_device
+from primerl_protocol.config import to_toml
+
+from primerl.configs import OrchRunConfig, RLConfig, TrainerRunConfig
+
+
+class RunError(RuntimeError):
+    """The run cannot start, or one of its processes failed (says which, and why)."""
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def check(cfg: RLConfig) -> None:
+    """Everything that can fail before a process starts, named."""
+    from primerl_envs.environment import EnvLoadError, resolve_taskset_id
+    from primerl_models import family_for, read_config
+
+    try:
+        family_for(read_config(cfg.model.name), where=f"{cfg.model.name}/config.json")
+    except (FileNotFoundError, ValueError) as err:
+        raise RunError(f"model.name: {err}") from None
+    if not cfg.envs.train:
+        raise RunError("envs.train: no training environments; add at least one [[envs.train]] entry")
+    for section, envs in (("envs.train", cfg.envs.train), ("envs.eval", cfg.envs.eval)):
+        for i, env in enumerate(envs):
+            try:
+                resolve_taskset_id(env.id)
+            except EnvLoadError as err:
+                raise RunError(f"{section}[{i}].id: {err}") from None
+
+
+def gpu_plan(cfg: RLConfig, device: str) -> tuple[list[int], list[int]]:
+    """(inference GPUs, trainer GPUs); empty lists on CPU."""
+    if device == "cpu":
+        return [], []
+    inf = cfg.inference
+    n_inf = inf.num_replicas * inf.gpus_per_replica
+    inference = list(inf.gpus) if inf.gpus is not None else list(range(n_inf))
+    if cfg.colocate:
+        trainer = cfg.trainer_gpus if cfg.trainer_gpus is not None else inference
+    elif cfg.trainer_gpus is not None:
+        trainer = list(cfg.trainer_gpus)
+    else:
+        trainer = list(range(n_inf, n_inf + cfg.transport.trainer_ranks))
+    if not cfg.colocate and set(trainer) & set(inference):
+        raise RunError(f"trainer_gpus {trainer} overlap inference GPUs {inference}; set colocate = true to share them")
+    if len(trainer) != cfg.transport.trainer_ranks:
+        raise RunError(f"transport.trainer_ranks = {cfg.transport.trainer_ranks} but the trainer gets GPUs {trainer} "
+                       "(one rank per GPU)")
+    return inference, trainer
+
+
+def _start(name: str, argv: list[str], log: Path, env: dict[str, str]) -> Proc:
+    popen = subprocess.Popen(argv, stdout=log.open("a"), stderr=subprocess.STDOUT, env={**os.environ, **env},
+                             start_new_session=True)
+    return Proc(name, popen, log)
+
+
+def _stop(procs: list[Proc], timeout_s: float = 20.0) -> None:
+    for p in procs:
+        if p.popen.poll() is None:
+            try:
+                os.killpg(p.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # the whole group: torchrun's ranks, vLLM's engine
+            os.killpg(p.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.popen.wait()
+
+
+class Progress:
+    """One line per finished step, from the trainer's metrics.jsonl."""
+
+    def __init__(self, run_dir: Path, max_steps: int | None):
+        self.path = run_dir / "metrics.jsonl"
+        self.max_steps = max_steps
+        self.seen = self.path.stat().st_size if self.path.exists() else 0
+        self.started = time.monotonic()
+        self.steps_done = 0
+
+    def poll(self) -> None:
+        if not self.path.exists() or self.path.stat().st_size <= self.seen:
+            return
+        with self.path.open() as f:
+            f.seek(self.seen)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self.seen += len(complete.encode())
+        for line in complete.splitlines():
+            try:
+                m = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self.steps_done += 1
+            rate = (time.monotonic() - self.started) / self.steps_done
+            eta = f" | ETA {rate * (self.max_steps - m['step'] - 1):.0f}s" if self.max_steps else ""
+            reward = f"reward {m['reward/mean']:.3f}" if "reward/mean" in m else "reward -"
+            print(
+                f"step {m['step']} | {reward} | {m.get('tokens_per_s', 0):,.0f} tok/s trained, "
+                f"{m.get('rollouts/tokens_per_s', 0):,.0f} generated | off-policy {m.get('off_policy/level', 0):.0f} "
+                f"| kl {m.get('mismatch_kl', float('nan')):.1e}{eta}",
+                flush=True,
+            )
+
+
+def run_rl(cfg: RLConfig) -> None:
+    """Run the whole RL run; raises RunError naming the failed process."""
+    check(cfg)
+    run_dir = Path(cfg.run_dir)
+    (run_dir / "configs").mkdir(parents=True, exist_ok=True)
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    device = resolve_device(cfg.inference)
+    inference_gpus, trainer_gpus = gpu_plan(cfg, device)
+    token = cfg.inference.resolved_admin_token() or secrets.token_hex(16)
+    inference = msgspec.structs.replace(cfg.inference, admin_token=token, device=device,
+                                        gpus=inference_gpus or cfg.inference.gpus)
+    cfg = msgspec.structs.replace(cfg, inference=inference)
+    (run_dir / "configs" / "rl.toml").write_text(to_toml(cfg))
+
+    procs: list[Proc] = []
+    servers = None
+    try:
+        print(f"starting {cfg.inference.num_replicas} inference server(s) on {device} (logs in {logs})", flush=True)
+        try:
+            servers = launch(cfg.inference, cfg.model.name, cfg.seq_len, run_dir)
+        except LaunchError as err:
+            raise RunError(f"inference: {err}") from None
+        procs += [Proc(f"inference-{i}", p, log) for i, (p, log) in enumerate(zip(servers.procs, servers.logs))]
+
+        trainer_cfg = run_dir / "configs" / "trainer.toml"
+        trainer_cfg.write_text(to_toml(cfg.project(TrainerRunConfig)))
+        trainer_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+        if trainer_gpus:
+            trainer_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, trainer_gpus))
+        else:
+            trainer_env["CUDA_VISIBLE_DEVICES"] = ""
+        from primerl_trainer.testing import free_port_block
+
+        procs.append(_start("trainer", [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.transport.trainer_ranks}",
+            f"--master-port={free_port_block(1)}", "-m", "primerl.trainer_entry", "@", str(trainer_cfg),
+        ], logs / "trainer.log", trainer_env))
+
+        orch = msgspec.structs.replace(cfg.project(OrchRunConfig),
+                                       inference=msgspec.structs.replace(cfg.inference, urls=servers.urls))
+        orch_cfg = run_dir / "configs" / "orchestrator.toml"
+        orch_cfg.write_text(to_toml(orch))
+        procs.append(_start("orchestrator", [sys.executable, "-m", "primerl.orch_entry", "@", str(orch_cfg)],
+                            logs / "orchestrator.log", {"PYTHONUNBUFFERED": "1"}))
+        print(f"trainer ({cfg.transport.trainer_ranks} rank(s)) and orchestrator started", flush=True)
+        _watch(procs, Progress(run_dir, cfg.max_steps))
+    except KeyboardInterrupt:
+        print("stopping every process (Ctrl-C)", flush=True)
+        raise
+    finally:
+        _stop(procs)
+
+
+def _watch(procs: list[Proc], progress: Progress) -> None:
+    """Until the trainer and the orchestrator have both finished; the first failure stops all."""
+    finishers = {"trainer", "orchestrator"}
+    lost: set[str] = set()
+    while True:
+        progress.poll()
+        servers = [p for p in procs if p.name not in finishers]
+        for p in procs:
+            code = p.popen.poll()
+            if code is None or (code == 0 and p.name in finishers) or p.name in lost:
+                continue
+            reason = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+            if p.name not in finishers and any(q.popen.poll() is None for q in servers):
+                # the orchestrator routes around a dead server; the run goes on
+                print(f"warning: {p.name} {reason}; the run goes on with the other servers "
+                      f"(last lines of {p.log}:\n{p.tail(10)})", flush=True)
+                lost.add(p.name)
+                continue
+            raise RunError(f"{p.name} {reason}; last lines of {p.log}:\n{p.tail()}")
+        if all(p.popen.poll() == 0 for p in procs if p.name in finishers):
+            progress.poll()
+            print("run finished", flush=True)
+            return
+        time.sleep(0.5)

