@@ -121,7 +121,7 @@ def overhead_pair(model: Path, url: str, a, root: Path) -> tuple[float, float]:
     groups = []
     orch.on_group = groups.append
     asyncio.run(asyncio.wait_for(orch.run(), 1200))
-    through = orch.sent[-1]["sent_at"] - orch.generation_started  # first group started .. last batch sent
+    through = orch.last_sent_at - orch.generation_started  # first group started .. last batch sent
     trainer.join(60)
     rollouts = [r for g in groups for r in g.rollouts]
     requests = [(t.prompt_ids, len(t.completion_ids)) for r in rollouts for t in r.turns]

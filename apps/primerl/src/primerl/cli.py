@@ -156,7 +156,7 @@ def _run_eval(config: EvalConfig) -> None:
     import logging
 
     from primerl_envs.environment import EnvLoadError
-    from primerl_inference.launcher import LaunchError, admin_token, launch
+    from primerl_inference.launcher import LaunchError, launch
     from primerl_orchestrator.evals import eval_run
     from primerl_orchestrator.servers import NoServerError
 
@@ -168,7 +168,7 @@ def _run_eval(config: EvalConfig) -> None:
         else:  # start our own servers for the eval
             servers = launch(config.inference, config.model.name, config.seq_len, config.run_dir)
             urls = servers.urls
-        results = asyncio.run(eval_run(config, urls, admin_token(config.inference)))
+        results = asyncio.run(eval_run(config, urls, config.inference.resolved_admin_token()))
     except (LaunchError, NoServerError, EnvLoadError, ValueError) as err:
         click.echo(f"primerl eval: {err}", err=True)
         sys.exit(EXIT_FAILED)

@@ -188,11 +188,9 @@ def run_rl(cfg: RLConfig) -> None:
             trainer_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, trainer_gpus))
         else:
             trainer_env["CUDA_VISIBLE_DEVICES"] = ""
-        from primerl_trainer.testing import free_port_block
-
-        procs.append(_start("trainer", [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.transport.trainer_ranks}",
-            f"--master-port={free_port_block(1)}", "-m", "primerl.trainer_entry", "@", str(trainer_cfg),
+        procs.append(_start("trainer", [  # --standalone: a single-node rendezvous on a free port
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.transport.trainer_ranks}",
+            "-m", "primerl.trainer_entry", "@", str(trainer_cfg),
         ], logs / "trainer.log", trainer_env))
 
         orch = msgspec.structs.replace(cfg.project(OrchRunConfig),

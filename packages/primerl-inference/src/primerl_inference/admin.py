@@ -30,12 +30,12 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from primerl_inference.config import ADMIN_TOKEN_ENV
 from primerl_protocol.weights import verify
 
 log = logging.getLogger("primerl.inference")
 
 STEP_HEADER = b"x-primerl-policy-step"
-TOKEN_ENV = "PRIMERL_ADMIN_TOKEN"
 
 
 class AdminError(Exception):
@@ -119,7 +119,7 @@ class AdminMiddleware:
 
     def __init__(self, app) -> None:
         self.app = app
-        self.token = os.environ.get(TOKEN_ENV)
+        self.token = os.environ.get(ADMIN_TOKEN_ENV)
         self.policy = Policy()
         self.gate: Gate | None = None  # made inside the server's event loop
         self.swap_lock: asyncio.Lock | None = None

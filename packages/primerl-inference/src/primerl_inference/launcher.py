@@ -28,7 +28,6 @@ from primerl_inference.config import ADMIN_TOKEN_ENV, InferenceConfig
 
 ADMIN_MIDDLEWARE = "primerl_inference.admin.AdminMiddleware"
 WORKER_EXTENSION = "primerl_inference.worker.WorkerExtension"
-TOKEN_ENV = ADMIN_TOKEN_ENV
 
 
 class LaunchError(RuntimeError):
@@ -40,10 +39,6 @@ def resolve_device(cfg: InferenceConfig) -> str:
         return cfg.device
     has_gpu = Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None
     return "cuda" if has_gpu else "cpu"
-
-
-def admin_token(cfg: InferenceConfig) -> str | None:
-    return cfg.resolved_admin_token()
 
 
 @dataclass
@@ -87,8 +82,8 @@ def server_command(
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True" if cfg.enable_lora else "False",
         "PRIMERL_MODEL": model,
     }
-    if (token := admin_token(cfg)) is not None:
-        env[TOKEN_ENV] = token
+    if (token := cfg.resolved_admin_token()) is not None:
+        env[ADMIN_TOKEN_ENV] = token
     gpus: list[int] = []
     if device == "cpu":
         argv += ["--enforce-eager", "--dtype", "float32"]

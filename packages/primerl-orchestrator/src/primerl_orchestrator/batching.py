@@ -84,7 +84,7 @@ def build_step(
         metrics[f"filter/{reason}"] = float(count)
     metrics["filter/longer_than_row"] = float(too_long)
     metrics["batch/samples"] = float(len(samples))
-    metrics["batch/loss_tokens"] = float(sum(sum(s.loss_mask) for s in samples))
+    metrics["batch/loss_tokens"] = float(batches[0].num_loss_tokens)
     metrics["batch/rows_per_rank"] = float(plan.rows_per_rank)
     if samples:
         lag = np.array([step - s.policy_step for s in samples], dtype=np.float64)

@@ -98,10 +98,8 @@ class Orchestrator:
         """Rollouts dropped for being older than the bound, over the run."""
         self.dropped_groups: list[int] = []
         """Ids of the groups dropped for being older than the bound."""
-        self.sent: list[dict] = []
-        """Per step: the step, its sample ids and their policy steps (what was sent)."""
-        self.policies: list[tuple[int, float]] = []
-        """(policy version, monotonic time it was serving) for every weight load."""
+        self.last_sent_at: float | None = None
+        """Monotonic time the last batch was handed to the trainer."""
         self.generation_started: float | None = None
         """Monotonic time the first group started."""
         self.on_group = None
@@ -121,7 +119,9 @@ class Orchestrator:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         async with contextlib.AsyncExitStack() as stack:
             self.envs = [await stack.enter_async_context(Environment(e, seed=cfg.seed)) for e in cfg.envs.train]
-            self.eval_envs = [await stack.enter_async_context(Environment(e, seed=cfg.seed)) for e in cfg.envs.eval]
+            # eval environments are started only when online evals are on
+            self.eval_envs = [await stack.enter_async_context(Environment(e, seed=cfg.seed))
+                              for e in (cfg.envs.eval if self.o.eval.interval else [])]
             self.by_name = {e.name: e for e in self.envs}
             self.mix = EnvMix(self.envs)
             self.pool = ServerPool(cfg.inference.server_urls(), cfg.model.name, cfg.inference.resolved_admin_token())
@@ -322,14 +322,7 @@ class Orchestrator:
                         f"the trainer did not take the batch of step {step} ({err}); is it running?"
                     ) from None
             metrics["time/send"] = time.monotonic() - t2
-            self.sent.append({
-                "step": step,
-                "sample_ids": [int(i) for b in batches for mb in b.micro_batches for i in mb.sample_ids if i >= 0],
-                "policy_steps": [int(p) for b in batches for mb in b.micro_batches
-                                 for i, p in zip(mb.sample_ids, mb.policy_steps) if i >= 0],
-                "group_ids": sorted(g.group_id for g in groups),
-                "sent_at": time.monotonic(),
-            })
+            self.last_sent_at = time.monotonic()
             self._log_step(step, metrics)
             await self._notify()
 
@@ -385,7 +378,6 @@ class Orchestrator:
             version = msg.step + 1
             self._load_s += await self.pool.load_weights(msg.location, version, msg.checksum)
             self.version = version
-            self.policies.append((version, time.monotonic()))
             log.info("servers serve policy %d (%s)", version, msg.location)
             self._maybe_eval(version)
             await self._notify()
