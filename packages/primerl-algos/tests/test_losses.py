@@ -186,3 +186,14 @@ def test_mismatched_shapes_are_refused():
     x = inputs([0.0, 0.0], [0.0], [1.0, 1.0])
     with pytest.raises(ValueError, match=r"inference_logprobs has shape \(1,\)"):
         compute_loss(x, LossConfig(), LossScale(2, 1))
+
+
+def test_a_tiny_float32_mismatch_is_measured_not_rounded_to_zero():
+    # trainer and inference differ by d = 2e-5 nats on each token: KL = e^d - d - 1 ~ d^2/2 = 2e-10,
+    # which r - log r - 1 in float32 rounds to 0 (1 + 2e-5 has ~1e-7 resolution)
+    mu = [-1.0, -2.0, -0.5]
+    x = inputs([m + 2e-5 for m in mu], mu, [1.0, -1.0, 0.5])
+    x.logprobs = x.logprobs.detach().float().requires_grad_()
+    x.inference_logprobs = x.inference_logprobs.float()
+    _, _, m = run(x)
+    assert mean_metrics([m])["mismatch_kl"] == pytest.approx(2e-10, rel=0.1)
