@@ -58,15 +58,18 @@ def test_rl_dry_run_prints_toml_of_the_resolved_config(config):
 
 @pytest.mark.parametrize("setup, message", [
     ("model", "model.name: tiny/config.json not found"),
+    # an org/name id is fetched from the hub before anything starts; offline here (HF_HUB_OFFLINE)
+    ("hub", "model.name: model 'no-such-org/no-such-model' is not a local folder and could not be fetched"),
     ("gpt2", "model_type 'gpt2' is not implemented by primerl-models; supported:"),
     ("no-envs", "envs.train: no training environments"),
     ("missing-env", "envs.train[0].id:"),
 ])
-def test_rl_bad_setups_fail_before_any_process_starts(tmp_path, setup, message):
+def test_rl_bad_setups_fail_before_any_process_starts(tmp_path, monkeypatch, setup, message):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "gpt2" if setup == "gpt2" else "qwen3"}))
-    name = "tiny" if setup == "model" else str(model)
+    name = {"model": "tiny", "hub": "no-such-org/no-such-model"}.get(setup, str(model))
     envs = {"no-envs": "", "missing-env": '[[envs.train]]\nid = "./no_such_env.py"\n'}.get(
         setup, '[[envs.train]]\nid = "reverse-text"\n')
     path = tmp_path / "rl.toml"

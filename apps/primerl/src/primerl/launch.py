@@ -58,10 +58,13 @@ class Proc:
 def check(cfg: RLConfig) -> None:
     """Everything that can fail before a process starts, named."""
     from primerl_envs.environment import EnvLoadError, resolve_taskset_id
-    from primerl_models import family_for, read_config
+    from primerl_models import family_for, is_hub_id, read_config, resolve_model_folder
 
     try:
-        family_for(read_config(cfg.model.name), where=f"{cfg.model.name}/config.json")
+        folder = Path(cfg.model.name)
+        if is_hub_id(cfg.model.name):  # fetched once here; vLLM and the trainer find it in the HF cache
+            folder = resolve_model_folder(cfg.model.name, cfg.model.revision)
+        family_for(read_config(folder), where=f"{cfg.model.name}/config.json")
     except (FileNotFoundError, ValueError) as err:
         raise RunError(f"model.name: {err}") from None
     if not cfg.envs.train:

@@ -13,8 +13,10 @@ from primerl_models.common.transformer import Transformer
 from primerl_models.families import FAMILIES, family_for
 from primerl_models.hf import (
     build_model,
+    is_hub_id,
     load_model,
     read_config,
+    resolve_model_folder,
     save_hf,
     to_hf,
     to_ours,
@@ -30,8 +32,10 @@ __all__ = [
     "build_model",
     "chunked_logprobs",
     "family_for",
+    "is_hub_id",
     "load_model",
     "read_config",
+    "resolve_model_folder",
     "save_hf",
     "to_hf",
     "to_ours",

@@ -65,6 +65,26 @@ def to_hf(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def resolve_model_folder(name: str, revision: str | None = None) -> Path:
+    """A local folder as is; otherwise a hub id, downloaded (or found in the local HF cache)."""
+    path = Path(name)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise FileNotFoundError(f"model {name!r} is not a local folder, and huggingface_hub is not installed") from None
+    try:
+        return Path(snapshot_download(name, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    except Exception as err:  # offline, unknown id, no access: say which model and why
+        raise FileNotFoundError(f"model {name!r} is not a local folder and could not be fetched from the hub: {err}") from None
+
+
+def is_hub_id(name: str) -> bool:
+    """`org/name` that is no local path: what `primerl rl` fetches from the hub before it starts."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
+
+
 def read_config(path: str | Path) -> dict:
     file = Path(path) / "config.json"
     if not file.exists():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from primerl_models import Transformer, load_model, read_config
+from primerl_models import Transformer, load_model, read_config, resolve_model_folder
 
 from primerl_trainer.distributed import Dist
 from primerl_trainer.parallel import parallelize
@@ -16,21 +16,6 @@ class LoadedModel:
     folder: Path
     """The local HF folder the weights came from (its tokenizer files travel with published weights)."""
     hf_config: dict
-
-
-def resolve_model_folder(name: str, revision: str | None = None) -> Path:
-    """A local folder as is; otherwise a hub id, downloaded (or found in the local HF cache)."""
-    path = Path(name)
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise FileNotFoundError(f"model {name!r} is not a local folder, and huggingface_hub is not installed") from None
-    try:
-        return Path(snapshot_download(name, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
-    except Exception as err:  # offline, unknown id, no access: say which model and why
-        raise FileNotFoundError(f"model {name!r} is not a local folder and could not be fetched from the hub: {err}") from None
 
 
 def load_for_training(cfg, d: Dist) -> tuple[Transformer, LoadedModel]:
