@@ -23,7 +23,7 @@ def model(tmp_path_factory):
                             hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
 
 
-def write_config(path: Path, model: Path, run_dir: Path, max_steps: int) -> Path:
+def write_config(path: Path, model: Path, run_dir: Path, max_steps: int, replicas: int = 1) -> Path:
     port = free_port_block(3)
     path.write_text(f"""
 seq_len = 512
@@ -40,7 +40,8 @@ linger_ms = 0
 [wandb]
 mode = "disabled"
 [inference]
-port = {free_port_block(1)}
+port = {free_port_block(replicas)}
+num_replicas = {replicas}
 [orchestrator]
 batch_size = 8
 group_size = 4
@@ -80,22 +81,6 @@ def leftovers(run_dir: Path) -> list[str]:
     return out
 
 
-def test_a_run_finishes_and_reports_each_step(model, tmp_path):
-    run_dir = tmp_path / "run"
-    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=4)
-    out = subprocess.run([PRIMERL, "rl", "@", str(cfg)], capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "run finished" in out.stdout and "step 3 | reward" in out.stdout
-    assert steps_of(run_dir) == [0, 1, 2, 3]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert all("reward/mean" in r and "loss" in r for r in rows)
-    for name in ("rl", "trainer", "orchestrator"):
-        assert (run_dir / "configs" / f"{name}.toml").exists()
-    for name in ("inference-0", "trainer", "orchestrator"):
-        assert (run_dir / "logs" / f"{name}.log").exists()
-    assert not leftovers(run_dir)
-
-
 def test_a_killed_trainer_stops_everything_and_the_rerun_resumes(model, tmp_path):
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=6)
@@ -126,4 +111,40 @@ def test_a_killed_trainer_stops_everything_and_the_rerun_resumes(model, tmp_path
     resumed_at = steps[len(trained_before)]
     assert resumed_at in (2, 4) and resumed_at <= max(trained_before) + 1
     assert steps[len(trained_before):] == list(range(resumed_at, 6))
+    assert not leftovers(run_dir)
+
+
+def test_a_run_finishes_reports_each_step_and_outlives_a_killed_server(model, tmp_path):
+    """Two servers; one is SIGKILLed (with its engine) after step 1: a warning, and the run
+    finishes on the other."""
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=6, replicas=2)
+    port = int(next(line for line in cfg.read_text().splitlines() if line.startswith("port = ")).split("=")[1])
+    launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while max(steps_of(run_dir), default=-1) < 1:
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()
+            time.sleep(0.5)
+        second = [int(p) for p in filter(str.isdigit, os.listdir("/proc"))
+                  if (cmd := Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0"))
+                  and b"vllm.entrypoints.openai.api_server" in cmd and str(port + 1).encode() in cmd]
+        assert len(second) == 1, second
+        os.killpg(second[0], signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, output
+    assert "warning: inference-1 was killed by signal 9; the run goes on" in output
+    assert "run finished" in output and "step 5 | reward" in output
+    assert steps_of(run_dir) == list(range(6))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("reward/mean" in r and "loss" in r for r in rows)
+    assert rows[-1]["servers/healthy"] == 1 and rows[-1]["servers/unhealthy"] == 1
+    for name in ("rl", "trainer", "orchestrator"):
+        assert (run_dir / "configs" / f"{name}.toml").exists()
+    for name in ("inference-0", "inference-1", "trainer", "orchestrator"):
+        assert (run_dir / "logs" / f"{name}.log").exists()
     assert not leftovers(run_dir)

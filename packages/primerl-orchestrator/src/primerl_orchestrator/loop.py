@@ -56,6 +56,8 @@ from primerl_orchestrator.generate import AGENT_SLOTS, Generator
 from primerl_orchestrator.servers import ServerPool
 
 log = logging.getLogger("primerl.orchestrator")
+RATE_WINDOW = 10
+"""Steps over which rollouts/per_s and rollouts/tokens_per_s are measured."""
 
 
 class OrchestratorError(RuntimeError):
@@ -90,10 +92,12 @@ class Orchestrator:
         self._eval_task: asyncio.Task | None = None
         self._eval_metrics: dict[str, float] = {}
         # counters since the last step
-        self._finished_rollouts = 0
-        self._generated_tokens = 0
+        # Generation rates over the last RATE_WINDOW steps: (time, rollouts, tokens) finished so
+        # far at each step's close. One step alone is no window: groups of consecutive steps
+        # run together and finish within milliseconds of each other.
+        self._finished = [0, 0]
+        self._rate_marks: deque[tuple[float, int, int]] = deque(maxlen=RATE_WINDOW + 1)
         self._load_s = 0.0
-        self._last_step_at = time.monotonic()
         self.stale_dropped = 0
         """Rollouts dropped for being older than the bound, over the run."""
         self.dropped_groups: list[int] = []
@@ -258,8 +262,8 @@ class Orchestrator:
 
         results = await asyncio.gather(*(one(i) for i in range(self.G)))
         group.rollouts = [r for rs in results for r in rs]
-        self._finished_rollouts += len(group.rollouts)
-        self._generated_tokens += sum(r.num_completion_tokens for r in group.rollouts)
+        self._finished[0] += len(group.rollouts)
+        self._finished[1] += sum(r.num_completion_tokens for r in group.rollouts)
         del self.running[group.group_id]
         self.done.append(group)
         if self.on_group is not None:
@@ -293,12 +297,16 @@ class Orchestrator:
             # the step advances, so the start rule never sees them gone with the step unchanged.
             self.step, self.taken = step + 1, 0
             self.stale_dropped += stale
-            elapsed = max(t1 - self._last_step_at, 1e-9)
+            if not self._rate_marks:
+                self._rate_marks.append((self.generation_started or t1, 0, 0))
+            self._rate_marks.append((t1, *self._finished))
+            t_then, rollouts_then, tokens_then = self._rate_marks[0]
+            elapsed = max(t1 - t_then, 1e-9)
             metrics |= {
                 "off_policy/dropped": float(stale),
                 "off_policy/level": float(step - min(g.policy_step for g in groups)),
-                "rollouts/per_s": self._finished_rollouts / elapsed,
-                "rollouts/tokens_per_s": self._generated_tokens / elapsed,
+                "rollouts/per_s": (self._finished[0] - rollouts_then) / elapsed,
+                "rollouts/tokens_per_s": (self._finished[1] - tokens_then) / elapsed,
                 "rollouts/retried": float(self.gen.retries),
                 "policy/version": float(self.version if self.version is not None else -1),
                 "time/wait_rollouts": t1 - t0,
@@ -308,9 +316,7 @@ class Orchestrator:
                 **self._eval_metrics,
             }
             self._eval_metrics = {}
-            self._finished_rollouts = self._generated_tokens = 0
             self._load_s = 0.0
-            self._last_step_at = t1
             batches[0].metrics = metrics
             batches[0].state = self.resume_state(step + 1)
             t2 = time.monotonic()
