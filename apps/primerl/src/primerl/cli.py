@@ -44,24 +44,14 @@ def _epilog(root: type) -> str:
 
 
 def config_command(
-    name: str, root: type, summary: str, engine: typing.Callable[[typing.Any], None], prog: str = ""
+    name: str, root: type, summary: str, engine: typing.Callable[[typing.Any], None], prog: str = "",
+    slurm: str | None = None,
 ):
-    """A click command that loads `root` from its arguments and runs `engine(config)`."""
+    """A click command that loads `root` from its arguments and runs `engine(config)`.
+    With `slurm` (the name of a renderer in primerl.slurm), it also takes --slurm/--submit."""
     prog = prog or name
 
-    @click.command(
-        name=name,
-        help=f"{summary}\n{USAGE}",
-        epilog=_epilog(root),
-        context_settings={
-            "ignore_unknown_options": True,
-            "allow_extra_args": True,
-            "help_option_names": ["-h", "--help"],
-        },
-    )
-    @click.option("--dry-run", is_flag=True, help="Print the resolved config as TOML and exit.")
-    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-    def command(dry_run: bool, args: tuple[str, ...]) -> None:
+    def command(dry_run: bool, args: tuple[str, ...], slurm_job: bool = False, submit: bool = False) -> None:
         try:
             config = load_config(root, args)
         except ConfigError as err:
@@ -70,9 +60,49 @@ def config_command(
         if dry_run:
             click.echo(to_toml(config), nl=False)
             return
+        if slurm_job or submit:
+            _slurm_job(prog, slurm, config, submit)
+            return
         engine(config)
 
-    return command
+    command = click.argument("args", nargs=-1, type=click.UNPROCESSED)(command)
+    if slurm:
+        command = click.option("--submit", is_flag=True, help="With --slurm: also submit the job (sbatch).")(command)
+        command = click.option("--slurm", "slurm_job", is_flag=True,
+                               help="Write the Slurm job of this config to RUN_DIR/slurm instead of running here.")(command)
+    command = click.option("--dry-run", is_flag=True, help="Print the resolved config as TOML and exit.")(command)
+    return click.command(
+        name=name,
+        help=f"{summary}\n{USAGE}",
+        epilog=_epilog(root),
+        context_settings={
+            "ignore_unknown_options": True,
+            "allow_extra_args": True,
+            "help_option_names": ["-h", "--help"],
+        },
+    )(command)
+
+
+def _slurm_job(prog: str, renderer: str, config, submit: bool) -> None:
+    from primerl import slurm
+
+    try:
+        if renderer == "render_rl":  # the checks `primerl rl` makes before anything starts
+            from primerl.launch import RunError, check
+
+            try:
+                check(config)
+            except RunError as err:
+                raise slurm.SlurmError(str(err)) from None
+        script = getattr(slurm, renderer)(config)
+        click.echo(f"wrote {script}")
+        if submit:
+            click.echo(f"submitted job {slurm.submit(script)}; its output: {config.slurm.log_dir or script.parent}/job-<id>.out")
+        else:
+            click.echo(f"submit it with: sbatch {script}")
+    except slurm.SlurmError as err:
+        click.echo(f"{prog}: {err}", err=True)
+        sys.exit(EXIT_FAILED)
 
 
 def _run_trainer(config: TrainerRunConfig) -> None:
@@ -187,13 +217,15 @@ def main() -> None:
 
 
 for _name, _root, _summary, _engine in [
-    ("rl", RLConfig, "Run asynchronous RL: inference, orchestrator and trainer, on this machine.", _run_rl),
+    ("rl", RLConfig, "Run asynchronous RL: inference, orchestrator and trainer, on this machine "
+     "(--slurm: on a cluster).", _run_rl),
     ("sft", SFTConfig, "Supervised fine-tuning on the FSDP2 trainer (one process; for several, "
-     "torchrun --nproc-per-node N -m primerl.sft_entry @ cfg.toml).", _run_sft),
+     "torchrun --nproc-per-node N -m primerl.sft_entry @ cfg.toml, or --slurm).", _run_sft),
     ("eval", EvalConfig, "Evaluate a model (or each published step of a run); results in run_dir/evals.jsonl.",
      _run_eval),
 ]:
-    main.add_command(config_command(_name, _root, _summary, _engine, prog=f"primerl {_name}"))
+    main.add_command(config_command(_name, _root, _summary, _engine, prog=f"primerl {_name}",
+                                    slurm=f"render_{_name}"))
 
 @main.command("report", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_dir", type=click.Path(file_okay=False))

@@ -11,8 +11,45 @@ import msgspec
 from primerl_envs.config import EnvsConfig
 from primerl_inference.config import InferenceConfig
 from primerl_orchestrator.config import EvalSettings, OrchestratorConfig
-from primerl_protocol.config import SharedConfig
+from primerl_protocol.config import Config, NonNegative, Port, Positive, SharedConfig
 from primerl_trainer.config import SFTDataConfig, TrainerConfig
+
+
+class SlurmConfig(Config):
+    """`--slurm`: the sbatch job that runs this config on a Slurm cluster (docs/slurm.md)."""
+
+    inference_nodes: NonNegative = 1
+    """Nodes running inference servers (rl, eval): each runs `inference.num_replicas` servers."""
+    trainer_nodes: Positive = 1
+    """Nodes of the trainer (rl, sft): torchrun over them, `transport.trainer_ranks` ranks in all."""
+    gpus_per_node: NonNegative = 8
+    """GPUs per node (0: CPU nodes, for tests and demos)."""
+    partition: str | None = None
+    """Slurm partition (--partition)."""
+    account: str | None = None
+    """Slurm account (--account)."""
+    time: str = "24:00:00"
+    """Time limit of the job (--time)."""
+    job_name: str | None = None
+    """Job name (default: primerl-<command>-<run directory name>)."""
+    exclusive: bool = True
+    """Ask for whole nodes (--exclusive)."""
+    setup: str = ""
+    """Shell lines sourced by the job and before every role on every node: modules, a virtual
+    environment (`source /shared/primerl/.venv/bin/activate`), NCCL settings. Empty: the bin
+    folder of the Python that rendered the job goes first on PATH (a shared-file-system venv)."""
+    container_image: str | None = None
+    """Run every role in this container image (srun --container-image, pyxis/enroot)."""
+    container_mounts: list[str] = []
+    """Mounts for the container (srun --container-mounts), e.g. the shared run directory."""
+    log_dir: str | None = None
+    """Where the job's output and each role's log go (default: RUN_DIR/slurm)."""
+    sbatch_args: list[str] = []
+    """Extra #SBATCH lines, e.g. ["--qos=high", "--constraint=h100"]."""
+    rendezvous_port: Port = 29500
+    """Port of torchrun's c10d rendezvous on the first trainer node."""
+    server_timeout_s: Positive = 1800
+    """Fail the job when an inference server is not up after this many seconds."""
 
 
 class TrainerRunConfig(SharedConfig):
@@ -55,7 +92,9 @@ class RLConfig(SharedConfig):
     """GPUs of the trainer, one rank each (default: the GPUs after inference's); ignored on CPU."""
     colocate: bool = False
     """Inference and trainer share the same GPUs (lower inference.gpu_memory_utilization to
-    leave the trainer room)."""
+    leave the trainer room); with --slurm, the same nodes."""
+    slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
+    """The sbatch job of `primerl rl --slurm`."""
 
 
 class SFTConfig(SharedConfig, kw_only=True):
@@ -65,6 +104,8 @@ class SFTConfig(SharedConfig, kw_only=True):
     """Training data (JSONL/Parquet with prompt/completion or messages)."""
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     """The FSDP2 trainer (its loss section is not used)."""
+    slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
+    """The sbatch job of `primerl sft --slurm`."""
 
 
 class EvalConfig(SharedConfig):
@@ -78,3 +119,5 @@ class EvalConfig(SharedConfig):
     """Samples per task and sampling temperature."""
     run: str | None = None
     """Evaluate each published step in this run directory instead of `model`."""
+    slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
+    """The sbatch job of `primerl eval --slurm`."""

@@ -70,6 +70,8 @@ def resolve_model_folder(name: str, revision: str | None = None) -> Path:
     path = Path(name)
     if path.is_dir():
         return path
+    if not is_hub_id(name):
+        raise FileNotFoundError(f"model folder {name!r} does not exist (nor is it a hub id of the form org/name)")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:

@@ -1,0 +1,212 @@
+"""`primerl rl|sft|eval --slurm`: the sbatch job that runs a config on a Slurm cluster.
+
+    primerl rl @ run.toml --slurm            # writes RUN_DIR/slurm/rl.sbatch and the role configs
+    primerl rl @ run.toml --slurm --submit   # ... and submits it with sbatch
+
+The job runs the processes `primerl rl` runs on one machine, as one `srun` step per role
+(templates beside this file, also in infra/slurm/): inference nodes with one `primerl-inference`
+(its servers) each, trainer nodes with torchrun over a c10d rendezvous, the orchestrator on the
+first trainer node. Addresses are passed at run time from the job's node list. The first role
+that fails ends the job with that role's exit status, its log path and last lines in the job's
+output (`slurm.log_dir`/job-<id>.out); every other role is stopped first.
+
+Paths in the config must be on a file system every node sees (run_dir, model, weights).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+from primerl_protocol.config import to_toml
+
+HERE = Path(__file__).resolve().parent
+PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+class SlurmError(RuntimeError):
+    """The config cannot be laid out on the cluster as asked (names the keys), or sbatch failed."""
+
+
+def fill(template: str, values: dict[str, object]) -> str:
+    """Replace every {{name}}; a placeholder without a value is an error, not left in the script."""
+    missing = sorted({m for m in PLACEHOLDER.findall(template) if m not in values})
+    if missing:
+        raise SlurmError(f"template placeholders without a value: {missing}")
+    return PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
+
+
+def _sbatch_lines(s, gpus_per_node: int) -> str:
+    lines = []
+    if s.partition:
+        lines.append(f"#SBATCH --partition={s.partition}")
+    if s.account:
+        lines.append(f"#SBATCH --account={s.account}")
+    if gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    if s.exclusive:
+        lines.append("#SBATCH --exclusive")
+    lines += [f"#SBATCH {arg}" for arg in s.sbatch_args]
+    return "\n".join(lines)
+
+
+def _srun_args(s, gpus: int) -> str:
+    args = [f"--gres=gpu:{gpus}"] if gpus else []
+    if s.container_image:
+        args.append(f"--container-image={shlex.quote(s.container_image)}")
+        if s.container_mounts:
+            args.append(f"--container-mounts={shlex.quote(','.join(s.container_mounts))}")
+    return " ".join(args)
+
+
+def _write_setup(s, folder: Path) -> Path:
+    """slurm.setup as a file; without one, the environment this job was rendered from (its
+    bin folder first on PATH: right when it sits on the shared file system)."""
+    path = folder / "setup.sh"
+    body = s.setup or f'export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"'
+    path.write_text("# slurm.setup: sourced by the job and before every role, on every node\n" + body + "\n")
+    return path
+
+
+def _common(cfg, kind: str) -> tuple[Path, dict[str, object]]:
+    s = cfg.slurm
+    run_dir = Path(cfg.run_dir).resolve()
+    folder = run_dir / "slurm"
+    folder.mkdir(parents=True, exist_ok=True)
+    (run_dir / "configs").mkdir(exist_ok=True)
+    log_dir = Path(s.log_dir).resolve() if s.log_dir else folder
+    log_dir.mkdir(parents=True, exist_ok=True)  # sbatch opens the job's output there
+    values = {
+        "run_dir": shlex.quote(str(run_dir)),
+        "log_dir": str(log_dir),
+        "setup_file": shlex.quote(str(_write_setup(s, folder))),
+        "job_name": s.job_name or f"primerl-{kind}-{run_dir.name}",
+        "time": s.time,
+        "rdzv_port": s.rendezvous_port,
+        "server_timeout_s": s.server_timeout_s,
+        "roles_lib": (HERE / "roles.sh").read_text(),
+    }
+    return folder, values
+
+
+def _ranks_per_node(cfg, nodes: int, ranks: int, key: str) -> int:
+    s = cfg.slurm
+    if s.gpus_per_node:
+        if ranks != nodes * s.gpus_per_node:
+            raise SlurmError(
+                f"{key} = {ranks}, but slurm.trainer_nodes x slurm.gpus_per_node = {nodes} x {s.gpus_per_node} "
+                f"= {nodes * s.gpus_per_node}: the trainer runs one rank per GPU of its nodes"
+            )
+        return s.gpus_per_node
+    if ranks % nodes:
+        raise SlurmError(f"{key} = {ranks} does not split evenly over slurm.trainer_nodes = {nodes}")
+    return ranks // nodes
+
+
+def _inference_per_node(cfg) -> int:
+    s, inf = cfg.slurm, cfg.inference
+    if s.gpus_per_node and inf.num_replicas * inf.gpus_per_replica > s.gpus_per_node:
+        raise SlurmError(
+            f"inference.num_replicas x GPUs per replica = {inf.num_replicas} x {inf.gpus_per_replica} servers' GPUs "
+            f"per node, but slurm.gpus_per_node = {s.gpus_per_node}"
+        )
+    return inf.num_replicas
+
+
+def _with_token(cfg):
+    token = cfg.inference.resolved_admin_token() or secrets.token_hex(16)
+    return msgspec.structs.replace(cfg, inference=msgspec.structs.replace(cfg.inference, admin_token=token))
+
+
+def render_rl(cfg) -> Path:
+    """Write RUN_DIR/slurm/rl.sbatch and the configs of its roles; returns the script."""
+    from primerl.configs import InferenceRunConfig, OrchRunConfig, TrainerRunConfig
+
+    s = cfg.slurm
+    if s.inference_nodes < 1:
+        raise SlurmError("slurm.inference_nodes must be at least 1 for an RL job")
+    ranks_per_node = _ranks_per_node(cfg, s.trainer_nodes, cfg.transport.trainer_ranks, "transport.trainer_ranks")
+    replicas = _inference_per_node(cfg)
+    cfg = _with_token(cfg)
+    folder, values = _common(cfg, "rl")
+    configs = Path(cfg.run_dir).resolve() / "configs"
+    (configs / "rl.toml").write_text(to_toml(cfg))
+    (configs / "trainer.toml").write_text(to_toml(cfg.project(TrainerRunConfig)))
+    (configs / "orchestrator.toml").write_text(to_toml(cfg.project(OrchRunConfig)))
+    (configs / "inference.toml").write_text(to_toml(cfg.project(InferenceRunConfig)))
+    colocated = cfg.colocate
+    gpus = s.gpus_per_node
+    values |= {
+        "nodes": max(s.inference_nodes, s.trainer_nodes) if colocated else s.inference_nodes + s.trainer_nodes,
+        "inference_nodes": s.inference_nodes,
+        "trainer_nodes": s.trainer_nodes,
+        "trainer_offset": 0 if colocated else s.inference_nodes,
+        "replicas_per_node": replicas,
+        "ranks_per_node": ranks_per_node,
+        "inference_port": cfg.inference.port,
+        "sbatch_lines": _sbatch_lines(s, gpus),
+        "inference_srun": _srun_args(s, gpus),
+        "trainer_srun": _srun_args(s, gpus),
+    }
+    script = folder / "rl.sbatch"
+    script.write_text(fill((HERE / "rl.sbatch").read_text(), values))
+    return script
+
+
+def render_sft(cfg) -> Path:
+    s = cfg.slurm
+    ranks_per_node = _ranks_per_node(cfg, s.trainer_nodes, cfg.transport.trainer_ranks, "transport.trainer_ranks")
+    folder, values = _common(cfg, "sft")
+    (Path(cfg.run_dir).resolve() / "configs" / "sft.toml").write_text(to_toml(cfg))
+    values |= {
+        "nodes": s.trainer_nodes,
+        "trainer_nodes": s.trainer_nodes,
+        "ranks_per_node": ranks_per_node,
+        "sbatch_lines": _sbatch_lines(s, s.gpus_per_node),
+        "trainer_srun": _srun_args(s, s.gpus_per_node),
+    }
+    script = folder / "sft.sbatch"
+    script.write_text(fill((HERE / "sft.sbatch").read_text(), values))
+    return script
+
+
+def render_eval(cfg) -> Path:
+    from primerl.configs import InferenceRunConfig
+
+    s = cfg.slurm
+    if s.inference_nodes < 1:
+        raise SlurmError("slurm.inference_nodes must be at least 1 for an eval job")
+    replicas = _inference_per_node(cfg)
+    cfg = _with_token(cfg)
+    folder, values = _common(cfg, "eval")
+    configs = Path(cfg.run_dir).resolve() / "configs"
+    (configs / "eval.toml").write_text(to_toml(cfg))
+    (configs / "inference.toml").write_text(to_toml(cfg.project(InferenceRunConfig)))
+    values |= {
+        "nodes": s.inference_nodes,
+        "inference_nodes": s.inference_nodes,
+        "replicas_per_node": replicas,
+        "inference_port": cfg.inference.port,
+        "sbatch_lines": _sbatch_lines(s, s.gpus_per_node),
+        "inference_srun": _srun_args(s, s.gpus_per_node),
+    }
+    script = folder / "eval.sbatch"
+    script.write_text(fill((HERE / "eval.sbatch").read_text(), values))
+    return script
+
+
+def submit(script: Path) -> str:
+    """sbatch the script; returns the job id."""
+    try:
+        out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise SlurmError("sbatch not found: submit from a machine with Slurm's commands, or run "
+                         f"`sbatch {script}` there") from None
+    if out.returncode != 0:
+        raise SlurmError(f"sbatch {script} failed: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout.strip().split(";")[0]

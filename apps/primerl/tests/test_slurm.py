@@ -1,0 +1,201 @@
+"""`primerl rl|sft|eval --slurm`: the rendered jobs, and the RL job run on a real Slurm.
+
+The real cluster is Debian's Slurm on this host (infra/slurm/testing/cluster.sh: munged,
+slurmctld and two slurmd "nodes"): the RL job puts inference on one node and the trainer and
+orchestrator on the other, exactly as on a cluster, only both nodes are this machine.
+"""
+
+import json
+import os
+import re
+import shutil
+import string
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from primerl.configs import EvalConfig, RLConfig, SFTConfig
+from primerl.slurm import SlurmError, fill, render_eval, render_rl, render_sft
+from primerl_models.tiny import build_tiny_model
+from primerl_protocol.config import load_config
+from primerl_trainer.testing import free_port_block
+
+ROOT = Path(__file__).resolve().parents[3]
+CLUSTER = ROOT / "infra" / "slurm" / "testing" / "cluster.sh"
+PRIMERL = str(Path(sys.executable).parent / "primerl")
+
+
+def rl_config(tmp_path, *overrides) -> RLConfig:
+    path = tmp_path / "rl.toml"
+    path.write_text('[model]\nname = "/shared/models/qwen3-8b"\n[[envs.train]]\nid = "reverse-text"\n')
+    return load_config(RLConfig, ["@", str(path), f"run_dir={tmp_path / 'run'}", *overrides])
+
+
+def bash_syntax_ok(script: Path) -> None:
+    out = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_two_node_gpu_rl_job_is_laid_out_from_the_config(tmp_path):
+    cfg = rl_config(tmp_path, "slurm.inference_nodes=1", "slurm.trainer_nodes=2", "slurm.gpus_per_node=8",
+                    "transport.trainer_ranks=16", "inference.num_replicas=4", "inference.tensor_parallel_size=2",
+                    "slurm.partition=gpu", "slurm.account=rl", "slurm.time=02:00:00",
+                    'slurm.sbatch_args=["--qos=high"]', 'slurm.setup="module load cuda/12.8"')
+    script = render_rl(cfg)
+    text = script.read_text()
+    assert script == tmp_path / "run" / "slurm" / "rl.sbatch"
+    for line in ["#SBATCH --nodes=3", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --account=rl",
+                 "#SBATCH --time=02:00:00", "#SBATCH --qos=high", "#SBATCH --exclusive",
+                 f"#SBATCH --output={tmp_path / 'run' / 'slurm'}/job-%j.out"]:
+        assert line + "\n" in text, line
+    # 4 servers of 2 GPUs on the inference node; 2 x 8 trainer ranks; the rendezvous on the first trainer node
+    assert "i < 4; i++" in text and "--nnodes=2 --nproc-per-node=8" in text and "--gres=gpu:8" in text
+    assert 'INFERENCE_NODES=("${NODES[@]:0:1}")' in text and 'TRAINER_NODES=("${NODES[@]:1:2}")' in text
+    assert "{{" not in text
+    bash_syntax_ok(script)
+    configs = tmp_path / "run" / "configs"
+    inference = (configs / "inference.toml").read_text()
+    token = re.search(r'admin_token = "(\w+)"', inference).group(1)
+    assert f'admin_token = "{token}"' in (configs / "orchestrator.toml").read_text()  # one token for the job
+    assert "trainer_ranks = 16" in (configs / "trainer.toml").read_text()
+    assert "module load cuda/12.8" in (tmp_path / "run" / "slurm" / "setup.sh").read_text()
+
+
+def test_colocated_roles_share_nodes(tmp_path):
+    cfg = rl_config(tmp_path, "colocate=true", "slurm.inference_nodes=2", "slurm.trainer_nodes=2",
+                    "slurm.gpus_per_node=8", "transport.trainer_ranks=16")
+    text = render_rl(cfg).read_text()
+    assert "#SBATCH --nodes=2\n" in text and 'TRAINER_NODES=("${NODES[@]:0:2}")' in text
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["slurm.trainer_nodes=2", "slurm.gpus_per_node=8", "transport.trainer_ranks=12"],
+     "transport.trainer_ranks = 12, but slurm.trainer_nodes x slurm.gpus_per_node = 2 x 8 = 16"),
+    (["slurm.gpus_per_node=8", "transport.trainer_ranks=8", "inference.num_replicas=8",
+      "inference.tensor_parallel_size=2"], "inference.num_replicas x GPUs per replica = 8 x 2"),
+    (["slurm.gpus_per_node=0", "slurm.trainer_nodes=2", "transport.trainer_ranks=3"],
+     "transport.trainer_ranks = 3 does not split evenly over slurm.trainer_nodes = 2"),
+    (["slurm.inference_nodes=0"], "slurm.inference_nodes must be at least 1"),
+])
+def test_layouts_that_do_not_fit_are_named(tmp_path, overrides, message):
+    with pytest.raises(SlurmError, match=re.escape(message)):
+        render_rl(rl_config(tmp_path, *overrides))
+
+
+def test_sft_and_eval_jobs(tmp_path):
+    (tmp_path / "d.jsonl").write_text("")
+    sft = load_config(SFTConfig, ["data.path=d.jsonl", "model.name=m", f"run_dir={tmp_path / 'sft'}",
+                                  "slurm.trainer_nodes=4", "slurm.gpus_per_node=8", "transport.trainer_ranks=32"])
+    text = render_sft(sft).read_text()
+    assert "#SBATCH --nodes=4\n" in text and "--nnodes=4 --nproc-per-node=8" in text and "primerl.sft_entry" in text
+    bash_syntax_ok(tmp_path / "sft" / "slurm" / "sft.sbatch")
+    ev = load_config(EvalConfig, ["model.name=m", f"run_dir={tmp_path / 'ev'}", "slurm.inference_nodes=2",
+                                  "inference.num_replicas=8"])
+    text = render_eval(ev).read_text()
+    assert "#SBATCH --nodes=2\n" in text and "i < 8; i++" in text and "primerl eval @" in text
+    bash_syntax_ok(tmp_path / "ev" / "slurm" / "eval.sbatch")
+
+
+def test_a_placeholder_without_a_value_is_an_error():
+    with pytest.raises(SlurmError, match=r"\['nodes'\]"):
+        fill("#SBATCH --nodes={{nodes}}", {})
+
+
+# --- on a real Slurm -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A two-node Slurm cluster on this host; yields the environment its clients need."""
+    if not shutil.which("slurmd") or not shutil.which("sbatch"):
+        pytest.skip("Slurm is not installed: infra/slurm/testing/cluster.sh install (CI's .ci/run does)")
+    folder = tmp_path_factory.mktemp("slurm")
+    out = subprocess.run(["bash", str(CLUSTER), "up", "2", str(folder)], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
+    yield env
+    subprocess.run(["bash", str(CLUSTER), "down", str(folder)], capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", alphabet=string.ascii_lowercase,
+                            hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
+
+
+def render_tiny_rl_job(model: Path, run_dir: Path, env: dict, submit: bool) -> subprocess.CompletedProcess:
+    port = free_port_block(3)
+    args = [PRIMERL, "rl", "@", str(ROOT / "examples" / "reverse_text" / "rl.toml"), f"model.name={model}",
+            f"run_dir={run_dir}", "max_steps=3", "orchestrator.batch_size=32", "slurm.gpus_per_node=0",
+            "slurm.exclusive=false", "slurm.time=00:20:00", f"inference.port={free_port_block(1)}",
+            f"transport.policy_port={port}", f"transport.batch_port={port + 1}", f"slurm.rendezvous_port={port + 2}",
+            "--slurm", *(["--submit"] if submit else [])]
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def wait_for_job(job: str, env: dict, timeout_s: float = 900) -> tuple[str, str]:
+    """(JobState, ExitCode) once the job has ended."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, env=env).stdout
+        state = re.search(r"JobState=(\w+)", info).group(1)
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return state, re.search(r"ExitCode=(\S+)", info).group(1)
+        time.sleep(2)
+    subprocess.run(["scancel", job], env=env)
+    raise AssertionError(f"job {job} still {state} after {timeout_s}s")
+
+
+def leftovers(*paths: Path) -> list[str]:
+    """Processes with any of these paths on their command line (the job's roles)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if any(str(p) in cmd for p in paths) and int(pid) != os.getpid():
+            out.append(cmd[:200])
+    return out
+
+
+def settled(*paths: Path, timeout_s: float = 30) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while (left := leftovers(*paths)) and time.monotonic() < deadline:
+        time.sleep(1)
+    return left
+
+
+def test_the_rl_job_runs_on_a_real_slurm_cluster(slurm, model, tmp_path):
+    run_dir = tmp_path / "run"
+    out = render_tiny_rl_job(model, run_dir, slurm, submit=True)
+    job = re.search(r"submitted job (\d+)", out.stdout).group(1)
+    state, code = wait_for_job(job, slurm)
+    output = (run_dir / "slurm" / f"job-{job}.out").read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), output
+    assert "inference on n1, trainer on n2, orchestrator on n2" in output and "run finished" in output
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(0 <= r["reward/mean"] <= 1 and r["rollouts/count"] == 32 for r in rows)
+    assert (run_dir / "weights" / "step_2").is_dir()
+    assert not settled(run_dir, model)
+
+
+def test_a_failing_role_fails_the_job_naming_it_and_leaves_nothing_running(slurm, model, tmp_path):
+    run_dir = tmp_path / "run"
+    render_tiny_rl_job(model, run_dir, slurm, submit=False)
+    # the trainer alone gets a model that does not exist: it fails once the servers are up
+    trainer_cfg = run_dir / "configs" / "trainer.toml"
+    trainer_cfg.write_text(trainer_cfg.read_text().replace(f'name = "{model}"', f'name = "{tmp_path / "gone"}"'))
+    job = subprocess.run(["sbatch", "--parsable", str(run_dir / "slurm" / "rl.sbatch")], capture_output=True,
+                         text=True, env=slurm, check=True).stdout.strip()
+    state, code = wait_for_job(job, slurm)
+    output = (run_dir / "slurm" / f"job-{job}.out").read_text()
+    assert (state, code) == ("FAILED", "1:0"), output
+    assert f"role trainer failed with exit code 1; log: {run_dir}/slurm/trainer.log" in output
+    assert f"cannot load model '{tmp_path / 'gone'}'" in output  # its last log lines, in the job's output
+    assert "stopping every other role" in output
+    assert not settled(run_dir, model)  # the inference server and the orchestrator were stopped too

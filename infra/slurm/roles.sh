@@ -1,0 +1,1 @@
+../../apps/primerl/src/primerl/slurm/roles.sh
