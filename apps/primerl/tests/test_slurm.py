@@ -199,3 +199,26 @@ def test_a_failing_role_fails_the_job_naming_it_and_leaves_nothing_running(slurm
     assert f"cannot load model '{tmp_path / 'gone'}'" in output  # its last log lines, in the job's output
     assert "stopping every other role" in output
     assert not settled(run_dir, model)  # the inference server and the orchestrator were stopped too
+
+
+def test_the_sft_job_trains_over_two_nodes(slurm, model, tmp_path):
+    """torchrun's c10d rendezvous across the two nodes: one gloo rank on each."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": w, "completion": w[::-1]}) + "\n"
+                            for w in ["abc", "hello", "slurm", "primerl", "zyx", "queue"] * 8))
+    run_dir = tmp_path / "sft"
+    out = subprocess.run(
+        [PRIMERL, "sft", "@", str(ROOT / "examples" / "reverse_text" / "sft.toml"), f"model.name={model}",
+         f"run_dir={run_dir}", f"data.path={data}", "max_steps=3", "data.batch_size=16", "transport.trainer_ranks=2",
+         "slurm.trainer_nodes=2", "slurm.gpus_per_node=0", "slurm.exclusive=false", "slurm.time=00:10:00",
+         f"slurm.rendezvous_port={free_port_block(1)}", "--slurm", "--submit"],
+        capture_output=True, text=True, env=slurm, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = re.search(r"submitted job (\d+)", out.stdout).group(1)
+    state, code = wait_for_job(job, slurm, timeout_s=600)
+    output = (run_dir / "slurm" / f"job-{job}.out").read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), output + (run_dir / "slurm" / "sft.log").read_text()[-3000:]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    meta = json.loads((run_dir / "checkpoints" / "step_2" / "meta.json").read_text())
+    assert meta["world_size"] == 2  # a rank on each node
+    assert not settled(run_dir)
