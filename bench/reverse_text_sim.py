@@ -21,8 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from primerl_models.common.transformer import Transformer
 from primerl_models.hf import load_model
 from primerl_models.tiny import build_tiny_model
 
@@ -130,7 +128,7 @@ def rl(model, tok: Tok, cfg: dict, device, seed: int) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(seed)
     tasks = strings(random.Random(0), 10000)
     sampler = copy.deepcopy(model)
-    rows, pending, k = [], None, cfg.get("k", 1)
+    rows, k = [], cfg.get("k", 1)
     history = [copy.deepcopy(model.state_dict())]
     for step in range(cfg["steps"]):
         # sample with the policy k steps old

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from primerl.testing import leftovers, processes
 from primerl_models.tiny import build_tiny_model
 from primerl_trainer.testing import free_port_block
 
@@ -68,32 +69,25 @@ def steps_of(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def leftovers(run_dir: Path) -> list[str]:
-    """Processes still running with this run's files on their command line."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(run_dir) in cmd and int(pid) != os.getpid():
-            out.append(cmd[:200])
-    return out
+def launch_until(cfg: Path, run_dir: Path, step: int) -> subprocess.Popen:
+    """`primerl rl @ cfg` started, once `step` is logged."""
+    launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    deadline = time.monotonic() + 600
+    while max(steps_of(run_dir), default=-1) < step:
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            launcher.kill()
+            raise AssertionError(launcher.stdout.read())
+        time.sleep(0.5)
+    return launcher
 
 
 def test_a_killed_trainer_stops_everything_and_the_rerun_resumes(model, tmp_path):
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=6)
-    launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    launcher = launch_until(cfg, run_dir, 2)  # the checkpoint of step 1 is written
     try:
-        deadline = time.monotonic() + 600
-        while max(steps_of(run_dir), default=-1) < 2:  # the checkpoint of step 1 is written
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()
-            time.sleep(0.5)
-        torchrun = next(int(p) for p in filter(str.isdigit, os.listdir("/proc"))
-                        if b"torch.distributed.run" in Path(f"/proc/{p}/cmdline").read_bytes()
-                        and str(run_dir).encode() in Path(f"/proc/{p}/cmdline").read_bytes())
+        [(torchrun, _)] = processes("torch.distributed.run", run_dir)
         os.killpg(torchrun, signal.SIGKILL)
         output, _ = launcher.communicate(timeout=120)
     finally:
@@ -120,18 +114,11 @@ def test_a_run_finishes_reports_each_step_and_outlives_a_killed_server(model, tm
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=6, replicas=2)
     port = int(next(line for line in cfg.read_text().splitlines() if line.startswith("port = ")).split("=")[1])
-    launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    launcher = launch_until(cfg, run_dir, 1)
     try:
-        deadline = time.monotonic() + 600
-        while max(steps_of(run_dir), default=-1) < 1:
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()
-            time.sleep(0.5)
-        second = [int(p) for p in filter(str.isdigit, os.listdir("/proc"))
-                  if (cmd := Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0"))
-                  and b"vllm.entrypoints.openai.api_server" in cmd and str(port + 1).encode() in cmd]
+        second = [pid for pid, argv in processes("vllm.entrypoints.openai.api_server") if str(port + 1) in argv]
         assert len(second) == 1, second
-        os.killpg(second[0], signal.SIGKILL)
+        os.killpg(second[0], signal.SIGKILL)  # the server and its engine
         output, _ = launcher.communicate(timeout=600)
     finally:
         if launcher.poll() is None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from primerl.configs import EvalConfig, RLConfig, SFTConfig
 from primerl.slurm import SlurmError, fill, render_eval, render_rl, render_sft
+from primerl.testing import leftovers
 from primerl_models.tiny import build_tiny_model
 from primerl_protocol.config import load_config
 from primerl_trainer.testing import free_port_block
@@ -147,19 +148,6 @@ def wait_for_job(job: str, env: dict, timeout_s: float = 900) -> tuple[str, str]
         time.sleep(2)
     subprocess.run(["scancel", job], env=env)
     raise AssertionError(f"job {job} still {state} after {timeout_s}s")
-
-
-def leftovers(*paths: Path) -> list[str]:
-    """Processes with any of these paths on their command line (the job's roles)."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if any(str(p) in cmd for p in paths) and int(pid) != os.getpid():
-            out.append(cmd[:200])
-    return out
 
 
 def settled(*paths: Path, timeout_s: float = 30) -> list[str]:

@@ -123,81 +123,67 @@ def _with_token(cfg):
     return msgspec.structs.replace(cfg, inference=msgspec.structs.replace(cfg.inference, admin_token=token))
 
 
+def _render(cfg, kind: str, roles: dict[str, type | None], values: dict[str, object]) -> Path:
+    """Write RUN_DIR/configs/<name>.toml for each role (its projection of `cfg`; None: all of
+    it) and RUN_DIR/slurm/<kind>.sbatch; returns the script."""
+    folder, common = _common(cfg, kind)
+    configs = Path(cfg.run_dir).resolve() / "configs"
+    for name, root in roles.items():
+        (configs / f"{name}.toml").write_text(to_toml(cfg if root is None else cfg.project(root)))
+    script = folder / f"{kind}.sbatch"
+    script.write_text(fill((HERE / f"{kind}.sbatch").read_text(), common | values))
+    return script
+
+
+def _inference_values(cfg) -> dict[str, object]:
+    s = cfg.slurm
+    if s.inference_nodes < 1:
+        raise SlurmError("slurm.inference_nodes must be at least 1 for a job with inference servers")
+    return {
+        "inference_nodes": s.inference_nodes,
+        "replicas_per_node": _inference_per_node(cfg),
+        "inference_port": cfg.inference.port,
+        "inference_srun": _srun_args(s, s.gpus_per_node),
+    }
+
+
+def _trainer_values(cfg) -> dict[str, object]:
+    s = cfg.slurm
+    return {
+        "trainer_nodes": s.trainer_nodes,
+        "ranks_per_node": _ranks_per_node(cfg, s.trainer_nodes, cfg.transport.trainer_ranks, "transport.trainer_ranks"),
+        "trainer_srun": _srun_args(s, s.gpus_per_node),
+    }
+
+
 def render_rl(cfg) -> Path:
-    """Write RUN_DIR/slurm/rl.sbatch and the configs of its roles; returns the script."""
+    """RUN_DIR/slurm/rl.sbatch and the configs of its roles; returns the script."""
     from primerl.configs import InferenceRunConfig, OrchRunConfig, TrainerRunConfig
 
     s = cfg.slurm
-    if s.inference_nodes < 1:
-        raise SlurmError("slurm.inference_nodes must be at least 1 for an RL job")
-    ranks_per_node = _ranks_per_node(cfg, s.trainer_nodes, cfg.transport.trainer_ranks, "transport.trainer_ranks")
-    replicas = _inference_per_node(cfg)
-    cfg = _with_token(cfg)
-    folder, values = _common(cfg, "rl")
-    configs = Path(cfg.run_dir).resolve() / "configs"
-    (configs / "rl.toml").write_text(to_toml(cfg))
-    (configs / "trainer.toml").write_text(to_toml(cfg.project(TrainerRunConfig)))
-    (configs / "orchestrator.toml").write_text(to_toml(cfg.project(OrchRunConfig)))
-    (configs / "inference.toml").write_text(to_toml(cfg.project(InferenceRunConfig)))
-    colocated = cfg.colocate
-    gpus = s.gpus_per_node
-    values |= {
-        "nodes": max(s.inference_nodes, s.trainer_nodes) if colocated else s.inference_nodes + s.trainer_nodes,
-        "inference_nodes": s.inference_nodes,
-        "trainer_nodes": s.trainer_nodes,
-        "trainer_offset": 0 if colocated else s.inference_nodes,
-        "replicas_per_node": replicas,
-        "ranks_per_node": ranks_per_node,
-        "inference_port": cfg.inference.port,
-        "sbatch_lines": _sbatch_lines(s, gpus),
-        "inference_srun": _srun_args(s, gpus),
-        "trainer_srun": _srun_args(s, gpus),
+    values = _inference_values(cfg) | _trainer_values(cfg) | {
+        "nodes": max(s.inference_nodes, s.trainer_nodes) if cfg.colocate else s.inference_nodes + s.trainer_nodes,
+        "trainer_offset": 0 if cfg.colocate else s.inference_nodes,
+        "sbatch_lines": _sbatch_lines(s, s.gpus_per_node),
     }
-    script = folder / "rl.sbatch"
-    script.write_text(fill((HERE / "rl.sbatch").read_text(), values))
-    return script
+    roles = {"rl": None, "trainer": TrainerRunConfig, "orchestrator": OrchRunConfig, "inference": InferenceRunConfig}
+    return _render(_with_token(cfg), "rl", roles, values)
 
 
 def render_sft(cfg) -> Path:
+    """RUN_DIR/slurm/sft.sbatch and its config; returns the script."""
     s = cfg.slurm
-    ranks_per_node = _ranks_per_node(cfg, s.trainer_nodes, cfg.transport.trainer_ranks, "transport.trainer_ranks")
-    folder, values = _common(cfg, "sft")
-    (Path(cfg.run_dir).resolve() / "configs" / "sft.toml").write_text(to_toml(cfg))
-    values |= {
-        "nodes": s.trainer_nodes,
-        "trainer_nodes": s.trainer_nodes,
-        "ranks_per_node": ranks_per_node,
-        "sbatch_lines": _sbatch_lines(s, s.gpus_per_node),
-        "trainer_srun": _srun_args(s, s.gpus_per_node),
-    }
-    script = folder / "sft.sbatch"
-    script.write_text(fill((HERE / "sft.sbatch").read_text(), values))
-    return script
+    values = _trainer_values(cfg) | {"nodes": s.trainer_nodes, "sbatch_lines": _sbatch_lines(s, s.gpus_per_node)}
+    return _render(cfg, "sft", {"sft": None}, values)
 
 
 def render_eval(cfg) -> Path:
+    """RUN_DIR/slurm/eval.sbatch and the configs of its roles; returns the script."""
     from primerl.configs import InferenceRunConfig
 
     s = cfg.slurm
-    if s.inference_nodes < 1:
-        raise SlurmError("slurm.inference_nodes must be at least 1 for an eval job")
-    replicas = _inference_per_node(cfg)
-    cfg = _with_token(cfg)
-    folder, values = _common(cfg, "eval")
-    configs = Path(cfg.run_dir).resolve() / "configs"
-    (configs / "eval.toml").write_text(to_toml(cfg))
-    (configs / "inference.toml").write_text(to_toml(cfg.project(InferenceRunConfig)))
-    values |= {
-        "nodes": s.inference_nodes,
-        "inference_nodes": s.inference_nodes,
-        "replicas_per_node": replicas,
-        "inference_port": cfg.inference.port,
-        "sbatch_lines": _sbatch_lines(s, s.gpus_per_node),
-        "inference_srun": _srun_args(s, s.gpus_per_node),
-    }
-    script = folder / "eval.sbatch"
-    script.write_text(fill((HERE / "eval.sbatch").read_text(), values))
-    return script
+    values = _inference_values(cfg) | {"nodes": s.inference_nodes, "sbatch_lines": _sbatch_lines(s, s.gpus_per_node)}
+    return _render(_with_token(cfg), "eval", {"eval": None, "inference": InferenceRunConfig}, values)
 
 
 def submit(script: Path) -> str:
