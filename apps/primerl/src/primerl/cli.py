@@ -45,10 +45,10 @@ def _epilog(root: type) -> str:
 
 def config_command(
     name: str, root: type, summary: str, engine: typing.Callable[[typing.Any], None], prog: str = "",
-    slurm: str | None = None,
+    slurm: typing.Callable[[typing.Any], typing.Any] | None = None,
 ):
     """A click command that loads `root` from its arguments and runs `engine(config)`.
-    With `slurm` (the name of a renderer in primerl.slurm), it also takes --slurm/--submit."""
+    With `slurm` (config -> the job script it writes), it also takes --slurm/--submit."""
     prog = prog or name
 
     def command(dry_run: bool, args: tuple[str, ...], slurm_job: bool = False, submit: bool = False) -> None:
@@ -83,26 +83,41 @@ def config_command(
     )(command)
 
 
-def _slurm_job(prog: str, renderer: str, config, submit: bool) -> None:
-    from primerl import slurm
+def _slurm_job(prog: str, render, config, submit: bool) -> None:
+    from primerl.slurm import SlurmError
+    from primerl.slurm import submit as sbatch
 
     try:
-        if renderer == "render_rl":  # the checks `primerl rl` makes before anything starts
-            from primerl.launch import RunError, check
-
-            try:
-                check(config)
-            except RunError as err:
-                raise slurm.SlurmError(str(err)) from None
-        script = getattr(slurm, renderer)(config)
+        script = render(config)
         click.echo(f"wrote {script}")
         if submit:
-            click.echo(f"submitted job {slurm.submit(script)}; its output: {config.slurm.log_dir or script.parent}/job-<id>.out")
+            click.echo(f"submitted job {sbatch(script)}; its output: {config.slurm.log_dir or script.parent}/job-<id>.out")
         else:
             click.echo(f"submit it with: sbatch {script}")
-    except slurm.SlurmError as err:
+    except SlurmError as err:
         click.echo(f"{prog}: {err}", err=True)
         sys.exit(EXIT_FAILED)
+
+
+def _render_rl(config):
+    """The RL job, after the checks `primerl rl` makes before anything starts."""
+    from primerl.launch import RunError, check
+    from primerl.slurm import SlurmError, render_rl
+
+    try:
+        check(config)
+    except RunError as err:
+        raise SlurmError(str(err)) from None
+    return render_rl(config)
+
+
+def _render(name: str):
+    def render(config):
+        from primerl import slurm
+
+        return getattr(slurm, f"render_{name}")(config)
+
+    return render
 
 
 def _run_trainer(config: TrainerRunConfig) -> None:
@@ -216,16 +231,15 @@ def main() -> None:
     """primerl: asynchronous RL, SFT and evals for language models."""
 
 
-for _name, _root, _summary, _engine in [
+for _name, _root, _summary, _engine, _slurm in [
     ("rl", RLConfig, "Run asynchronous RL: inference, orchestrator and trainer, on this machine "
-     "(--slurm: on a cluster).", _run_rl),
+     "(--slurm: on a cluster).", _run_rl, _render_rl),
     ("sft", SFTConfig, "Supervised fine-tuning on the FSDP2 trainer (one process; for several, "
-     "torchrun --nproc-per-node N -m primerl.sft_entry @ cfg.toml, or --slurm).", _run_sft),
+     "torchrun --nproc-per-node N -m primerl.sft_entry @ cfg.toml, or --slurm).", _run_sft, _render("sft")),
     ("eval", EvalConfig, "Evaluate a model (or each published step of a run); results in run_dir/evals.jsonl.",
-     _run_eval),
+     _run_eval, _render("eval")),
 ]:
-    main.add_command(config_command(_name, _root, _summary, _engine, prog=f"primerl {_name}",
-                                    slurm=f"render_{_name}"))
+    main.add_command(config_command(_name, _root, _summary, _engine, prog=f"primerl {_name}", slurm=_slurm))
 
 @main.command("report", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_dir", type=click.Path(file_okay=False))
