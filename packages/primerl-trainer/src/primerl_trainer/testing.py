@@ -8,6 +8,7 @@ messages. `launch_trainer` starts the real trainer under torchrun as a subproces
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -26,14 +27,21 @@ from primerl_protocol import (
 )
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_block(n: int) -> int:
-    """A port p such that p .. p + n - 1 were all free just now."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
+    """A port p such that p .. p + n - 1 were all free just now, below the kernel's ephemeral
+    range: a port taken from that range (bind to port 0) can be handed to any other process
+    (vLLM's, verifiers' and torchrun's own sockets) before ours binds it."""
+    rng = random.Random()
+    high = max(_ephemeral_low() - n, 10000 + n)
+    for _ in range(200):
+        base = rng.randrange(10000, high)
         ok = True
         for p in range(base, base + n):
             with socket.socket() as t:
