@@ -102,6 +102,7 @@ def test_admin_routes_need_the_token(tied_server, models):
     assert request(url, "/admin/load_weights", {"path": str(models["tied1"]), "step": 1}, token="wrong")[0] == 401
     status, _, body = request(url, "/admin/policy", token=TOKEN)
     assert status == 200 and body["step"] in (-1, 1, 2)
+    assert body["logprobs_mode"] == "processed_logprobs"  # read from the engine's own config
 
 
 def test_loaded_weights_serve_like_transformers_and_the_prefix_cache_is_dropped(tied_server, models):

@@ -6,19 +6,24 @@ model as each step's weights, which the servers really load through the admin ro
 import asyncio
 import contextlib
 import json
+import math
 import os
+import shutil
 import signal
 import string
+from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
+import torch
 from click.testing import CliRunner
 from primerl.cli import main
 from primerl.configs import OrchRunConfig
 from primerl_envs.config import EnvConfig, EnvsConfig
 from primerl_inference.config import InferenceConfig
 from primerl_inference.launcher import launch
+from primerl_models import load_model
 from primerl_models.tiny import build_tiny_model
 from primerl_orchestrator.config import EvalSettings, OrchestratorConfig, SamplingConfig
 from primerl_orchestrator.generate import AGENT_SLOTS
@@ -28,6 +33,7 @@ from primerl_protocol import SocketSettings
 from primerl_protocol.config import ModelConfig, TransportConfig
 from primerl.configs import TrainerRunConfig
 from primerl_protocol.config import WandbConfig, to_toml
+from primerl_protocol.weights import write_marker
 from primerl_trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig, WeightsConfig
 from primerl_trainer.testing import free_port_block, launch_trainer
 
@@ -129,12 +135,29 @@ def test_a_trainer_that_stops_publishing_stops_the_orchestrator_with_a_clear_err
     trainer.join(30)
 
 
-def test_with_the_real_trainer_on_two_ranks(servers, tmp_path):
-    """Not a double: the RL trainer under torchrun with 2 gloo ranks learns from the batches."""
+def serve_base_weights(url, model, folder) -> None:
+    """Have the server at `url` load the tiny model's own weights (as a published folder)."""
+    shutil.copytree(model, folder)
+    digest = write_marker(folder, 0, [p.name for p in folder.glob("*.safetensors")], 0.0)
+    r = httpx.post(url + "/admin/load_weights", json={"path": str(folder), "step": 0, "checksum": digest},
+                   headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def real_trainer_run(servers, tmp_path, *, ranks: int, max_steps: int, temperature: float, k: int = 1,
+                     env: EnvConfig | None = None, on_group=None) -> tuple[list[dict], str]:
+    """The RL trainer under torchrun (gloo, fp32) against one server, orchestrator at `k`
+    (reverse-text unless `env` says otherwise); the rows of the run's metrics.jsonl, and the
+    server's URL."""
     running, model = servers
     url = next(u for u in running.urls if httpx.get(u + "/health").status_code == 200)
-    cfg = make_cfg(tmp_path / "run", model, [url], k=1, max_steps=3)
-    cfg = msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport, trainer_ranks=2))
+    serve_base_weights(url, model, tmp_path / "base")  # an earlier test may have left trained ones
+    cfg = make_cfg(tmp_path / "run", model, [url], k=k, max_steps=max_steps)
+    sampling = SamplingConfig(max_tokens=24, temperature=temperature)
+    cfg = msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport, trainer_ranks=ranks),
+                                  orchestrator=msgspec.structs.replace(cfg.orchestrator, sampling=sampling))
+    if env is not None:
+        cfg = msgspec.structs.replace(cfg, envs=EnvsConfig(train=[env]))
     trainer_cfg = TrainerRunConfig(
         model=cfg.model, seq_len=cfg.seq_len, max_steps=cfg.max_steps, run_dir=cfg.run_dir, transport=cfg.transport,
         wandb=WandbConfig(mode="disabled"),
@@ -144,8 +167,9 @@ def test_with_the_real_trainer_on_two_ranks(servers, tmp_path):
     config = tmp_path / "trainer.toml"
     config.write_text(to_toml(trainer_cfg))
     log = tmp_path / "trainer.log"
-    trainer = launch_trainer(config, 2, log)
+    trainer = launch_trainer(config, ranks, log)
     orch = Orchestrator(cfg)
+    orch.on_group = on_group
     try:
         asyncio.run(asyncio.wait_for(orch.run(), 600))
         assert trainer.wait(timeout=120) == 0, log.read_text()[-3000:]
@@ -153,14 +177,53 @@ def test_with_the_real_trainer_on_two_ranks(servers, tmp_path):
         if trainer.poll() is None:
             trainer.kill()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == list(range(max_steps))
+    return rows, url
+
+
+def test_with_the_real_trainer_on_two_ranks(servers, tmp_path):
+    """Not a double: the RL trainer under torchrun with 2 gloo ranks learns from the batches,
+    sampled at temperature 0.7 (the servers report logprobs after temperature scaling)."""
+    rows, url = real_trainer_run(servers, tmp_path, ranks=2, max_steps=3, temperature=0.7)
     for r in rows:  # the trainer's own metrics and the orchestrator's, on one step
         assert "loss" in r and "mismatch_kl" in r and 0.0 <= r["reward/mean"] <= 1.0
         assert r["mismatch_kl"] < 1e-2 or r["off_policy/level"] > 0  # same weights: trainer and vLLM agree
-    assert rows[0]["mismatch_kl"] < 1e-3  # step 0: vLLM and the trainer hold the same weights
+    # step 0: vLLM and the trainer hold the same fp32 weights and score the same distribution
+    # (with vLLM's raw logprobs this is ~1e-2 at 0.7: the ratio of two different temperatures)
+    assert rows[0]["mismatch_kl"] < 1e-6
     meta = json.loads((tmp_path / "run" / "checkpoints" / "step_1" / "meta.json").read_text())
     assert meta["data"]["orchestrator"]["next_step"] == 2 and meta["world_size"] == 2
     assert policy_of(url) == 3  # the final policy is served
+
+
+def test_trainer_and_sampler_agree_above_temperature_one(servers, tmp_path):
+    rows, _ = real_trainer_run(servers, tmp_path, ranks=1, max_steps=1, temperature=1.3)
+    assert rows[0]["mismatch_kl"] < 1e-6 and rows[0]["batch/loss_tokens"] > 0
+
+
+def test_rewards_that_are_not_finite_numbers_never_reach_the_weights(servers, tmp_path):
+    """A real environment whose reward returns NaN, inf, -inf, "1.0" and None on some rollouts
+    (flaky_rewards.py): the run goes on, those rollouts are errored naming the environment
+    and the value, counted, never trained on, and the weights stay finite."""
+    seen = []
+    env = EnvConfig(id=str(Path(__file__).parent / "flaky_rewards.py"), name="flaky", args={"num_tasks": 64})
+    rows, _ = real_trainer_run(servers, tmp_path, ranks=1, max_steps=3, temperature=1.0, k=0, env=env,
+                               on_group=lambda g: seen.extend(g.rollouts))
+    import flaky_rewards  # the module the environment ran (its folder is on sys.path now)
+    # k = 0: exactly 3 steps x 8 rollouts were scored, two cycles of the 12 values
+    assert len(seen) == 24
+    bad = [r for r in seen if r.bad_score]
+    assert len(bad) == 2 * flaky_rewards.BAD
+    assert sum(r["filter/bad_score"] for r in rows) == len(bad)
+    reasons = " | ".join(r.error for r in bad)
+    for shown in ["'flaky' is nan", "'flaky' is inf", "'flaky' is -inf", "returned '1.0' (str), not a number",
+                  "returned None (NoneType), not a number"]:
+        assert shown in reasons
+    assert all(r.error.startswith("BadScore: environment 'flaky': reward 'flaky'") for r in bad)
+    for r in rows:
+        assert all(math.isfinite(r[key]) for key in ("loss", "grad_norm", "reward/mean")) and r["step_skipped"] == 0
+    final = load_model(tmp_path / "run" / "weights" / "step_2")
+    assert all(bool(torch.isfinite(t).all()) for t in final.state_dict().values())
 
 
 def groups_of(sample_ids):

@@ -2,6 +2,9 @@
 start rule of the off-policy bound, routing and health probes (against real HTTP sockets)."""
 
 import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -158,3 +161,58 @@ def test_least_loaded_routing():
 
     first, second, during = asyncio.run(lease_two())
     assert (first, second) == (a, c) and during == 4 and a.in_flight == 3
+
+
+class _StandInServer(BaseHTTPRequestHandler):
+    """A stand-in for a primerl server in vLLM's default logprobs mode (real HTTP; the
+    real servers' report of their mode is checked against vLLM in test_inference_server)."""
+
+    mode = "raw_logprobs"
+
+    def do_GET(self):
+        payload = {"/health": {}, "/v1/models": {"data": [{"id": "m"}]},
+                   "/admin/policy": {"step": -1, "logprobs_mode": self.mode}}.get(self.path)
+        body = json.dumps(payload).encode()
+        self.send_response(200 if payload is not None else 404)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_whose_logprobs_ignore_the_temperature_is_refused():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StandInServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def start(mode):
+        pool = ServerPool([url], "m", "t", logprobs_mode=mode)
+        try:
+            await pool.start()
+        finally:
+            await pool.close()
+
+    try:
+        with pytest.raises(NoServerError, match=r"'raw_logprobs' mode, not 'processed_logprobs'.*--logprobs-mode"):
+            asyncio.run(start("processed_logprobs"))
+        asyncio.run(start(None))  # evals do not check it
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_sampling_that_the_trainer_cannot_score_is_refused_at_config_load():
+    from primerl_protocol.config import ConfigError, validate
+
+    def load(sampling):
+        return validate(OrchestratorConfig, {"sampling": sampling})
+
+    with pytest.raises(ConfigError, match=r"`sampling`.*temperature 0 \(greedy\) cannot train"):
+        load({"temperature": 0.0})
+    for key, value in [("top_p", 0.9), ("top_k", 20), ("min_p", 0.05)]:
+        with pytest.raises(ConfigError, match=rf"{key} = {value}: truncated sampling is not supported for RL"):
+            load({key: value})
+    cfg = load({"temperature": 0.7})
+    assert cfg.sampling.request() == {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0}

@@ -9,7 +9,8 @@ everyone). Routes (JSON in, JSON out):
   POST /admin/lora/load     {"name", "path"}                 load a LoRA adapter
   POST /admin/lora/unload   {"name"}
   POST /admin/pause  /  POST /admin/resume                   stop / restart admitting requests
-  GET  /admin/policy                                         {"step", "path", "checksum", "paused"}
+  GET  /admin/policy                                         {"step", "path", "checksum", "paused",
+                                                              "logprobs_mode"}
   GET  /admin/health                                         {"ready": bool, "paused": bool, "step"}
 
 Weight swaps and requests in flight: a swap first closes the gate to new generation requests
@@ -108,6 +109,12 @@ async def _respond(send, status: int, payload: dict) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _logprobs_mode(app) -> str | None:
+    """The engine's `--logprobs-mode` (what its logprobs describe), None if it cannot be read."""
+    model_config = getattr(getattr(app.state, "vllm_config", None), "model_config", None)
+    return getattr(model_config, "logprobs_mode", None)
+
+
 def _require(data: dict, key: str, kind: type):
     if not isinstance(data.get(key), kind):
         raise AdminError(400, f"field `{key}` ({kind.__name__}) is required")
@@ -177,7 +184,8 @@ class AdminMiddleware:
                     result = {"paused": False}
                 case ("GET", "/admin/policy"):
                     p = self.policy
-                    result = {"step": p.step, "path": p.path, "checksum": p.checksum, "paused": self.paused}
+                    result = {"step": p.step, "path": p.path, "checksum": p.checksum, "paused": self.paused,
+                              "logprobs_mode": _logprobs_mode(scope["app"])}
                 case ("GET", "/admin/health"):
                     result = {"ready": not self.paused and not self.swap_lock.locked(), "paused": self.paused,
                               "step": self.policy.step}

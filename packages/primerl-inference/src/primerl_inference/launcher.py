@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primerl_inference.config import ADMIN_TOKEN_ENV, InferenceConfig
+from primerl_protocol.serving import LOGPROBS_MODE
 
 ADMIN_MIDDLEWARE = "primerl_inference.admin.AdminMiddleware"
 WORKER_EXTENSION = "primerl_inference.worker.WorkerExtension"
@@ -76,6 +77,9 @@ def server_command(
         # token-in/token-out route, which reads sampled tokens back as `token_id:N`.
         "--enable-scale-out",
         "--return-tokens-as-token-ids",
+        # Logprobs of the distribution tokens are sampled from (after temperature), which is
+        # what the trainer computes; vLLM's default is the raw logits' (temperature 1).
+        "--logprobs-mode", LOGPROBS_MODE,
     ]
     env = {
         "VLLM_CACHE_ROOT": str(Path(run_dir) / "cache" / "vllm"),

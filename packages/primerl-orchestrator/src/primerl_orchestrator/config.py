@@ -10,14 +10,48 @@ from primerl_protocol.config import Config, NonNegative, Positive
 
 
 class SamplingConfig(Config):
-    """Sampling parameters of training rollouts."""
+    """Sampling parameters of training rollouts.
+
+    The trainer's importance ratios compare its own logprobs with the ones the servers
+    sampled from, so both must describe the same distribution: softmax(logits / temperature)
+    over the whole vocabulary. The servers return logprobs after temperature scaling
+    (primerl-inference starts vLLM with `--logprobs-mode processed_logprobs`) and every
+    request sends top_p = 1, top_k = -1 and min_p = 0 explicitly, so a model's
+    generation_config.json cannot truncate the distribution behind the trainer's back.
+    Truncated sampling is refused here: the trainer does not model it.
+    """
 
     temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
-    """Sampling temperature; the trainer computes its logprobs at the same temperature."""
+    """Sampling temperature (> 0); the trainer computes its logprobs at the same temperature."""
     max_tokens: Positive = 1024
     """Most tokens generated per turn."""
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    """Nucleus sampling threshold."""
+    """Nucleus sampling threshold: must stay 1.0 for RL (the trainer scores the full distribution)."""
+    top_k: int = -1
+    """Top-k sampling: must stay -1 (off) for RL, for the same reason."""
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    """Min-p sampling: must stay 0.0 (off) for RL, for the same reason."""
+
+    def __post_init__(self) -> None:
+        if self.temperature == 0:
+            raise ValueError(
+                "temperature 0 (greedy) cannot train: every rollout of a group would be the same "
+                "(no advantage) and the trainer's logprobs at temperature 0 are undefined; use a "
+                "temperature > 0 (greedy evals are set by orchestrator.eval.temperature)"
+            )
+        truncated = [f"{k} = {v}" for k, v, off in
+                     (("top_p", self.top_p, 1.0), ("top_k", self.top_k, -1), ("min_p", self.min_p, 0.0)) if v != off]
+        if truncated:
+            raise ValueError(
+                f"{', '.join(truncated)}: truncated sampling is not supported for RL: the servers would "
+                "sample from (and report logprobs of) a truncated distribution while the trainer scores "
+                "the full one at the same temperature, so every importance ratio would be wrong; "
+                "leave top_p = 1.0, top_k = -1 and min_p = 0.0 and tune the temperature instead"
+            )
+
+    def request(self) -> dict[str, float | int]:
+        """What every training request sends: the temperature and the neutral truncations."""
+        return {"temperature": self.temperature, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
 
 
 class EvalSettings(Config):

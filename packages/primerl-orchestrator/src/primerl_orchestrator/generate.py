@@ -39,24 +39,30 @@ class Generator:
         self.retries = 0
         """Rollouts run again because their server failed."""
 
-    def context(self, url: str, temperature: float, max_tokens: int, top_p: float):
-        key = (url, temperature, max_tokens, top_p)
+    def context(self, url: str, max_tokens: int, sampling: dict):
+        key = (url, max_tokens, tuple(sorted(sampling.items())))
         if key not in self._contexts:  # one per server and sampling: verifiers reuses its client
+            extra = {k: v for k, v in sampling.items() if k != "temperature"}
             self._contexts[key] = model_context(
-                url, self.model, self.tokenizer, temperature=temperature, max_tokens=max_tokens,
-                top_p=None if top_p == 1.0 else top_p,
+                url, self.model, self.tokenizer, temperature=sampling.get("temperature", 1.0),
+                max_tokens=max_tokens, extra_sampling=extra,
             )
         return self._contexts[key]
 
     async def play(
         self, env: Environment, task, *, sample_id: int, group_id: int, temperature: float, max_tokens: int,
-        top_p: float = 1.0,
+        sampling: dict | None = None,
     ) -> list[Rollout]:
-        """One episode of `task` as rollouts (never raises for what went wrong in the episode)."""
+        """One episode of `task` as rollouts (never raises for what went wrong in the episode).
+
+        `sampling`: more request fields (training sends top_p / top_k / min_p explicitly, see
+        SamplingConfig.request); what it leaves out the server takes from the model's
+        generation_config.json."""
+        sampling = {**(sampling or {}), "temperature": temperature}
         attempt = 0
         while True:
             async with self.pool.lease() as server:
-                ctx = self.context(server.url, temperature, max_tokens, top_p)
+                ctx = self.context(server.url, max_tokens, sampling)
                 rollouts = await env.rollouts(
                     task, ctx, sample_id=sample_id, group_id=group_id, temperature=temperature,
                     policy_step=server.version,

@@ -49,6 +49,7 @@ from primerl_protocol import (
     TransportTimeout,
 )
 from primerl_protocol.checkpoints import latest_checkpoint
+from primerl_protocol.serving import LOGPROBS_MODE
 
 from primerl_orchestrator.batching import Group, build_step
 from primerl_orchestrator.evals import evaluate
@@ -128,7 +129,8 @@ class Orchestrator:
                               for e in (cfg.envs.eval if self.o.eval.interval else [])]
             self.by_name = {e.name: e for e in self.envs}
             self.mix = EnvMix(self.envs)
-            self.pool = ServerPool(cfg.inference.server_urls(), cfg.model.name, cfg.inference.resolved_admin_token())
+            self.pool = ServerPool(cfg.inference.server_urls(), cfg.model.name, cfg.inference.resolved_admin_token(),
+                                   logprobs_mode=LOGPROBS_MODE)
             stack.push_async_callback(self.pool.close)
             await self.pool.start()
             self.gen = Generator(self.pool, cfg.model.name, cfg.model.tokenizer or cfg.model.name,
@@ -255,7 +257,7 @@ class Orchestrator:
         async def one(i: int):
             try:
                 return await self.gen.play(env, task, sample_id=(base + i) * AGENT_SLOTS, group_id=group.group_id,
-                                           temperature=s.temperature, max_tokens=s.max_tokens, top_p=s.top_p)
+                                           temperature=s.temperature, max_tokens=s.max_tokens, sampling=s.request())
             finally:
                 self.in_flight -= 1
                 await self._notify()
@@ -293,6 +295,9 @@ class Orchestrator:
             step = self.step
             batches, metrics = build_step(step, groups, self.o, seq_len=self.cfg.seq_len,
                                           num_ranks=self.cfg.transport.trainer_ranks)
+            if bad := [r for g in groups for r in g.rollouts if r.bad_score]:
+                log.warning("step %d: %d rollouts will not train: their environment scored them with something "
+                            "that is not a finite number (first: %s)", step, len(bad), bad[0].error)
             # One move, no await in between: the groups leave the count of started groups as
             # the step advances, so the start rule never sees them gone with the step unchanged.
             self.step, self.taken = step + 1, 0

@@ -6,8 +6,8 @@
         ... every turn of one rollout goes to server.url (sticky: its prefix stays cached)
     await pool.load_weights(path, version, checksum)   # every healthy server, concurrently
 
-A server is healthy when `/health` answers 200 and `/v1/models` answers JSON that lists the
-model. A rollout that failed at the model call makes the orchestrator probe its server
+A server is healthy when `/health` answers 200, `/v1/models` answers JSON that lists the
+model and (for training) its policy route reports the logprobs mode the trainer agrees with. A rollout that failed at the model call makes the orchestrator probe its server
 (`report_failure`); one that fails the probe (killed, hung, answering garbage) is marked
 unhealthy and gets no more rollouts. Unhealthy servers are probed again every
 `revive_interval_s`; one that comes back first loads the current weights, then serves.
@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
+from primerl_protocol.serving import POLICY_ROUTE
 
 log = logging.getLogger("primerl.orchestrator")
 
@@ -66,6 +67,7 @@ class ServerPool:
         load_timeout_s: float = 600.0,
         revive_interval_s: float = 10.0,
         wait_timeout_s: float = 600.0,
+        logprobs_mode: str | None = None,
     ) -> None:
         if not urls:
             raise NoServerError("no inference servers configured (inference.urls, or inference.port/num_replicas)")
@@ -76,6 +78,8 @@ class ServerPool:
         self.load_timeout_s = load_timeout_s
         self.revive_interval_s = revive_interval_s
         self.wait_timeout_s = wait_timeout_s
+        self.logprobs_mode = logprobs_mode
+        """The logprobs mode a server must report on its policy route (None: not checked)."""
         self.weights: Weights | None = None
         """The weights every server should serve (None: the ones they started with)."""
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(probe_timeout_s))
@@ -99,8 +103,24 @@ class ServerPool:
                 return f"/v1/models answered something that is not a model list: {r.text[:80]!r}"
             if self.model not in ids:
                 return f"serves {ids}, not {self.model!r}"
+            if self.logprobs_mode is not None:
+                return await self._check_logprobs_mode(server)
         except httpx.HTTPError as err:
             return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        return None
+
+    async def _check_logprobs_mode(self, server: Server) -> str | None:
+        r = await self._http.get(server.url + POLICY_ROUTE, headers={"Authorization": f"Bearer {self.admin_token}"})
+        if r.status_code != 200:
+            return f"{POLICY_ROUTE} answered HTTP {r.status_code} (is it a primerl-inference server, with this admin token?)"
+        try:
+            mode = r.json()["logprobs_mode"]
+        except (ValueError, KeyError, TypeError):
+            return f"{POLICY_ROUTE} answered something without a logprobs_mode: {r.text[:80]!r}"
+        if mode != self.logprobs_mode:
+            return (f"reports logprobs in vLLM's {mode!r} mode, not {self.logprobs_mode!r}: its logprobs would not "
+                    f"describe the distribution it samples from at temperatures other than 1 (start it with "
+                    f"--logprobs-mode {self.logprobs_mode}, as primerl-inference does)")
         return None
 
     def mark_unhealthy(self, server: Server, problem: str) -> None:
