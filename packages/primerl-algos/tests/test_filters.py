@@ -51,3 +51,25 @@ def test_plugin_filter(tmp_path, monkeypatch):
     kept, report = filter_rollouts([rollout(i, 0, 1.0) for i in range(5)], FilterConfig(plugins=["my_filters:odd_only"]))
     assert [r.sample_id for r in kept] == [1, 3]
     assert report.dropped["my_filters:odd_only"] == 3
+
+
+def test_non_finite_rewards_never_train_even_with_the_errored_filter_off():
+    nan, inf = float("nan"), float("inf")
+    rollouts = [
+        rollout(0, 0, 1.0), rollout(1, 0, 0.0), rollout(2, 0, nan), rollout(3, 0, inf), rollout(4, 0, -inf),
+        rollout(5, 0, 0.0, error="BadScore: environment 'e': reward 'r' returned '1.0' (str), not a number"),
+    ]
+    out, report = select(rollouts, FilterConfig(errored=False), AdvantageConfig(type="drgrpo"), max_tokens=10)
+    # the baseline is the two finite members' (mean 0.5): by hand, 1 - 0.5 and 0 - 0.5
+    assert [(r.sample_id, a) for r, a in out] == [(0, 0.5), (1, -0.5)]
+    assert dict(report.dropped) == {"bad_score": 4}
+
+
+def test_a_group_whose_advantages_are_not_finite_is_dropped(tmp_path, monkeypatch):
+    (tmp_path / "nan_adv.py").write_text("import numpy as np\ndef f(r):\n    return np.log(r - 0.5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rollouts = [rollout(0, 0, 1.0), rollout(1, 0, 0.0), rollout(2, 1, 1.0), rollout(3, 1, 2.0)]
+    # group 0: log(0.5), log(-0.5) = nan -> dropped; group 1: log(0.5), log(1.5), both finite
+    out, report = select(rollouts, FilterConfig(), AdvantageConfig(type="nan_adv:f"), max_tokens=10)
+    assert [r.sample_id for r, _ in out] == [2, 3]
+    assert dict(report.dropped) == {"non_finite_advantage": 2}

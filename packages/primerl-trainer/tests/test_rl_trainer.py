@@ -2,6 +2,7 @@
 double of the orchestrator (FakeOrchestrator), a tiny model built locally."""
 
 import json
+import math
 from pathlib import Path
 
 import msgspec
@@ -183,6 +184,12 @@ def test_bad_batches_are_refused_naming_the_sample_and_training_goes_on(tmp_path
             tree = msgspec.msgpack.decode(header)
             tree["micro_batches"][0]["advantages"][2] = [31]
             orch.senders[0].socket.send_multipart([msgspec.msgpack.encode(tree), payload])
+            poisoned = synthetic_batches(0, RANKS, 98)
+            poisoned[0].micro_batches[1].advantages[17] = np.nan  # token 17: the 2nd sample (16 tokens each)
+            orch.send(poisoned)
+            poisoned = synthetic_batches(0, RANKS, 98)
+            poisoned[1].micro_batches[0].inference_logprobs[8] = -np.inf
+            orch.send(poisoned)
         orch.send(synthetic_batches(step, RANKS, 98))
 
     rc, ready, log = run_trainer(tmp_path, model_dir, tmp_path / "run", steps=2, feed=feed)
@@ -192,7 +199,37 @@ def test_bad_batches_are_refused_naming_the_sample_and_training_goes_on(tmp_path
     assert f"rank 1: micro-batch 1, sample 1100: token id 5000 is outside the vocabulary [0, {vocab})" in log
     assert "rank 0: batch for step 0 has no micro-batches" in log
     assert "malformed TrainBatch on socket 'batches/rank0' at field `micro_batches[0]`" in log
-    assert [m["batches_refused"] for m in metrics(tmp_path / "run")] == [2, 2]
+    assert "rank 0: micro-batch 1, sample 101: advantages holds nan at token 17, not a finite number" in log
+    assert "rank 1: micro-batch 0, sample 1000: inference_logprobs holds -inf at token 8, not a finite number" in log
+    assert [m["batches_refused"] for m in metrics(tmp_path / "run")] == [4, 4]
+
+
+def test_a_step_with_a_non_finite_loss_moves_no_weights_and_publishes_nothing_new(tmp_path, model_dir, straight_run):
+    """Advantages of 3e38 are finite (so the batch passes), but their sum overflows: the loss
+    is -inf. That step must take no optimizer step and publish no new weights; the next one
+    trains as if it had never happened (the batch is the same every step, so its loss equals
+    the straight run's step 1)."""
+    def feed(step, orch):
+        batches = synthetic_batches(step, RANKS, 98)
+        if step == 1:
+            for b in batches:
+                for mb in b.micro_batches:
+                    mb.advantages[:] = 3e38
+        orch.send(batches)
+
+    rc, ready, log = run_trainer(tmp_path, model_dir, tmp_path / "run", steps=3, feed=feed)
+    assert rc == 0, log
+    assert [r.step for r in ready] == [0, 1, 2]
+    assert (ready[1].location, ready[1].checksum) == (ready[0].location, ready[0].checksum)  # announced again
+    assert not (tmp_path / "run" / "weights" / "step_1").exists()
+    rows = metrics(tmp_path / "run")
+    assert not math.isfinite(rows[1]["loss"]) and "step skipped: the loss is not finite" in log
+    assert [m["step_skipped"] for m in rows] == [0, 1, 0] and rows[-1]["steps_skipped"] == 1
+    straight = metrics(straight_run[0])
+    np.testing.assert_allclose([rows[0]["loss"], rows[2]["loss"]], [straight[0]["loss"], straight[1]["loss"]], atol=1e-6, rtol=0)
+    assert rows[2]["lr"] == straight[1]["lr"]  # the schedule did not move either
+    final = load_model(ready[2].location)
+    assert all(bool(torch.isfinite(t).all()) for t in final.state_dict().values())
 
 
 def test_trainer_times_out_when_the_orchestrator_disappears_and_keeps_its_checkpoint(tmp_path, model_dir):

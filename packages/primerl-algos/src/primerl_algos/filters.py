@@ -2,10 +2,12 @@
 
     kept, report = select(rollouts, filter_cfg, advantage_cfg, max_tokens)
 
-1. Rollout filters, in order: errored, empty (no completion tokens), truncated, too short,
-   too long, reward outside the range, then plugins. A dropped rollout takes no part in its
-   group's advantage (an errored rollout's reward means nothing).
-2. Advantages per group over the remaining rollouts.
+1. Rollout filters, in order: bad score (a reward or metric that was not a finite number;
+   always on), errored, empty (no completion tokens), truncated, too short, too long, reward
+   outside the range, then plugins. A dropped rollout takes no part in its group's advantage
+   (an errored rollout's reward means nothing): the baseline is the other members'.
+2. Advantages per group over the remaining rollouts; a group whose advantages are not all
+   finite (a plugin estimator's fault) is dropped (`non_finite_advantage`).
 3. Group filter: groups whose advantages are all zero carry no gradient and are dropped.
 """
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from primerl_algos.advantages import compute_advantages
 from primerl_algos.config import AdvantageConfig, FilterConfig
@@ -41,6 +45,8 @@ class FilterReport:
 
 def _reason(r: Rollout, cfg: FilterConfig) -> str | None:
     tokens = r.num_completion_tokens
+    if r.bad_score:  # not configurable: a NaN or infinite reward must never reach the weights
+        return "bad_score"
     if cfg.errored and r.error is not None:
         return "errored"
     if cfg.empty and tokens == 0:
@@ -91,6 +97,10 @@ def select(
         adv = compute_advantages(
             [r.reward for r in members], [r.num_completion_tokens for r in members], advantage, max_tokens
         )
+        if not np.all(np.isfinite(adv)):  # a plugin's estimator, or a length penalty gone wrong
+            report.dropped["non_finite_advantage"] += len(members)
+            report.kept -= len(members)
+            continue
         if filters.zero_advantage and not adv.any():
             report.dropped["zero_advantage"] += len(members)
             report.kept -= len(members)

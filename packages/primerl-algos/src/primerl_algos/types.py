@@ -9,7 +9,13 @@ Trajectory merging (merging.py) turns its turns into one or more samples; advant
 
 from __future__ import annotations
 
+import math
+
 import msgspec
+
+BAD_SCORE = "BadScore"
+"""Error type of a rollout whose reward or metric was not a finite number (it never trains,
+whatever the filters say: `Rollout.bad_score`)."""
 
 
 class Turn(msgspec.Struct, kw_only=True):
@@ -45,6 +51,11 @@ class Rollout(msgspec.Struct, kw_only=True):
     @property
     def num_completion_tokens(self) -> int:
         return sum(len(t.completion_ids) for t in self.turns)
+
+    @property
+    def bad_score(self) -> bool:
+        """Its environment scored it with something that is not a finite number."""
+        return (self.error or "").startswith(BAD_SCORE) or not math.isfinite(self.reward)
 
 
 class Sample(msgspec.Struct, kw_only=True):

@@ -13,6 +13,13 @@ mismatching token id is still refused by renderers' own check.
 connection pool, whose bookkeeping scans every connection on every request event (quadratic
 in the connections: with 64 rollouts in flight it took about a third of the orchestrator's
 CPU, bench/orchestrator.py). Timeouts and limits stay verifiers' own.
+
+`install()` also makes verifiers' score recording strict about what a number is. verifiers
+stores `float(value)` of whatever a reward or metric function returned: the string "1.0"
+becomes a reward of 1.0, and NaN or infinity pass as they are. Here a value that is not a
+number (a string, None, a list; anything without `__float__`) is recorded as NaN and its
+`repr` kept in `trace.info["primerl/bad_scores"]`, so `rollouts.trace_to_rollout` can name it
+when it marks the rollout errored; scoring goes on (the other rewards are still recorded).
 """
 
 from __future__ import annotations
@@ -21,6 +28,32 @@ from collections.abc import Mapping
 from typing import Any
 
 _installed = False
+BAD_SCORES = "primerl/bad_scores"
+"""Key of trace.info: what each reward or metric that was not a number returned (its repr)."""
+
+
+def as_score(value: Any) -> float | None:
+    """`value` as a float when it is a number (bool, int, float, numpy scalar, 0-d tensor,
+    Fraction...), else None. Text is not a number, even text that reads as one."""
+    if isinstance(value, (str, bytes, bytearray)) or not hasattr(value, "__float__"):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):  # e.g. a tensor of several elements
+        return None
+
+
+def _strict(trace, kind: str, name: str, value: Any) -> float:
+    number = as_score(value)
+    if number is None:
+        trace.info.setdefault(BAD_SCORES, []).append(f"{kind} {name!r} returned {_shown(value)}, not a number")
+        return float("nan")
+    return number
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return (text if len(text) <= 80 else text[:80] + "...") + f" ({type(value).__name__})"
 
 
 def _normalise(choice: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -35,7 +68,8 @@ def _normalise(choice: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def install() -> None:
-    """Patch renderers' logprob parser and verifiers' HTTP client once per process (idempotent)."""
+    """Patch renderers' logprob parser, verifiers' HTTP client and its score recording, once
+    per process (idempotent)."""
     global _installed
     if _installed:
         return
@@ -56,4 +90,16 @@ def install() -> None:
         return HttpxAiohttpClient(timeout=httpx.Timeout(**config.timeout.model_dump()), limits=vf_base.DEFAULT_LIMITS)
 
     vf_base.build_async_httpx = build_async_httpx
+
+    from verifiers.v1.trace import Trace
+
+    record_reward, record_metric = Trace.record_reward, Trace.record_metric
+
+    def strict_reward(self, name: str, value: Any, weight: Any = 1.0) -> None:
+        record_reward(self, name, _strict(self, "reward", name, value), _strict(self, "weight of reward", name, weight))
+
+    def strict_metric(self, name: str, value: Any) -> None:
+        record_metric(self, name, _strict(self, "metric", name, value))
+
+    Trace.record_reward, Trace.record_metric = strict_reward, strict_metric
     _installed = True

@@ -10,13 +10,20 @@ into one sample and starts a new one where the chat template rewrote the history
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
-from primerl_algos.types import Rollout, Turn
+from primerl_algos.types import BAD_SCORE, Rollout, Turn
+
+from primerl_envs.compat import BAD_SCORES
 
 
 LIMITS = {"max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens"}
 """verifiers' stop conditions that cut a rollout short (a task's own @stop ends it normally)."""
+
+
+MAX_LOGPROB = 1e-4
+"""Largest logprob accepted from a server (0 up to rounding)."""
 
 
 class TraceError(ValueError):
@@ -46,6 +53,9 @@ def trace_turns(trace) -> list[Turn]:
                 f"trace {trace.id}, call {index}: {len(sampled)} sampled tokens but "
                 f"{len(logprobs)} logprobs (was the client a training client?)"
             )
+        wrong = next((lp for lp in logprobs if not (isinstance(lp, (int, float)) and math.isfinite(lp) and lp <= MAX_LOGPROB)), None)
+        if wrong is not None:  # a server's answer is checked like any other input
+            raise TraceError(f"trace {trace.id}, call {index}: the server gave the logprob {wrong!r}, not a finite number <= 0")
         prefix: list[int] = []
         path: list[int] = []
         parent = node.parent
@@ -73,6 +83,28 @@ def _error_text(errors: Iterable) -> str | None:
     return text if len(text) <= 2000 else text[:2000] + "..."
 
 
+def _scores(trace) -> tuple[dict[str, float], list[str]]:
+    """(the trace's named rewards and metrics that are finite numbers, what was wrong with the
+    others). Environments are not trusted to return numbers: see compat.install."""
+    metrics: dict[str, float] = {}
+    bad = list(trace.info.get(BAD_SCORES) or []) if isinstance(trace.info, dict) else []
+    for name, reward in trace.rewards.items():
+        if reward is None:
+            bad.append(f"reward {name!r} was never scored")
+        elif not (math.isfinite(reward.score) and math.isfinite(reward.value)):
+            bad.append(f"reward {name!r} is {reward.score!r} (weight {reward.weight!r}), not a finite number")
+        else:
+            metrics[f"reward/{name}"] = float(reward.score)
+    for name, value in trace.metrics.items():
+        if value is not None and not math.isfinite(value):
+            bad.append(f"metric {name!r} is {value!r}, not a finite number")
+        elif value is not None:
+            metrics[name] = float(value)
+    if not bad and not math.isfinite(trace.reward):
+        bad.append(f"the total reward is {trace.reward!r}, not a finite number")
+    return metrics, list(dict.fromkeys(bad))  # a NaN recorded for a non-number is named once
+
+
 def trace_to_rollout(
     trace,
     *,
@@ -85,7 +117,10 @@ def trace_to_rollout(
     """A rollout from one finished trace: tokens per turn, reward, metrics, error, truncation.
 
     A trace that errored (reward function raised, harness failed, time limit) keeps its tokens
-    for inspection but carries `error`, so filters drop it before training.
+    for inspection but carries `error`, so filters drop it before training. So does one whose
+    environment scored it with something that is not a finite number (NaN, infinity, text,
+    None), with an error of type BadScore naming the environment, the score and the value:
+    that rollout never trains, whatever the filters say.
     """
     error = _error_text(trace.errors)
     if error is None and not trace.ok:
@@ -96,13 +131,9 @@ def trace_to_rollout(
         turns, error = [], str(e)
     if error is None and not turns:
         error = "no sampled tokens in the trace (no model call completed)"
-    metrics: dict[str, float] = {}
-    for name, reward in trace.rewards.items():
-        if reward is not None:
-            metrics[f"reward/{name}"] = float(reward.score)
-    for name, value in trace.metrics.items():
-        if value is not None:
-            metrics[name] = float(value)
+    metrics, bad = _scores(trace)
+    if bad:  # first: the filters drop such a rollout even when errored ones are kept
+        error = f"{BAD_SCORE}: environment {env!r}: " + "; ".join(bad) + (f"; {error}" if error else "")
     truncated = (
         trace.is_timeout
         or trace.stop_condition in LIMITS

@@ -4,6 +4,7 @@ checkpoints and resuming, weight publishing, metrics, and the step itself.
     session = Session(cfg, job="rl")
     for step in range(session.start_step, max_steps):
         stats = session.train_step(micro_batches, loss_fn)   # forward/backward, clip, AdamW
+                                                             # (none if the loss/grad is not finite)
         ready = session.publish(step)                        # weights/step_N (rank 0 gets PolicyReady)
         session.maybe_checkpoint(step, data_state)
         session.log(step, stats)
@@ -12,6 +13,7 @@ checkpoints and resuming, weight publishing, metrics, and the step itself.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,6 +96,8 @@ class Session:
         self.model_folder = loaded.folder
         self.metrics = MetricsLogger(self.run_dir, cfg.wandb, msgspec.to_builtins(cfg), d.is_main, job=job)
         self.peak = peak_flops(d.device)
+        self.steps_skipped = 0
+        """Steps of this process whose loss or gradient norm was not finite (no optimizer step)."""
 
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float | None]:
         """Forward/backward over this rank's micro-batches, clip, AdamW, schedule."""
@@ -111,23 +115,35 @@ class Session:
             sums.append({"loss": loss.detach(), **m})
         t1 = time.monotonic()
         grad_norm = clip_grad_norm(self.model, self.tcfg.optimizer.max_grad_norm)
-        lr = self.sched.get_last_lr()[0]
-        self.opt.step()
-        self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
-        t2 = time.monotonic()
         keys = sorted(sums[0])
         # Summed on the device, copied to the host once (not one sync per metric and micro-batch).
         local = torch.stack([sum(s[k] for s in sums).float() for k in keys]).tolist()
         local += [float(sum(mb.num_tokens for mb in micro_batches)), float(sum(train_flops(self.args, mb.seq_lens) for mb in micro_batches))]
-        *totals, tokens, flops = all_reduce_sum(local, d)
+        *totals, tokens, flops = all_reduce_sum(local, d)  # every rank sees the same sums
         total = dict(zip(keys, totals))
         loss_value = total.pop("loss")
+        lr = self.sched.get_last_lr()[0]
+        # The grad norm is global (every rank's shards) and the loss summed over ranks, so every
+        # rank takes the same decision. A non-finite one would put NaN into the weights (and
+        # AdamW's moments, for good): no optimizer step, no schedule step, nothing learnt.
+        skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
+        if skipped:
+            self.steps_skipped += 1
+            log.error("step skipped: the %s is not finite (loss %s, grad norm %s); the weights are unchanged "
+                      "(%d steps skipped so far)", "loss" if not math.isfinite(loss_value) else "gradient norm",
+                      loss_value, grad_norm, self.steps_skipped)
+        else:
+            self.opt.step()
+            self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        t2 = time.monotonic()
         return {
             "loss": loss_value,
             **mean_metrics([total]),
             "grad_norm": grad_norm,
             "lr": lr,
+            "step_skipped": float(skipped),
+            "steps_skipped": float(self.steps_skipped),
             "tokens_per_s": tokens / max(t2 - t0, 1e-9),
             "mfu": flops / max(t2 - t0, 1e-9) / (self.peak * d.world_size) if self.peak else None,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else None,
@@ -135,9 +151,15 @@ class Session:
             "time_optimizer": t2 - t1,
         }
 
-    def publish(self, step: int) -> tuple[PolicyReady | None, float]:
+    def publish(self, step: int, unchanged: bool = False) -> tuple[PolicyReady | None, float]:
+        """Publish the weights after `step`. `unchanged` (the step was skipped): nothing new is
+        written; the last folder is announced again as `step`'s, so the orchestrator and the
+        servers move on to the next policy version without new weights."""
         t0 = time.monotonic()
-        ready = self.publisher.publish(self.model, step)
+        if unchanged and self.publisher.published:
+            ready = self.publisher.announce_again(step)
+        else:
+            ready = self.publisher.publish(self.model, step)
         return ready, time.monotonic() - t0
 
     def maybe_checkpoint(self, step: int, data_state: dict, final: bool = False) -> bool:

@@ -44,6 +44,10 @@ class FolderPublisher:
         self.root = Path(run_dir) / "weights"
         self.source, self.hf_config, self.keep, self.dtype, self.d = source, hf_config, keep, dtype, d
         self.last_timing: dict[str, float] = {}
+        self.last: PolicyReady | None = None
+        """The last weights this publisher wrote (on rank 0; None on the others)."""
+        self.published = False
+        """Whether any weights were published yet (the same on every rank)."""
         if d.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
 
@@ -61,6 +65,7 @@ class FolderPublisher:
     def publish(self, model: torch.nn.Module, step: int) -> PolicyReady | None:
         t0 = time.monotonic()
         state = self.gather(model)  # every rank takes part
+        self.published = True
         if not self.d.is_main:
             return None
         t1 = time.monotonic()
@@ -79,7 +84,14 @@ class FolderPublisher:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         self._prune()
-        return PolicyReady(step=step, location=str(final.resolve()), checksum=digest)
+        self.last = PolicyReady(step=step, location=str(final.resolve()), checksum=digest)
+        return self.last
+
+    def announce_again(self, step: int) -> PolicyReady | None:
+        """The last published weights, announced as those of `step` (which changed nothing)."""
+        if not self.d.is_main or self.last is None:
+            return None
+        return PolicyReady(step=step, location=self.last.location, checksum=self.last.checksum)
 
     def _prune(self) -> None:
         steps = sorted(int(p.name.removeprefix("step_")) for p in self.root.glob("step_*") if p.name[5:].isdigit())

@@ -55,10 +55,9 @@ def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_r
             return f"micro-batch {i} has {mb.num_tokens} tokens, more than a row's {max_row_tokens}"
         bad = (mb.input_ids < 0) | (mb.input_ids >= vocab_size)
         if bad.any():
-            t = int(np.argmax(bad))
-            seq = int(np.searchsorted(np.cumsum(mb.seq_lens), t, side="right"))
+            t = _first_bad(bad)
             return (
-                f"micro-batch {i}, sample {int(mb.sample_ids[seq])}: token id {int(mb.input_ids[t])} "
+                f"micro-batch {i}, sample {_sample_at(mb, t)}: token id {int(mb.input_ids[t])} "
                 f"is outside the vocabulary [0, {vocab_size})"
             )
         starts = mb.cu_seqlens()[:-1]
@@ -66,9 +65,25 @@ def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_r
         if len(trained_start):
             seq = int(trained_start[0])
             return f"micro-batch {i}, sample {int(mb.sample_ids[seq])}: its first token is marked for training but has no context"
-        if not np.all(mb.temperatures > 0):
-            return f"micro-batch {i}: temperatures must be positive"
+        # Non-finite numbers here would reach the weights through the loss (NaN > 0 is False).
+        for name, bad in (("temperatures", ~(mb.temperatures > 0) | ~np.isfinite(mb.temperatures)),
+                          ("advantages", ~np.isfinite(mb.advantages)),
+                          ("inference_logprobs", ~np.isfinite(mb.inference_logprobs))):
+            if bad.any():
+                t = _first_bad(bad)
+                what = "a positive finite number" if name == "temperatures" else "a finite number"
+                return (f"micro-batch {i}, sample {_sample_at(mb, t)}: {name} holds {getattr(mb, name)[t]} "
+                        f"at token {t}, not {what}")
     return None
+
+
+def _first_bad(bad: np.ndarray) -> int:
+    return int(np.argmax(bad))
+
+
+def _sample_at(mb: MicroBatch, t: int) -> int:
+    """The sample id of the row's token `t`."""
+    return int(mb.sample_ids[int(np.searchsorted(np.cumsum(mb.seq_lens), t, side="right"))])
 
 
 @dataclass
@@ -177,7 +192,7 @@ def train(cfg) -> None:
             batch = data.batch
             scale = LossScale(tokens=batch.num_loss_tokens, sequences=batch.num_sequences)
             stats = session.train_step(batch.micro_batches, rl_loss(cfg.trainer.loss, scale, d.device))
-            ready, publish_s = session.publish(step)
+            ready, publish_s = session.publish(step, unchanged=bool(stats["step_skipped"]))
             if ready is not None:
                 tell(policy, ready)
             checkpointed = session.maybe_checkpoint(step, {"next_step": step + 1, "orchestrator": batch.state})
