@@ -145,7 +145,8 @@ def test_code_hidden_tests(server):
     assert wrong.reward == 0.0
     escape = "import os\nsecret = open('/etc/hostname').read()\n"
     (task, trace, bad), = episode(server, cfg, forced(escape))
-    assert bad.reward == 0.0 and "not allowed" in trace.info["sandbox"]["error"]
+    # /etc is not in the sandbox's file system at all
+    assert bad.reward == 0.0 and "FileNotFoundError" in trace.info["sandbox"]["error"]
     (task, trace, slow), = episode(server, EnvConfig(id="code", args={"num_tasks": 3, "task": {"time_limit_s": 1}}),
                                    forced("while 1:\n    pass\n"))
     assert slow.reward == 0.0 and trace.info["sandbox"]["error"]

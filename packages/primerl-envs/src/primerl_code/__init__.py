@@ -1,21 +1,28 @@
 """code: write a small Python function; hidden unit tests decide the reward.
 
-The reply's last ```python block (or the whole reply when it has none) is run with the task's
-hidden tests in primerl_code.sandbox (a child process with time, memory and file limits and an
-audit hook that keeps it inside its folder). Reward: the fraction of hidden tests passed;
-metric `all_passed`. A submission that errors, loops, exhausts memory or touches anything
-outside its sandbox passes nothing and scores 0.
+The reply's last ```python block (or the whole reply when it has none) runs in
+primerl_code.sandbox: a bubblewrap sandbox (no network, a read-only view of the interpreter
+only, one small scratch folder, no new processes, rlimits). A hidden test is data,
+`HiddenTest(fn, args, expected)`, with `expected` computed by a reference implementation; the
+sandbox only ever gets the function name and the args, and the parent compares the returned
+values. Reward: the fraction of hidden tests passed; metric `all_passed`. A submission that
+errors, loops or exhausts memory passes nothing and scores 0.
+
+Loading the taskset checks that the sandbox works here and raises SandboxUnavailable, saying
+how to install bubblewrap, when it does not (PRIMERL_SANDBOX=unsafe-no-namespaces switches the
+isolation off, with a warning each time).
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
 import verifiers.v1 as vf
-from primerl_code.sandbox import run_tests
+from primerl_code.sandbox import HiddenTest, SandboxUnavailable, require_sandbox, run_tests
 
-__all__ = ["CodeTaskset"]
+__all__ = ["CodeTaskset", "HiddenTest", "SandboxUnavailable"]
 
 # name, signature, description, reference implementation (for generating expected values)
 PROBLEMS = [
@@ -42,8 +49,8 @@ def extract_code(reply: str) -> str:
 
 
 class CodeData(vf.TaskData):
-    tests: list[str]
-    """Hidden tests: each a snippet of asserts run after the solution."""
+    tests: list[HiddenTest]
+    """Hidden tests: `fn(*args)` must return `expected` (JSON data, compared outside the sandbox)."""
 
 
 class CodeTaskConfig(vf.TaskConfig):
@@ -90,6 +97,7 @@ class CodeConfig(vf.TasksetConfig):
 
 class CodeTaskset(vf.Taskset[CodeTask, CodeConfig]):
     def load(self):
+        require_sandbox()
         cfg = self.config
         rng = random.Random(cfg.seed)
         for i in range(cfg.num_tasks):
@@ -97,6 +105,8 @@ class CodeTaskset(vf.Taskset[CodeTask, CodeConfig]):
             tests = []
             for _ in range(cfg.num_tests):
                 args = inputs(rng)
-                tests.append(f"assert {name}(*{args!r}) == {reference(*args)!r}")
+                # as JSON carries them, so a tuple and a list compare alike
+                expected = json.loads(json.dumps(reference(*args)))
+                tests.append(HiddenTest(name, json.loads(json.dumps(list(args))), expected))
             prompt = f"Write a Python function {signature} that {description}. Reply with the code in a ```python block."
             yield CodeTask(CodeData(id=f"code-{i}", prompt=prompt, tests=tests), cfg.task)

@@ -1,103 +1,69 @@
-"""Run untrusted Python against hidden tests in a child process with time, memory and file limits.
+"""Run untrusted Python against hidden tests, isolated by the operating system.
 
-The child is `python -I -S` (no site-packages, no PYTHON* variables) in a fresh temporary
-folder with an empty environment, in its own session, under rlimits (address space, CPU
-seconds, size of files it writes, open files) and a wall-clock limit after which its whole
-process group is killed. Before the submission runs, an audit hook refuses: opening any path
-outside the sandbox folder (the standard library may be read), listing or changing such
-folders, starting processes, sockets, loading native libraries (ctypes), and signalling other
-processes. The hidden tests arrive on stdin and are read before the submission runs, so it
-cannot read them; the result goes to a file outside the sandbox, written through a descriptor
-opened before the hook.
+A hidden test is data, `HiddenTest(fn, args, expected)`. `run_tests(code, tests)` starts the
+runner (primerl_code.runner) in a bubblewrap sandbox (primerl_code.isolation: namespaces, a
+read-only file system holding only the interpreter, no network, a seccomp filter that refuses
+new processes, rlimits) and sends it the submission and the calls `(fn, args)`, never the
+expected values; the runner reads the calls only after the submission has run, and writes one
+JSON line per call back on its stdout. The comparison
+happens here, in the parent, on plain JSON data, so:
 
-This is a guard against mistakes and casual escapes in a training loop (a model writing an
-infinite loop, deleting files, reading secrets), not a security boundary against a determined
-attacker: for that run the environment in verifiers' container runtimes.
+- an object whose `__eq__` always says True is not JSON and fails its test;
+- the child never says "passed": a line the submission forges can claim a return value, which
+  counts only when it equals the expected value the child never saw;
+- each test index counts at most once (its first well-formed line), out-of-range indices and
+  garbage are ignored, so `passed <= total` by construction;
+- at most OUTPUT_LIMIT bytes are read; past that, or past the time limit, the whole sandbox
+  (every process in its PID namespace) is killed, and the calls reported so far count.
+
+bubblewrap is required: without it the first use raises SandboxUnavailable, saying how to
+install it. PRIMERL_SANDBOX=unsafe-no-namespaces runs the runner as a plain child process
+(rlimits only, no isolation at all) and logs a warning each time; it is for trusted code only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
+import logging
+import math
 import os
-import resource
+import re
 import shutil
 import signal
-import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from typing import Any
 
-RESULT_MARKER = "__PRIMERL_SANDBOX_RESULT__"
+from primerl_code import isolation
+from primerl_code.isolation import SandboxUnavailable
 
-# The child: reads {"code", "tests"} from stdin, locks itself down, runs the code and each test.
-RUNNER = r'''
-import json, os, sys
-def main():
-    job = json.loads(sys.stdin.read())
-    out = os.fdopen(int(sys.argv[1]), "w")
-    run(job["code"], job["tests"], out)
+__all__ = ["HiddenTest", "SandboxResult", "SandboxUnavailable", "require_sandbox", "run_tests", "score"]
 
-box = os.path.realpath(os.getcwd())
-stdlib = [os.path.realpath(p) for p in {sys.base_prefix, sys.prefix, sys.exec_prefix} if p]
-DENY = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-        "os.forkpty", "pty.spawn", "socket.__new__", "socket.connect", "socket.bind",
-        "socket.getaddrinfo", "ctypes.dlopen", "ctypes.dlsym", "os.kill", "os.killpg",
-        "signal.pthread_kill", "os.putenv", "os.unsetenv", "os.chroot", "os.link", "os.symlink",
-        "sys._current_frames", "sys._current_exceptions", "gc.get_objects",
-        "gc.get_referrers", "gc.get_referents", "object.__getattr__"}
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-PATH_EVENTS = {"os.listdir", "os.scandir", "os.chdir", "os.remove", "os.rename", "os.rmdir",
-               "os.mkdir", "os.chmod", "os.chown", "os.truncate", "os.utime", "shutil.rmtree",
-               "shutil.copyfile", "shutil.move", "os.walk", "glob.glob", "os.startfile"}
-def inside(path, roots):
-    try:
-        p = os.path.realpath(os.fsdecode(path) if not isinstance(path, int) else ".")
-    except Exception:
-        return False
-    return any(p == r or p.startswith(r + os.sep) for r in roots)
-def hook(event, args):
-    if event in DENY:
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "open":
-        path, mode, flags = args[0], args[1], args[2] if len(args) > 2 else 0
-        if isinstance(path, int):
-            return
-        writes = any(c in str(mode or "") for c in "wax+") or bool((flags or 0) & WRITE_FLAGS)
-        if inside(path, [box]) or (not writes and inside(path, stdlib)):
-            return
-        raise PermissionError(f"sandbox: opening {path!r} is not allowed")
-    if event in PATH_EVENTS and args:
-        for path in args[:2]:
-            if isinstance(path, (str, bytes, os.PathLike)) and not inside(path, [box]):
-                raise PermissionError(f"sandbox: {event} on {path!r} is not allowed")
-import io
-class Capped(io.StringIO):
-    def write(self, s):
-        return super().write(s) if self.tell() < 65536 else len(s)
-def run(code, tests, out):
-    sys.stdout = sys.stderr = Capped()
-    compiled = [compile(t, "test", "exec") for t in tests]
-    del tests
-    sys.addaudithook(hook)
-    namespace = {"__name__": "solution", "__builtins__": __builtins__}
-    passed, error = 0, None
-    try:
-        exec(compile(code, "solution.py", "exec"), namespace)
-    except BaseException as e:
-        error = f"the solution failed to run: {type(e).__name__}: {e}"
-    else:
-        for test in compiled:
-            try:
-                exec(test, dict(namespace))
-                passed += 1
-            except BaseException:
-                pass
-    out.write("\n" + MARKER + json.dumps({"passed": passed, "total": len(compiled), "error": error}) + "\n")
-    out.flush()
-    os._exit(0)
-main()
-'''
+log = logging.getLogger(__name__)
+
+OUTPUT_LIMIT = 1 << 20
+"""Most bytes read from the child; past that it is killed (what came before still counts)."""
+NPROC_LIMIT = 32
+"""RLIMIT_NPROC inside (threads count too); process creation is refused by seccomp anyway."""
+RESULT_LINE = re.compile(rb'^\{"(?:i|error)": [^\n]*', re.MULTILINE)
+"""How the runner's lines start (see primerl_code.runner)."""
+UNSAFE = "unsafe-no-namespaces"
+"""PRIMERL_SANDBOX's value that runs submissions without isolation."""
+
+
+@dataclass(frozen=True)
+class HiddenTest:
+    """One hidden test: `fn(*args)` must equal `expected` (compared as JSON data)."""
+
+    fn: str
+    args: list[Any]
+    expected: Any
 
 
 @dataclass
@@ -105,81 +71,247 @@ class SandboxResult:
     passed: int
     total: int
     error: str | None = None
-    """Why the run ended without results (time or memory limit, crash), if it did."""
+    """Why the run ended without all results (the solution failed to run, time, memory or output
+    limit, crash), if it did."""
 
     @property
     def fraction(self) -> float:
         return self.passed / self.total if self.total else 0.0
 
 
-def _limits(memory_mb: int, cpu_s: int, file_mb: int) -> None:
-    """preexec_fn: the child's resource limits (runs in the child before exec)."""
-    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb << 20, file_mb << 20))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+def sandbox_mode() -> str:
+    """"bwrap" (the default) or UNSAFE, from $PRIMERL_SANDBOX."""
+    mode = os.environ.get("PRIMERL_SANDBOX") or "bwrap"
+    if mode not in ("bwrap", UNSAFE):
+        raise ValueError(f"PRIMERL_SANDBOX={mode!r}: expected 'bwrap' (the default) or {UNSAFE!r}")
+    return mode
+
+
+def require_sandbox() -> None:
+    """Raise SandboxUnavailable unless the sandbox works here (or warn that it is switched off)."""
+    if sandbox_mode() == UNSAFE:
+        log.warning("PRIMERL_SANDBOX=%s: the code environment runs submissions WITHOUT isolation", UNSAFE)
+    else:
+        isolation.require(isolation.bwrap_path())
+
+
+@cache
+def _runner_source() -> str:
+    return Path(__file__).with_name("runner.py").read_text()
 
 
 async def run_tests(
     code: str,
-    tests: list[str],
+    tests: Sequence[HiddenTest],
     *,
     time_limit_s: float = 5.0,
     memory_mb: int = 512,
     file_mb: int = 4,
 ) -> SandboxResult:
-    """Run `code` then each hidden test (a snippet of asserts) in a sandboxed child."""
-    outside = Path(tempfile.mkdtemp(prefix="primerl-sandbox-"))
-    box = outside / "box"
-    box.mkdir()
-    result_path = outside / "result"
-    runner = RUNNER.replace("MARKER", repr(RESULT_MARKER))
-    proc = None
+    """Run `code`, then call each test's function on its args, in the sandbox; count the passes.
+
+    `time_limit_s` bounds wall-clock time (plus 1 s for start-up) and CPU seconds, `memory_mb`
+    the address space, `file_mb` each file written and the whole scratch folder.
+    """
+    if not all(isinstance(t, HiddenTest) for t in tests):
+        raise TypeError("run_tests takes HiddenTest(fn, args, expected) tests (since issue 16, not assert snippets)")
+    mode = sandbox_mode()
+    if mode == UNSAFE:
+        log.warning("PRIMERL_SANDBOX=%s: running a submission WITHOUT isolation", UNSAFE)
+    else:
+        await asyncio.to_thread(isolation.require, isolation.bwrap_path())
+    limits = [memory_mb << 20, max(1, math.ceil(time_limit_s)), file_mb << 20, NPROC_LIMIT]
+    command = [isolation.interpreter()[0], "-I", "-S", "-B", "-c", _runner_source(), *map(str, limits)]
+    job = (json.dumps(code) + "\n" + json.dumps([[t.fn, list(t.args)] for t in tests]) + "\n").encode()
+    start = _start_unsafe if mode == UNSAFE else _start_bwrap
+    proc, kill, cleanup = await start(command, file_mb)
     try:
-        with open(result_path, "wb") as result_file:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", "-c", runner, str(result_file.fileno()),
-                cwd=box,
-                env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"},
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL,
-                pass_fds=(result_file.fileno(),),
-                start_new_session=True,
-                preexec_fn=lambda: _limits(memory_mb, max(1, int(time_limit_s + 0.999)), file_mb),
-            )
-        job = json.dumps({"code": code, "tests": tests}).encode()
-        try:
-            await asyncio.wait_for(proc.communicate(job), timeout=time_limit_s + 1.0)
-        except TimeoutError:
-            _kill_group(proc.pid)
-            await proc.wait()
-            return SandboxResult(0, len(tests), f"time limit ({time_limit_s:g} s) exceeded")
-        _kill_group(proc.pid)  # anything the solution left behind in its session
-        text = result_path.read_text(errors="replace")
-        marker = text.rfind(RESULT_MARKER)
-        if marker < 0:
-            return SandboxResult(0, len(tests), f"the sandbox ended without a result: {_how(proc.returncode)}")
-        data = json.loads(text[marker + len(RESULT_MARKER):].splitlines()[0])
-        error = data.get("error")
-        return SandboxResult(int(data["passed"]), int(data["total"]), error)
+        output, limit = await _exchange(proc, job, time_limit_s)
+        if limit is not None:
+            await kill()
+        await proc.wait()
     finally:
-        if proc is not None and proc.returncode is None:
-            _kill_group(proc.pid)
-        shutil.rmtree(outside, ignore_errors=True)
+        if proc.returncode is None:
+            await kill()
+        cleanup()
+        proc.stdin.close()
+    passed, answered, error = score(output, tests)
+    if limit is not None:
+        error = limit
+    elif error is None and answered < len(tests):
+        ended = "without a result" if answered == 0 else f"after {answered} of {len(tests)} results"
+        error = f"the sandbox ended {ended}: {_how(proc.returncode, mode)}{_bwrap_said(output)}"
+    return SandboxResult(passed, len(tests), error)
 
 
-def _how(returncode: int | None) -> str:
-    if returncode is None or returncode >= 0:
-        return f"exit code {returncode}"
-    sig = -returncode
-    known = {signal.SIGXCPU: "CPU time limit", signal.SIGXFSZ: "file size limit", signal.SIGKILL: "killed"}
-    return f"{known.get(sig, signal.Signals(sig).name)} (signal {sig})"
+def score(output: bytes, tests: Sequence[HiddenTest]) -> tuple[int, int, str | None]:
+    """(tests passed, tests answered, the solution's error) from the child's output lines.
+
+    Each index in range counts at most once, by its first well-formed line; anything else
+    (garbage, duplicates, out-of-range or non-integer indices) is ignored. Only lines that start
+    as the runner's do are parsed, and at most 2 * len(tests) + 64 of them, so that a megabyte of
+    junk costs milliseconds of this (event-loop) thread: the runner writes len(tests) + 1 at most,
+    and the submission's own prints never reach this stream, so the bound only costs a
+    submission that writes junk to the result channel on purpose.
+    """
+    expected = [json.loads(json.dumps(t.expected)) for t in tests]  # as the values travel: a tuple is a list
+    seen: set[int] = set()
+    passed, error = 0, None
+    candidates = (m.group() for m in RESULT_LINE.finditer(output))
+    for line in itertools.islice(candidates, 2 * len(tests) + 64):
+        if len(seen) == len(tests):
+            break
+        try:
+            msg = json.loads(line)
+        except (ValueError, RecursionError):  # RecursionError: a forged line nested too deep
+            continue
+        if not isinstance(msg, dict):
+            continue
+        i = msg.get("i")
+        if i is None and error is None and isinstance(msg.get("error"), str):
+            error = msg["error"][:500]
+        if type(i) is not int or not 0 <= i < len(tests) or i in seen:
+            continue
+        seen.add(i)
+        try:
+            passed += "v" in msg and msg["v"] == expected[i]
+        except RecursionError:
+            pass
+    return passed, len(seen), error
 
 
-def _kill_group(pid: int) -> None:
+async def _exchange(proc: asyncio.subprocess.Process, job: bytes, time_limit_s: float) -> tuple[bytes, str | None]:
+    """Send `job`, read stdout until EOF: (the output, which limit ended it early or None).
+
+    The wall-clock limit is `time_limit_s` plus 1 s for the sandbox's start-up.
+    """
+
+    async def send() -> None:
+        try:
+            proc.stdin.write(job)
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the child ended (or closed stdin) before reading it all
+
+    chunks: list[bytes] = []
+
+    async def receive() -> str | None:
+        size = 0
+        while chunk := await proc.stdout.read(65536):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > OUTPUT_LIMIT:
+                return f"output limit ({OUTPUT_LIMIT >> 20} MiB) exceeded"
+        return None
+
+    sender = asyncio.ensure_future(send())
     try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+        limit = await asyncio.wait_for(receive(), timeout=time_limit_s + 1.0)
+    except TimeoutError:
+        limit = f"time limit ({time_limit_s:g} s) exceeded"
+    finally:
+        sender.cancel()
+    return b"".join(chunks)[:OUTPUT_LIMIT], limit
+
+
+async def _start_bwrap(command: list[str], file_mb: int):
+    """The sandbox, and how to kill everything in it: its PID namespace's init, whose death
+    takes every process of the namespace with it (the kernel's, not a process group's doing)."""
+    bwrap = isolation.bwrap_path()
+    seccomp = isolation.seccomp_pipe()
+    info_read, info_write = os.pipe()
+    try:
+        argv = isolation.bwrap_argv(bwrap, command, seccomp_fd=seccomp, info_fd=info_write, scratch_mb=file_mb)
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env={}, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, pass_fds=(seccomp, info_write))
+    finally:
+        os.close(seccomp)
+        os.close(info_write)
+    try:
+        init = await asyncio.wait_for(asyncio.to_thread(_pidfd_of_init, info_read, proc.pid), timeout=30)
+    except TimeoutError:
+        init = None  # bwrap hangs before starting its child; killing bwrap ends the read
+
+    async def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if init is not None:
+                signal.pidfd_send_signal(init, signal.SIGKILL)  # bwrap then reaps it and exits
+            else:
+                proc.kill()  # --die-with-parent takes the namespace with it
+        try:
+            await asyncio.wait_for(_finish(proc), timeout=10)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await _finish(proc)
+
+    def cleanup() -> None:
+        if init is not None:
+            os.close(init)
+
+    return proc, kill, cleanup
+
+
+def _pidfd_of_init(info_read: int, bwrap_pid: int) -> int | None:
+    """A pidfd of the sandbox's init, from bwrap's --info-fd (bwrap's own, which the child
+    never holds); None if bwrap ended without writing it or the child is gone already."""
+    with os.fdopen(info_read, "rb") as info:
+        data = info.read(4096)
+    try:
+        pid = int(json.loads(data)["child-pid"])
+        pidfd = os.pidfd_open(pid)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+    try:  # still bwrap's child, so `pid` was not reused before pidfd_open
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        ppid = None
+    if ppid != bwrap_pid:
+        os.close(pidfd)
+        return None
+    return pidfd
+
+
+async def _start_unsafe(command: list[str], file_mb: int):
+    """The runner as a plain child in a temporary folder: rlimits, nothing else."""
+    folder = tempfile.mkdtemp(prefix="primerl-unsafe-sandbox-")
+    proc = await asyncio.create_subprocess_exec(
+        *command, cwd=folder, env={}, start_new_session=True,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+
+    async def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await _finish(proc)
+
+    return proc, kill, lambda: shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _finish(proc: asyncio.subprocess.Process) -> None:
+    """Wait for a killed child: read its stdout to EOF (what the dead wrote is at most a pipe's
+    worth), without which asyncio's wait() never returns once reading has stopped."""
+    while await proc.stdout.read(1 << 16):
         pass
+    await proc.wait()
+
+
+def _how(returncode: int | None, mode: str) -> str:
+    """A child's exit status in words; bwrap exits with 128 + N when its child died of signal N."""
+    sig = -returncode if returncode is not None and returncode < 0 else None
+    if mode != UNSAFE and returncode is not None and returncode > 128:
+        sig = returncode - 128
+    if sig is None:
+        return f"exit code {returncode}"
+    known = {signal.SIGXCPU: "CPU time limit", signal.SIGXFSZ: "file size limit", signal.SIGKILL: "killed"}
+    try:
+        name = known.get(sig, signal.Signals(sig).name)
+    except ValueError:
+        name = "signal"
+    return f"{name} (signal {sig})"
+
+
+def _bwrap_said(output: bytes) -> str:
+    lines = [line for line in output.decode(errors="replace").splitlines() if line.startswith("bwrap:")]
+    return f"; {lines[0][:300]}" if lines else ""
