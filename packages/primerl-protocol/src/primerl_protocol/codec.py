@@ -14,7 +14,8 @@ Decoding checks, before anything reaches the caller: the header is msgpack, its 
 this socket accepts, its `version` is ours, every field has the right type (no unknown ones),
 every array reference lies inside the payload frame, no two overlap, and no frame is left
 over. Any failure raises ProtocolError naming the socket, the message type and
-the field. Decoded arrays are read-only views on the received frames (no copy).
+the field; nothing else escapes (a header nested too deep for msgspec's recursion is one too,
+tested by tests/test_codec_fuzz.py). Decoded arrays are read-only views on the received frames (no copy).
 """
 
 from __future__ import annotations
@@ -162,6 +163,8 @@ class Decoder:
             peek = self._peek.decode(header)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
             raise ProtocolError(self.channel, None, None, f"header is not a valid message ({err})") from None
+        except RecursionError:  # msgspec walks even fields it skips; a few KB can nest thousands deep
+            raise ProtocolError(self.channel, None, None, "header nests too deep to decode") from None
         name = peek.type
         if name not in self.accepted:
             raise ProtocolError(
@@ -189,6 +192,8 @@ class Decoder:
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
             field, detail = split_validation_error(err)
             raise ProtocolError(self.channel, name, field or None, detail) from None
+        except RecursionError:
+            raise ProtocolError(self.channel, name, None, "header nests too deep to decode") from None
         finally:
             self._payload, spans, self._spans = None, self._spans, []
         if overlap:
