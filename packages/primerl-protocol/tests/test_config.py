@@ -136,6 +136,13 @@ def test_invalid_toml_names_file_and_line(tmp_path):
         load_config(Root, ["@", str(bad)])
 
 
+def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path):
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('[model]\nname = "caf\u00e9"\n'.encode("latin-1"))  # e-acute: byte 19 (8 + 11), 0xe9
+    with pytest.raises(ConfigError, match=r"latin1.toml: not UTF-8 text .*byte 19 is b'\\xe9'"):
+        load_config(Root, ["@", str(latin1)])
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -83,14 +83,16 @@ def _error_text(errors: Iterable) -> str | None:
     return text if len(text) <= 2000 else text[:2000] + "..."
 
 
-def _scores(trace) -> tuple[dict[str, float], list[str]]:
+def _scores(trace, errored: bool) -> tuple[dict[str, float], list[str]]:
     """(the trace's named rewards and metrics that are finite numbers, what was wrong with the
-    others). Environments are not trusted to return numbers: see compat.install."""
+    others). Environments are not trusted to return numbers: see compat.install. A reward left
+    unscored is only wrong in a trace without errors (an error stops scoring midway)."""
     metrics: dict[str, float] = {}
     bad = list(trace.info.get(BAD_SCORES) or []) if isinstance(trace.info, dict) else []
     for name, reward in trace.rewards.items():
         if reward is None:
-            bad.append(f"reward {name!r} was never scored")
+            if not errored:
+                bad.append(f"reward {name!r} was never scored")
         elif not (math.isfinite(reward.score) and math.isfinite(reward.value)):
             bad.append(f"reward {name!r} is {reward.score!r} (weight {reward.weight!r}), not a finite number")
         else:
@@ -131,7 +133,7 @@ def trace_to_rollout(
         turns, error = [], str(e)
     if error is None and not turns:
         error = "no sampled tokens in the trace (no model call completed)"
-    metrics, bad = _scores(trace)
+    metrics, bad = _scores(trace, errored=error is not None)
     if bad:  # first: the filters drop such a rollout even when errored ones are kept
         error = f"{BAD_SCORE}: environment {env!r}: " + "; ".join(bad) + (f"; {error}" if error else "")
     truncated = (

@@ -25,6 +25,7 @@ produced by exactly one policy, and each response carries it in the header
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -160,7 +161,8 @@ class AdminMiddleware:
         if not self.token:
             return False
         headers = dict(scope.get("headers", []))
-        return headers.get(b"authorization", b"") == f"Bearer {self.token}".encode()
+        # In constant time: a byte-by-byte comparison tells a timing attacker how much was right.
+        return hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.token}".encode())
 
     async def _admin(self, scope, receive, send) -> None:
         if not self._authorised(scope):

@@ -99,8 +99,12 @@ class Session:
         self.steps_skipped = 0
         """Steps of this process whose loss or gradient norm was not finite (no optimizer step)."""
 
-    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float | None]:
-        """Forward/backward over this rank's micro-batches, clip, AdamW, schedule."""
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, empty: bool = False) -> dict[str, float | None]:
+        """Forward/backward over this rank's micro-batches, clip, AdamW, schedule.
+
+        `empty` (the same on every rank): the step has no token to learn from (the filters left
+        nothing), so it takes no optimizer step: AdamW's weight decay and momentum would move
+        the weights on zero gradients."""
         d = self.d
         t0 = time.monotonic()
         if d.device.type == "cuda":
@@ -132,6 +136,8 @@ class Session:
             log.error("step skipped: the %s is not finite (loss %s, grad norm %s); the weights are unchanged "
                       "(%d steps skipped so far)", "loss" if not math.isfinite(loss_value) else "gradient norm",
                       loss_value, grad_norm, self.steps_skipped)
+        elif empty:
+            log.info("nothing to train on this step (no loss tokens): no optimizer step, the weights are unchanged")
         else:
             self.opt.step()
             self.sched.step()
@@ -143,6 +149,7 @@ class Session:
             "grad_norm": grad_norm,
             "lr": lr,
             "step_skipped": float(skipped),
+            "step_empty": float(empty),
             "steps_skipped": float(self.steps_skipped),
             "tokens_per_s": tokens / max(t2 - t0, 1e-9),
             "mfu": flops / max(t2 - t0, 1e-9) / (self.peak * d.world_size) if self.peak else None,

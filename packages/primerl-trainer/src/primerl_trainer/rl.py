@@ -191,8 +191,9 @@ def train(cfg) -> None:
                 break
             batch = data.batch
             scale = LossScale(tokens=batch.num_loss_tokens, sequences=batch.num_sequences)
-            stats = session.train_step(batch.micro_batches, rl_loss(cfg.trainer.loss, scale, d.device))
-            ready, publish_s = session.publish(step, unchanged=bool(stats["step_skipped"]))
+            stats = session.train_step(batch.micro_batches, rl_loss(cfg.trainer.loss, scale, d.device),
+                                       empty=batch.num_loss_tokens == 0)
+            ready, publish_s = session.publish(step, unchanged=bool(stats["step_skipped"] or stats["step_empty"]))
             if ready is not None:
                 tell(policy, ready)
             checkpointed = session.maybe_checkpoint(step, {"next_step": step + 1, "orchestrator": batch.state})

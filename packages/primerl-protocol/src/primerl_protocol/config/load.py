@@ -101,6 +101,10 @@ def read_toml(path: Path) -> dict:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (TOML files are UTF-8): byte {err.start} is {err.object[err.start:err.start + 1]!r}") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot be read: {err.strerror}") from None
 
 
 def _leaves(tree: dict, prefix: tuple[str, ...] = ()) -> typing.Iterator[tuple[tuple[str, ...], typing.Any]]:
