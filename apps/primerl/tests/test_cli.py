@@ -97,6 +97,19 @@ def test_config_error_exits_2_naming_the_key(config):
     assert "did you mean `trainer.optimizer.weight_decay`?" in result.output
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["seq_len=1024", "trainer.micro_batch_tokens=512"],
+     "trainer.micro_batch_tokens = 512 is below seq_len = 1024: the orchestrator packs rows"),
+    (["orchestrator.max_async_level=3"],
+     "trainer.weights.keep = 3 with orchestrator.max_async_level = 3: .* set trainer.weights.keep >= 4"),
+    (["orchestrator.sampling.temperature=0"], "temperature 0 \\(greedy\\) cannot train"),
+])
+def test_values_trainer_and_orchestrator_must_agree_on_are_checked_at_load(config, overrides, message):
+    result = CliRunner().invoke(main, ["rl", "@", str(config), *overrides, "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert re.search(message, result.output), result.output
+
+
 def test_console_scripts_are_installed():
     bindir = Path(sys.executable).parent
     for script in ["primerl", "primerl-orch", "primerl-trainer", "primerl-inference"]:

@@ -96,6 +96,23 @@ class RLConfig(SharedConfig):
     slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
     """The sbatch job of `primerl rl --slurm`."""
 
+    def __post_init__(self) -> None:
+        """Values the trainer and the orchestrator must agree on, checked before anything starts
+        (otherwise the trainer refuses batches the orchestrator never sends again)."""
+        rows = self.trainer.micro_batch_tokens
+        if rows is not None and rows < self.seq_len:
+            raise ValueError(
+                f"trainer.micro_batch_tokens = {rows} is below seq_len = {self.seq_len}: the orchestrator packs "
+                f"rows of up to seq_len tokens and the trainer would refuse every full one; leave it unset or >= seq_len"
+            )
+        k, keep = self.orchestrator.max_async_level, self.trainer.weights.keep
+        if keep <= k:
+            raise ValueError(
+                f"trainer.weights.keep = {keep} with orchestrator.max_async_level = {k}: the trainer may publish "
+                f"{k} steps past the policy the servers are loading, so a kept window of {keep} can remove the folder "
+                f"they still need; set trainer.weights.keep >= {k + 1}"
+            )
+
 
 class SFTConfig(SharedConfig, kw_only=True):
     """`primerl sft`: supervised fine-tuning."""

@@ -270,7 +270,7 @@ def validate(root: type, data: dict, provenance: Provenance | None = None) -> ty
         got = _lookup(data, path)
         detail = detail.replace("`", "")
         detail = detail[0].lower() + detail[1:] if detail else detail
-        shown = f" (value {got!r} from {_source(provenance, path)})" if got is not _MISSING else ""
+        shown = f" (value {got!r} from {_source(provenance, path)})" if got is not _MISSING and path else ""
         raise ConfigError(f"config key `{path or '<root>'}`: {detail}{shown}") from None
 
 
