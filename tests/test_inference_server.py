@@ -230,5 +230,10 @@ def test_untied_model_and_lora_adapter(models, tmp_path_factory):
         assert got[0] == want[0] and max(abs(a - b) for a, b in zip(got[1], want[1])) <= 1e-3
         assert complete(url, name)[0] == reference(models["untied1"])[0]  # the base model is unchanged
         assert request(url, "/admin/lora/unload", {"name": "ad"}, token=TOKEN)[0] == 200
+        # vLLM's own LoRA routes are on with enable_lora; without the token they refuse
+        lora = {"lora_name": "evil", "lora_path": str(run / "adapter")}
+        assert request(url, "/v1/load_lora_adapter", lora)[0] == 401
+        assert request(url, "/v1/load_lora_adapter", lora, token="wrong")[0] == 401
+        assert request(url, "/v1/unload_lora_adapter", {"lora_name": "ad"})[0] == 401
     finally:
         servers.stop()

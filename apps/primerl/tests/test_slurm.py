@@ -60,6 +60,8 @@ def test_a_two_node_gpu_rl_job_is_laid_out_from_the_config(tmp_path):
     inference = (configs / "inference.toml").read_text()
     token = re.search(r'admin_token = "(\w+)"', inference).group(1)
     assert f'admin_token = "{token}"' in (configs / "orchestrator.toml").read_text()  # one token for the job
+    for config in configs.glob("*.toml"):  # the token is readable by the run's owner only
+        assert config.stat().st_mode & 0o777 == 0o600, config
     assert "trainer_ranks = 16" in (configs / "trainer.toml").read_text()
     assert "module load cuda/12.8" in (tmp_path / "run" / "slurm" / "setup.sh").read_text()
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import msgspec
 from primerl_inference.launcher import LaunchError, launch, resolve_device
-from primerl_protocol.config import to_toml
+from primerl_protocol.config import to_toml, write_private
 
 from primerl.configs import OrchRunConfig, RLConfig, TrainerRunConfig
 
@@ -172,7 +172,7 @@ def run_rl(cfg: RLConfig) -> None:
     inference = msgspec.structs.replace(cfg.inference, admin_token=token, device=device,
                                         gpus=inference_gpus or cfg.inference.gpus)
     cfg = msgspec.structs.replace(cfg, inference=inference)
-    (run_dir / "configs" / "rl.toml").write_text(to_toml(cfg))
+    write_private(run_dir / "configs" / "rl.toml", to_toml(cfg))
 
     procs: list[Proc] = []
     servers = None
@@ -185,7 +185,7 @@ def run_rl(cfg: RLConfig) -> None:
         procs += [Proc(f"inference-{i}", p, log) for i, (p, log) in enumerate(zip(servers.procs, servers.logs))]
 
         trainer_cfg = run_dir / "configs" / "trainer.toml"
-        trainer_cfg.write_text(to_toml(cfg.project(TrainerRunConfig)))
+        write_private(trainer_cfg, to_toml(cfg.project(TrainerRunConfig)))
         trainer_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
         if trainer_gpus:
             trainer_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, trainer_gpus))
@@ -199,7 +199,7 @@ def run_rl(cfg: RLConfig) -> None:
         orch = msgspec.structs.replace(cfg.project(OrchRunConfig),
                                        inference=msgspec.structs.replace(cfg.inference, urls=servers.urls))
         orch_cfg = run_dir / "configs" / "orchestrator.toml"
-        orch_cfg.write_text(to_toml(orch))
+        write_private(orch_cfg, to_toml(orch))
         procs.append(_start("orchestrator", [sys.executable, "-m", "primerl.orch_entry", "@", str(orch_cfg)],
                             logs / "orchestrator.log", {"PYTHONUNBUFFERED": "1"}))
         print(f"trainer ({cfg.transport.trainer_ranks} rank(s)) and orchestrator started", flush=True)

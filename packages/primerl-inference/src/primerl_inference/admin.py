@@ -38,6 +38,8 @@ from primerl_protocol.weights import verify
 log = logging.getLogger("primerl.inference")
 
 STEP_HEADER = b"x-primerl-policy-step"
+VLLM_LORA_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+"""vLLM's routes that swap LoRA adapters (with inference.enable_lora): they need the admin token."""
 
 
 class AdminError(Exception):
@@ -140,6 +142,9 @@ class AdminMiddleware:
             self.gate, self.swap_lock = Gate(), asyncio.Lock()
         if scope["path"].startswith("/admin/"):
             return await self._admin(scope, receive, send)
+        if scope["path"].rstrip("/") in VLLM_LORA_ROUTES and not self._authorised(scope):
+            # vLLM's own, open to anyone when runtime LoRA updates are on: the admin token too
+            return await _respond(send, 401, {"error": "missing or wrong bearer token for the LoRA routes"})
         if scope["method"] != "POST":  # health, models, metrics: never gated
             return await self.app(scope, receive, send)
         await self.gate.enter()

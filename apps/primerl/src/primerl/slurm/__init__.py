@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import msgspec
-from primerl_protocol.config import to_toml
+from primerl_protocol.config import to_toml, write_private
 
 HERE = Path(__file__).resolve().parent
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -129,7 +129,7 @@ def _render(cfg, kind: str, roles: dict[str, type | None], values: dict[str, obj
     folder, common = _common(cfg, kind)
     configs = Path(cfg.run_dir).resolve() / "configs"
     for name, root in roles.items():
-        (configs / f"{name}.toml").write_text(to_toml(cfg if root is None else cfg.project(root)))
+        write_private(configs / f"{name}.toml", to_toml(cfg if root is None else cfg.project(root)))
     script = folder / f"{kind}.sbatch"
     script.write_text(fill((HERE / f"{kind}.sbatch").read_text(), common | values))
     return script

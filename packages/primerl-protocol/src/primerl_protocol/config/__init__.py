@@ -11,7 +11,7 @@ from primerl_protocol.config.base import (
     WandbConfig,
 )
 from primerl_protocol.config.docs import class_doc, field_docs, sections
-from primerl_protocol.config.dump import to_toml
+from primerl_protocol.config.dump import to_toml, write_private
 from primerl_protocol.config.load import (
     ConfigError,
     compose,
@@ -37,5 +37,6 @@ __all__ = [
     "sections",
     "split_args",
     "to_toml",
+    "write_private",
     "validate",
 ]
