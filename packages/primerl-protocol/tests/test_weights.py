@@ -40,3 +40,25 @@ def test_a_missing_file_and_a_wrong_expected_checksum(folder):
         verify(folder)
     with pytest.raises(ValueError, match="no such folder"):
         verify(folder / "nope")
+
+
+def test_durable_rename_syncs_every_file_before_the_rename(tmp_path, monkeypatch):
+    """What reaches the disk cannot be observed without a power cut, so this records the order
+    of fsyncs (of real descriptors) and the rename."""
+    import os
+
+    from primerl_protocol.checkpoints import durable_rename
+
+    tmp = tmp_path / ".step_3.tmp"
+    (tmp / "sub").mkdir(parents=True)
+    for name in ["a.safetensors", "primerl.json", "sub/rank0.pt"]:
+        (tmp / name).write_bytes(b"x" * 10)
+    events, fsync, rename = [], os.fsync, type(tmp).rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd)))
+    monkeypatch.setattr(type(tmp), "rename", lambda self, to: (events.append("rename"), rename(self, to))[1])
+    durable_rename(tmp, tmp_path / "step_3")
+    cut = events.index("rename")
+    synced = {os.path.relpath(p, tmp) for p in events[:cut]}
+    assert synced == {"a.safetensors", "primerl.json", "sub/rank0.pt", "sub", "."}
+    assert events[cut + 1:] == [str(tmp_path)]  # the parent, after the rename
+    assert (tmp_path / "step_3" / "sub" / "rank0.pt").read_bytes() == b"x" * 10

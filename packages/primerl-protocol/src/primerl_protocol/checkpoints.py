@@ -9,6 +9,7 @@ the same step. Only folders whose `meta.json` exists are complete.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 CHECKPOINTS = "checkpoints"
@@ -32,3 +33,25 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[Path, dict] | None:
         return path, json.loads((path / META).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"checkpoint {path} has an unreadable {META}: {err}") from None
+
+
+def durable_rename(tmp: str | Path, final: str | Path) -> None:
+    """Rename the finished folder `tmp` to `final` so that a crash (or a power cut) leaves
+    either the old state or all of the new: every file and folder inside is fsynced before the
+    rename, and the parent after it. Without it the rename can reach the disk before the
+    files' data, and `final` is "complete" with empty files in it."""
+    tmp, final = Path(tmp), Path(final)
+    for folder, _, files in os.walk(tmp):
+        for name in files:
+            _fsync(Path(folder) / name, os.O_RDONLY)
+        _fsync(Path(folder), os.O_RDONLY | os.O_DIRECTORY)
+    tmp.rename(final)
+    _fsync(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from primerl_protocol.checkpoints import CHECKPOINTS, checkpoint_dirs
+from primerl_protocol.checkpoints import CHECKPOINTS, checkpoint_dirs, durable_rename
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from primerl_trainer.distributed import Dist
@@ -63,7 +63,7 @@ class Checkpointer:
             meta = {"step": step, "world_size": self.d.world_size, "scheduler": scheduler.state_dict(), "data": data}
             (tmp / "meta.json").write_text(json.dumps(meta))
             shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
+            durable_rename(tmp, final)
             self._prune()
         self.d.barrier()
         return final

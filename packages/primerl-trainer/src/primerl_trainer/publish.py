@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 from primerl_models import save_hf
 from primerl_protocol import PolicyReady
+from primerl_protocol.checkpoints import durable_rename
 from primerl_protocol.weights import write_marker
 
 from primerl_trainer.distributed import Dist
@@ -82,7 +83,7 @@ class FolderPublisher:
         t3 = time.monotonic()
         self.last_timing = {"gather": t1 - t0, "write": t2 - t1, "checksum": t3 - t2}
         shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        durable_rename(tmp, final)
         self._prune()
         self.last = PolicyReady(step=step, location=str(final.resolve()), checksum=digest)
         return self.last
