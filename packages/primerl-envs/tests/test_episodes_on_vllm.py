@@ -14,6 +14,7 @@ import pytest
 from primerl_algos.config import FilterConfig
 from primerl_algos.filters import filter_rollouts
 from primerl_algos.merging import merge_turns
+from primerl_code import SOLUTIONS
 from primerl_envs.config import EnvConfig
 from primerl_envs.environment import Environment, model_context
 from primerl_envs.rollouts import trace_to_rollout
@@ -126,18 +127,9 @@ def test_tool_use_runs_tools_over_turns_and_is_cut_at_max_turns(server):
 
 def test_code_hidden_tests(server):
     cfg = EnvConfig(id="code", args={"num_tasks": 30, "seed": 1})
-    solutions = {
-        "add": "def add(a, b):\n    return a + b\n",
-        "maximum": "def maximum(xs):\n    return max(xs)\n",
-        "reverse": "def reverse(s):\n    return s[::-1]\n",
-        "count_vowels": "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s)\n",
-        "is_even": "def is_even(n):\n    return n % 2 == 0\n",
-        "total": "def total(xs):\n    return sum(xs)\n",
-    }
-
     def solve(task):
         name = re.search(r"function (\w+)\(", task.data.prompt_text).group(1)
-        return forced(solutions[name])
+        return forced(SOLUTIONS[name])
 
     (task, _, right), = episode(server, cfg, solve, max_tokens=200)
     assert right.reward == 1.0 and right.metrics["all_passed"] == 1.0

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from primerl_code import CodeConfig, CodeTaskset, extract_code
+from primerl_code import SOLUTIONS, CodeConfig, CodeTaskset, extract_code
 from primerl_code.sandbox import HiddenTest, run_tests
 
 TESTS = [HiddenTest("add", [2, 3], 5), HiddenTest("add", [-1, 1], 0), HiddenTest("add", [0, 0], 0)]
@@ -324,18 +324,10 @@ def test_the_network_is_unreachable():
 
 def test_the_taskset_makes_structured_tests_its_references_pass():
     tasks = list(CodeTaskset(CodeConfig(num_tasks=12, seed=3)))
-    solutions = {
-        "add": "def add(a, b):\n    return a + b\n",
-        "maximum": "def maximum(xs):\n    return max(xs)\n",
-        "reverse": "def reverse(s):\n    return s[::-1]\n",
-        "count_vowels": "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s)\n",
-        "is_even": "def is_even(n):\n    return n % 2 == 0\n",
-        "total": "def total(xs):\n    return sum(xs)\n",
-    }
     for task in tasks:
         tests = task.data.tests
         assert len(tests) == 4 and all(isinstance(t, HiddenTest) for t in tests)
-        assert run(solutions[tests[0].fn], tests).passed == 4
+        assert run(SOLUTIONS[tests[0].fn], tests).passed == 4
         assert run("def nothing():\n    pass\n", tests).passed == 0
 
 

@@ -39,6 +39,16 @@ PROBLEMS = [
      lambda r: ([r.randint(-20, 20) for _ in range(r.randint(0, 6))],)),
 ]
 
+SOLUTIONS = {
+    "add": "def add(a, b):\n    return a + b\n",
+    "maximum": "def maximum(xs):\n    return max(xs)\n",
+    "reverse": "def reverse(s):\n    return s[::-1]\n",
+    "count_vowels": "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s)\n",
+    "is_even": "def is_even(n):\n    return n % 2 == 0\n",
+    "total": "def total(xs):\n    return sum(xs)\n",
+}
+"""A correct submission for each problem, as a model would write it (tests and examples)."""
+
 CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 
 
