@@ -9,6 +9,10 @@ from primerl_algos.config import AdvantageConfig, FilterConfig
 from primerl_protocol.config import Config, NonNegative, Positive
 
 
+UNTRUNCATED = {"top_p": 1.0, "top_k": -1, "min_p": 0.0}
+"""The sampling truncations, each switched off (sent explicitly with every training request)."""
+
+
 class SamplingConfig(Config):
     """Sampling parameters of training rollouts.
 
@@ -39,8 +43,7 @@ class SamplingConfig(Config):
                 "(no advantage) and the trainer's logprobs at temperature 0 are undefined; use a "
                 "temperature > 0 (greedy evals are set by orchestrator.eval.temperature)"
             )
-        truncated = [f"{k} = {v}" for k, v, off in
-                     (("top_p", self.top_p, 1.0), ("top_k", self.top_k, -1), ("min_p", self.min_p, 0.0)) if v != off]
+        truncated = [f"{k} = {getattr(self, k)}" for k, off in UNTRUNCATED.items() if getattr(self, k) != off]
         if truncated:
             raise ValueError(
                 f"{', '.join(truncated)}: truncated sampling is not supported for RL: the servers would "
@@ -50,8 +53,8 @@ class SamplingConfig(Config):
             )
 
     def request(self) -> dict[str, float | int]:
-        """What every training request sends: the temperature and the neutral truncations."""
-        return {"temperature": self.temperature, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+        """What every training request sends: the temperature and the truncations, all off."""
+        return {"temperature": self.temperature, **UNTRUNCATED}
 
 
 class EvalSettings(Config):

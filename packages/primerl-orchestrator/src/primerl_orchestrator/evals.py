@@ -62,7 +62,7 @@ async def evaluate(
         async with limit:
             rollouts = await gen.play(
                 env, task, sample_id=task_index * k + i, group_id=task_index,
-                temperature=settings.temperature, max_tokens=max_tokens,
+                max_tokens=max_tokens, sampling={"temperature": settings.temperature},
             )
         r = rollouts[0]
         return (0.0 if r.error else r.reward), r.error is not None, r.num_completion_tokens

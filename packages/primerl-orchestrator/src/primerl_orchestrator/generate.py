@@ -44,21 +44,20 @@ class Generator:
         if key not in self._contexts:  # one per server and sampling: verifiers reuses its client
             extra = {k: v for k, v in sampling.items() if k != "temperature"}
             self._contexts[key] = model_context(
-                url, self.model, self.tokenizer, temperature=sampling.get("temperature", 1.0),
+                url, self.model, self.tokenizer, temperature=sampling["temperature"],
                 max_tokens=max_tokens, extra_sampling=extra,
             )
         return self._contexts[key]
 
     async def play(
-        self, env: Environment, task, *, sample_id: int, group_id: int, temperature: float, max_tokens: int,
-        sampling: dict | None = None,
+        self, env: Environment, task, *, sample_id: int, group_id: int, max_tokens: int, sampling: dict,
     ) -> list[Rollout]:
         """One episode of `task` as rollouts (never raises for what went wrong in the episode).
 
-        `sampling`: more request fields (training sends top_p / top_k / min_p explicitly, see
-        SamplingConfig.request); what it leaves out the server takes from the model's
+        `sampling`: the request's sampling fields, with at least `temperature` (training sends
+        SamplingConfig.request()); what it leaves out the server takes from the model's
         generation_config.json."""
-        sampling = {**(sampling or {}), "temperature": temperature}
+        temperature = sampling["temperature"]
         attempt = 0
         while True:
             async with self.pool.lease() as server:

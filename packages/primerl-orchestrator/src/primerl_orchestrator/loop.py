@@ -257,7 +257,7 @@ class Orchestrator:
         async def one(i: int):
             try:
                 return await self.gen.play(env, task, sample_id=(base + i) * AGENT_SLOTS, group_id=group.group_id,
-                                           temperature=s.temperature, max_tokens=s.max_tokens, sampling=s.request())
+                                           max_tokens=s.max_tokens, sampling=s.request())
             finally:
                 self.in_flight -= 1
                 await self._notify()
