@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from primerl.configs import EvalConfig, RLConfig, SFTConfig
+from primerl.configs import EvalConfig, OrchRunConfig, RLConfig, SFTConfig, TrainerRunConfig
 from primerl.slurm import SlurmError, fill, render_eval, render_rl, render_sft
 from primerl.testing import leftovers
 from primerl_models.tiny import build_tiny_model
@@ -63,6 +63,12 @@ def test_a_two_node_gpu_rl_job_is_laid_out_from_the_config(tmp_path):
     for config in configs.glob("*.toml"):  # the token is readable by the run's owner only
         assert config.stat().st_mode & 0o777 == 0o600, config
     assert "trainer_ranks = 16" in (configs / "trainer.toml").read_text()
+    # per-job CURVE keys: the same in the trainer's and the orchestrator's configs, new for each job
+    roles = {"rl": RLConfig, "trainer": TrainerRunConfig, "orchestrator": OrchRunConfig}
+    keys = [load_config(root, ["@", str(configs / f"{name}.toml")]).transport.sockets.curve for name, root in roles.items()]
+    assert keys[0] is not None and keys[0].server_secret and keys[0].client_secret and keys.count(keys[0]) == 3
+    render_rl(cfg)
+    assert load_config(RLConfig, ["@", str(configs / "rl.toml")]).transport.sockets.curve != keys[0]
     assert "module load cuda/12.8" in (tmp_path / "run" / "slurm" / "setup.sh").read_text()
 
 

@@ -171,7 +171,8 @@ def run_rl(cfg: RLConfig) -> None:
     token = cfg.inference.resolved_admin_token() or secrets.token_hex(16)
     inference = msgspec.structs.replace(cfg.inference, admin_token=token, device=device,
                                         gpus=inference_gpus or cfg.inference.gpus)
-    cfg = msgspec.structs.replace(cfg, inference=inference)
+    # per-run CURVE keys (unless configured): only this run's trainer and orchestrator can talk
+    cfg = msgspec.structs.replace(cfg, inference=inference, transport=cfg.transport.with_run_keys())
     write_private(run_dir / "configs" / "rl.toml", to_toml(cfg))
 
     procs: list[Proc] = []

@@ -1,5 +1,6 @@
 """primerl-protocol: the messages, transport and configs shared by every primerl process."""
 
+from primerl_protocol.auth import CurveKeys
 from primerl_protocol.codec import Decoder, Encoder, ProtocolError
 from primerl_protocol.messages import (
     PROTOCOL_VERSION,
@@ -26,6 +27,7 @@ __all__ = [
     "AsyncReceiver",
     "AsyncSender",
     "BatchMessage",
+    "CurveKeys",
     "Decoder",
     "Encoder",
     "Heartbeat",

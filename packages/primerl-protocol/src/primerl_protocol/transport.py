@@ -9,6 +9,12 @@ it (`num_rejected`, `last_rejection`) and goes on waiting for the next one.
     sender = Sender("tcp://127.0.0.1:5555", BatchMessage, channel="batches", bind=True)
     receiver = Receiver("tcp://127.0.0.1:5555", BatchMessage, channel="batches")
     sender.send(batch); batch = receiver.recv(timeout_s=60)
+
+With `settings.curve` (or $PRIMERL_TRANSPORT_KEYS) the sockets authenticate with CURVE: the
+binding side admits only the run's client key, and counts every peer it refuses
+(`num_refused_peers`, `last_refused_peer`); see primerl_protocol.auth. Without keys a socket
+runs unauthenticated on a loopback address (with one warning per process) and refuses to
+open on any other.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from primerl_protocol import auth
+from primerl_protocol.auth import CurveKeys
 from primerl_protocol.codec import Decoder, Encoder, ProtocolError, union_members
 
 log = logging.getLogger("primerl.protocol")
@@ -47,6 +55,16 @@ class SocketSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Kernel socket buffers (SO_SNDBUF/SO_RCVBUF); 0 keeps the OS default. Larger buffers
     roughly doubled loopback throughput of multi-MB batches (bench/transport.py); they hold
     data beyond the high-water marks, so the queue bound is hwm messages plus these bytes."""
+    curve: CurveKeys | None = None
+    """The run's CURVE keys (default: $PRIMERL_TRANSPORT_KEYS). `primerl rl` and `--slurm` make
+    them per run. Without keys the sockets are unauthenticated and open on loopback only."""
+
+    def resolved_curve(self) -> CurveKeys | None:
+        """`curve`, else the keys in $PRIMERL_TRANSPORT_KEYS, else None."""
+        return self.curve if self.curve is not None else CurveKeys.from_env()
+
+
+_warned_unauthenticated = False
 
 
 def _finite(timeout_s: float) -> float | None:
@@ -81,21 +99,59 @@ class _Endpoint:
         if settings.buffer_bytes:
             self.socket.setsockopt(zmq.SNDBUF, settings.buffer_bytes)
             self.socket.setsockopt(zmq.RCVBUF, settings.buffer_bytes)
+        self.refusals = auth.Refusals(f"'{channel}' ({endpoint})")
+        self._zap_domain: bytes | None = None
+        try:
+            self._secure(settings.resolved_curve(), bind)
+        except Exception:
+            self.socket.close(linger=0)
+            raise
         try:
             if bind:
                 self.socket.bind(endpoint)
             else:
                 self.socket.connect(endpoint)
         except zmq.ZMQError as err:
-            self.socket.close(linger=0)
+            self.close(linger_ms=0)
             verb = "bind" if bind else "connect"
             raise OSError(f"socket '{channel}': cannot {verb} {endpoint}: {err}") from err
+
+    def _secure(self, keys: CurveKeys | None, bind: bool) -> None:
+        global _warned_unauthenticated
+        if keys is None:
+            if not auth.endpoint_is_local(self.endpoint):
+                raise ValueError(
+                    f"socket '{self.channel}': refusing to open {self.endpoint} without authentication: it is not "
+                    f"a loopback address. Set transport.sockets.curve or ${auth.KEYS_ENV} "
+                    "(`CurveKeys.generate().to_toml()` makes keys; `primerl rl` makes them per run)"
+                )
+            if not _warned_unauthenticated:
+                _warned_unauthenticated = True
+                log.warning("transport sockets are unauthenticated (no transport.sockets.curve keys): any local "
+                            "process can talk to %s; `primerl rl` sets per-run keys", self.endpoint)
+        elif bind:
+            self._zap_domain = auth.secure_server(self.socket, keys, self.refusals)
+        else:
+            auth.secure_client(self.socket, keys, f"'{self.channel}'")
+
+    @property
+    def num_refused_peers(self) -> int:
+        """Peers this (binding, authenticated) socket refused: no CURVE, a wrong key, not ZMTP."""
+        return self.refusals.count
+
+    @property
+    def last_refused_peer(self) -> str | None:
+        """Why the last refused peer was refused (its address and key, when it offered one)."""
+        return self.refusals.last
 
     @staticmethod
     def _default_context() -> zmq.Context:
         return zmq.Context.instance()
 
     def close(self, linger_ms: int | None = None) -> None:
+        if self._zap_domain is not None:
+            auth.release(self.socket, self._zap_domain)
+            self._zap_domain = None
         self.socket.close(linger=self.settings.linger_ms if linger_ms is None else linger_ms)
 
     def __enter__(self):

@@ -167,7 +167,9 @@ def render_rl(cfg) -> Path:
         "sbatch_lines": _sbatch_lines(s, s.gpus_per_node),
     }
     roles = {"rl": None, "trainer": TrainerRunConfig, "orchestrator": OrchRunConfig, "inference": InferenceRunConfig}
-    return _render(_with_token(cfg), "rl", roles, values)
+    # the sockets listen on the orchestrator node's address: per-job CURVE keys admit only this job's trainer
+    cfg = msgspec.structs.replace(_with_token(cfg), transport=cfg.transport.with_run_keys())
+    return _render(cfg, "rl", roles, values)
 
 
 def render_sft(cfg) -> Path:

@@ -11,6 +11,7 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
+from primerl_protocol.auth import KEYS_ENV, CurveKeys, is_loopback
 from primerl_protocol.transport import SocketSettings
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
@@ -50,7 +51,9 @@ class TransportConfig(Config):
     """Where the orchestrator and the trainer talk (ZeroMQ), and how patiently."""
 
     host: str = "127.0.0.1"
-    """Host the orchestrator binds its sockets on (the trainer connects to it)."""
+    """Host the orchestrator binds its sockets on (the trainer connects to it). Any address but
+    loopback needs the run's keys (sockets.curve), so that no one else on the network can talk
+    to the run; `primerl rl` and `--slurm` make them."""
     batch_port: Port = 5601
     """Trainer rank r receives its batches on batch_port + r."""
     policy_port: Port = 5600
@@ -60,7 +63,24 @@ class TransportConfig(Config):
     sends rank r its share on batch_port + r."""
     sockets: SocketSettings = SocketSettings(recv_timeout_s=1800.0)
     """High-water marks, linger, timeouts and kernel buffers of both sockets. A trainer that
-    hears nothing (not even a heartbeat) for recv_timeout_s stops with a clear error."""
+    hears nothing (not even a heartbeat) for recv_timeout_s stops with a clear error. Also
+    the run's CURVE keys (sockets.curve) that authenticate the trainer and the orchestrator."""
+
+    def __post_init__(self) -> None:
+        if not is_loopback(self.host) and self.sockets.resolved_curve() is None:
+            raise ValueError(
+                f"host {self.host!r} is not a loopback address, and no keys authenticate the sockets: anyone "
+                f"who reaches it could stop the run or take its batches. Set transport.sockets.curve or "
+                f"${KEYS_ENV} (`CurveKeys.generate().to_toml()` makes them), or run through `primerl rl` "
+                "(it makes keys per run)"
+            )
+
+    def with_run_keys(self) -> TransportConfig:
+        """This config with CURVE keys: the configured ones, else fresh ones for this run."""
+        if self.sockets.curve is not None:
+            return self
+        keys = CurveKeys.from_env() or CurveKeys.generate()
+        return msgspec.structs.replace(self, sockets=msgspec.structs.replace(self.sockets, curve=keys))
 
     def batch_endpoint(self, rank: int) -> str:
         return f"tcp://{self.host}:{self.batch_port + rank}"
