@@ -29,11 +29,13 @@ from primerl_algos.config import FilterConfig
 from primerl_orchestrator.config import EvalSettings, OrchestratorConfig, SamplingConfig
 from primerl_orchestrator.generate import AGENT_SLOTS
 from primerl_orchestrator.loop import Orchestrator, OrchestratorError
+from primerl_orchestrator.servers import NoServerError, ServerPool
 from primerl_orchestrator.testing import TrainerDouble, garbage_server
 from primerl_protocol import SocketSettings
 from primerl_protocol.config import ModelConfig, TransportConfig
 from primerl.configs import TrainerRunConfig
 from primerl_protocol.config import WandbConfig, to_toml
+from primerl_protocol.serving import LOAD_WEIGHTS_ROUTE, LOGPROBS_MODE, POLICY_ROUTE, bearer
 from primerl_protocol.weights import write_marker
 from primerl_trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig, WeightsConfig
 from primerl_trainer.testing import free_port_block, launch_trainer
@@ -51,6 +53,16 @@ def servers(tmp_path_factory):
     running = launch(cfg, str(model), 1024, tmp_path_factory.mktemp("servers"))
     yield running, model
     running.stop()
+
+
+@pytest.fixture(autouse=True)
+def base_weights(servers, tmp_path):
+    """Every live server serves the tiny model's own weights when a test starts (an earlier
+    test may have left trained ones, and a fresh run refuses servers on another policy)."""
+    running, model = servers
+    for i, url in enumerate(running.urls):
+        if httpx.get(url + "/health").status_code == 200:
+            serve_base_weights(url, model, tmp_path / f"base{i}")
 
 
 def make_cfg(run_dir, model, urls, *, k, max_steps, eval_interval=0, max_tokens=24, **orch):
@@ -82,7 +94,7 @@ def run(orch, trainer, timeout_s=300):
 
 
 def policy_of(url):
-    return httpx.get(url + "/admin/policy", headers={"Authorization": f"Bearer {TOKEN}"}).json()["step"]
+    return httpx.get(url + POLICY_ROUTE, headers=bearer(TOKEN)).json()["step"]
 
 
 def test_off_policy_bound_with_a_slow_trainer_and_online_evals(servers, tmp_path):
@@ -136,12 +148,17 @@ def test_a_trainer_that_stops_publishing_stops_the_orchestrator_with_a_clear_err
     trainer.join(30)
 
 
-def serve_base_weights(url, model, folder) -> None:
-    """Have the server at `url` load the tiny model's own weights (as a published folder)."""
+def published_copy(model, folder, step: int) -> str:
+    """The tiny model's own weights as a published folder of `step`; its checksum."""
     shutil.copytree(model, folder)
-    digest = write_marker(folder, 0, [p.name for p in folder.glob("*.safetensors")], 0.0)
-    r = httpx.post(url + "/admin/load_weights", json={"path": str(folder), "step": 0, "checksum": digest},
-                   headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
+    return write_marker(folder, step, [p.name for p in folder.glob("*.safetensors")], 0.0)
+
+
+def serve_base_weights(url, model, folder) -> None:
+    """Have the server at `url` load the tiny model's own weights (as a published folder of policy 0)."""
+    digest = published_copy(model, folder, 0)
+    r = httpx.post(url + LOAD_WEIGHTS_ROUTE, json={"path": str(folder), "step": 0, "checksum": digest},
+                   headers=bearer(TOKEN), timeout=120)
     assert r.status_code == 200, r.text
 
 
@@ -152,7 +169,6 @@ def real_trainer_run(servers, tmp_path, *, ranks: int, max_steps: int, temperatu
     server's URL."""
     running, model = servers
     url = next(u for u in running.urls if httpx.get(u + "/health").status_code == 200)
-    serve_base_weights(url, model, tmp_path / "base")  # an earlier test may have left trained ones
     cfg = make_cfg(tmp_path / "run", model, [url], k=k, max_steps=max_steps)
     sampling = SamplingConfig(max_tokens=24, temperature=temperature)
     cfg = msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport, trainer_ranks=ranks),
@@ -272,6 +288,49 @@ def test_resume_neither_repeats_nor_skips(servers, tmp_path):
     # groups that ran in the lost step 4 and in flight at the crash were run again
     lost = groups_of(first.steps[4].sample_ids)
     assert lost <= set(trained)
+
+
+def test_the_pool_asks_each_server_what_it_serves(servers, tmp_path):
+    """A server is never believed to serve what it was last told: at start, on a probe after a
+    failed rollout and on revival it is asked, and loads the current policy when it differs."""
+    running, model = servers
+    url = running.urls[0]
+    policy3 = tmp_path / "policy3"
+    digest3 = published_copy(model, policy3, 3)
+
+    async def go():
+        pool = ServerPool([url], str(model), TOKEN, logprobs_mode=LOGPROBS_MODE)
+        try:
+            await pool.start()  # on policy 0 (the fixture): a fresh run's base weights
+            server = pool.servers[0]
+            await pool.load_weights(str(policy3), 3, digest3)
+            assert policy_of(url) == 3 and server.version == 3
+            # it restarts on its base weights while unhealthy, then comes back: it must load 3
+            pool.mark_unhealthy(server, "killed")
+            serve_base_weights(url, model, tmp_path / "restart1")
+            await pool.revive()
+            assert server.healthy and policy_of(url) == 3
+            # a failed rollout's probe finds it on the base weights again: loads 3, not at fault
+            serve_base_weights(url, model, tmp_path / "restart2")
+            assert not await pool.report_failure(server, "ProviderError: connection reset")
+            assert server.healthy and policy_of(url) == 3
+        finally:
+            await pool.close()
+        # a fresh run against a server left on policy 3 has no folder of its base weights to
+        # load: the server is refused, naming what it serves; a resumed run takes it
+        for resumed in (False, True):
+            fresh = ServerPool([url], str(model), TOKEN, logprobs_mode=LOGPROBS_MODE)
+            try:
+                if resumed:
+                    await fresh.start(any_policy=True)
+                    assert fresh.servers[0].version == 3
+                else:
+                    with pytest.raises(NoServerError, match=rf"serves policy 3 \(from {policy3}\), not the base"):
+                        await fresh.start()
+            finally:
+                await fresh.close()
+
+    asyncio.run(go())
 
 
 def test_a_killed_server_and_a_garbage_server(servers, tmp_path):

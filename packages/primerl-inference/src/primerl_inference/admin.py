@@ -3,15 +3,17 @@
 vLLM loads it with `--middleware primerl_inference.admin.AdminMiddleware` (the launcher adds
 it); nothing in vLLM is patched. Every route under /admin/ needs `Authorization: Bearer
 <token>` ($PRIMERL_ADMIN_TOKEN; no token configured means the admin routes answer 401 to
-everyone). Routes (JSON in, JSON out):
+everyone). The routes, and the fields of every request and answer, are defined in
+primerl_protocol.serving, which the orchestrator uses too (JSON in, JSON out):
 
-  POST /admin/load_weights  {"path", "step", "checksum"?}   swap in a published folder
-  POST /admin/lora/load     {"name", "path"}                 load a LoRA adapter
-  POST /admin/lora/unload   {"name"}
-  POST /admin/pause  /  POST /admin/resume                   stop / restart admitting requests
-  GET  /admin/policy                                         {"step", "path", "checksum", "paused",
-                                                              "logprobs_mode"}
-  GET  /admin/health                                         {"ready": bool, "paused": bool, "step"}
+  POST /admin/load_weights  LoadWeights {"path", "step", "checksum"?}   swap in a published folder
+  POST /admin/lora/load     LoraLoad {"name", "path"}                    load a LoRA adapter
+  POST /admin/lora/unload   LoraUnload {"name"}
+  POST /admin/pause  /  POST /admin/resume                              stop / restart admitting requests
+  GET  /admin/policy        PolicyAnswer {"step", "path", "checksum", "paused", "logprobs_mode"}
+  GET  /admin/health        HealthAnswer {"ready", "paused", "step"}
+
+A request body with a missing, mistyped or unknown field is answered 400 naming the field.
 
 Weight swaps and requests in flight: a swap first closes the gate to new generation requests
 (they wait, they are not refused), waits for the requests in flight to finish on the old
@@ -26,18 +28,29 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from primerl_inference.config import ADMIN_TOKEN_ENV
+from primerl_protocol import serving
+from primerl_protocol.serving import (
+    HealthAnswer,
+    LoadAnswer,
+    LoadWeights,
+    LoraLoad,
+    LoraUnload,
+    PolicyAnswer,
+    decode_request,
+)
 from primerl_protocol.weights import verify
 
 log = logging.getLogger("primerl.inference")
 
-STEP_HEADER = b"x-primerl-policy-step"
+STEP_HEADER = serving.STEP_HEADER.encode()
 VLLM_LORA_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 """vLLM's routes that swap LoRA adapters (with inference.enable_lora): they need the admin token."""
 
@@ -50,8 +63,8 @@ class AdminError(Exception):
 
 @dataclass
 class Policy:
-    step: int = -1
-    """-1: the weights the server started with."""
+    step: int = serving.BASE_STEP
+    """BASE_STEP: the weights the server started with."""
     path: str | None = None
     checksum: str | None = None
     loaded_at: float = field(default_factory=time.time)
@@ -87,26 +100,25 @@ class Gate:
             self.cond.notify_all()
 
 
-async def _read_json(receive) -> dict:
+async def _read_body(receive) -> bytes:
     body = b""
     while True:
         message = await receive()
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
-    if not body:
-        return {}
+    return body
+
+
+def _parse(kind, body: bytes):
     try:
-        data = json.loads(body)
-    except json.JSONDecodeError as err:
-        raise AdminError(400, f"request body is not JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise AdminError(400, "request body must be a JSON object")
-    return data
+        return decode_request(kind, body)
+    except ValueError as err:
+        raise AdminError(400, str(err)) from None
 
 
-async def _respond(send, status: int, payload: dict) -> None:
-    body = json.dumps(payload).encode()
+async def _respond(send, status: int, payload) -> None:
+    body = msgspec.json.encode(payload)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -116,12 +128,6 @@ def _logprobs_mode(app) -> str | None:
     """The engine's `--logprobs-mode` (what its logprobs describe), None if it cannot be read."""
     model_config = getattr(getattr(app.state, "vllm_config", None), "model_config", None)
     return getattr(model_config, "logprobs_mode", None)
-
-
-def _require(data: dict, key: str, kind: type):
-    if not isinstance(data.get(key), kind):
-        raise AdminError(400, f"field `{key}` ({kind.__name__}) is required")
-    return data[key]
 
 
 class AdminMiddleware:
@@ -140,7 +146,7 @@ class AdminMiddleware:
             return await self.app(scope, receive, send)
         if self.gate is None:
             self.gate, self.swap_lock = Gate(), asyncio.Lock()
-        if scope["path"].startswith("/admin/"):
+        if scope["path"].startswith(serving.ADMIN_PREFIX):
             return await self._admin(scope, receive, send)
         if scope["path"].rstrip("/") in VLLM_LORA_ROUTES and not self._authorised(scope):
             # vLLM's own, open to anyone when runtime LoRA updates are on: the admin token too
@@ -174,32 +180,32 @@ class AdminMiddleware:
             return await _respond(send, 401, {"error": "missing or wrong bearer token for the admin routes"})
         route = (scope["method"], scope["path"].rstrip("/"))
         try:
-            data = await _read_json(receive) if scope["method"] == "POST" else {}
+            body = await _read_body(receive) if scope["method"] == "POST" else b""
             engine = scope["app"].state.engine_client
             match route:
-                case ("POST", "/admin/load_weights"):
-                    result = await self._load_weights(engine, data)
-                case ("POST", "/admin/pause"):
+                case ("POST", serving.LOAD_WEIGHTS_ROUTE):
+                    result = await self._load_weights(engine, _parse(LoadWeights, body))
+                case ("POST", serving.PAUSE_ROUTE):
                     if not self.paused:
                         self.paused = True
                         await self.gate.close()
                     result = {"paused": True}
-                case ("POST", "/admin/resume"):
+                case ("POST", serving.RESUME_ROUTE):
                     if self.paused:
                         self.paused = False
                         await self.gate.open()
                     result = {"paused": False}
-                case ("GET", "/admin/policy"):
+                case ("GET", serving.POLICY_ROUTE):
                     p = self.policy
-                    result = {"step": p.step, "path": p.path, "checksum": p.checksum, "paused": self.paused,
-                              "logprobs_mode": _logprobs_mode(scope["app"])}
-                case ("GET", "/admin/health"):
-                    result = {"ready": not self.paused and not self.swap_lock.locked(), "paused": self.paused,
-                              "step": self.policy.step}
-                case ("POST", "/admin/lora/load"):
-                    result = await self._load_lora(scope["app"], data)
-                case ("POST", "/admin/lora/unload"):
-                    result = await self._unload_lora(scope["app"], data)
+                    result = PolicyAnswer(step=p.step, path=p.path, checksum=p.checksum, paused=self.paused,
+                                          logprobs_mode=_logprobs_mode(scope["app"]))
+                case ("GET", serving.HEALTH_ROUTE):
+                    result = HealthAnswer(ready=not self.paused and not self.swap_lock.locked(), paused=self.paused,
+                                          step=self.policy.step)
+                case ("POST", serving.LORA_LOAD_ROUTE):
+                    result = await self._load_lora(scope["app"], _parse(LoraLoad, body))
+                case ("POST", serving.LORA_UNLOAD_ROUTE):
+                    result = await self._unload_lora(scope["app"], _parse(LoraUnload, body))
                 case _:
                     raise AdminError(404, f"no admin route {scope['method']} {scope['path']}")
         except AdminError as err:
@@ -209,10 +215,8 @@ class AdminMiddleware:
             return await _respond(send, 500, {"error": f"{type(err).__name__}: {err}"})
         await _respond(send, 200, result)
 
-    async def _load_weights(self, engine, data: dict) -> dict:
-        path = _require(data, "path", str)
-        step = _require(data, "step", int)
-        expected = data.get("checksum")
+    async def _load_weights(self, engine, req: LoadWeights) -> LoadAnswer:
+        path, step, expected = req.path, req.step, req.checksum
         async with self.swap_lock:
             # Checked before anything changes: a bad folder leaves the old weights serving.
             try:
@@ -231,14 +235,14 @@ class AdminMiddleware:
                 self.policy = Policy(step=step, path=path, checksum=meta["checksum"])
             finally:
                 await self.gate.open()
-            return {"step": step, "path": path, "drain_s": waited, "swap_s": time.monotonic() - t0 - waited}
+            return LoadAnswer(step=step, path=path, drain_s=waited, swap_s=time.monotonic() - t0 - waited)
 
-    async def _load_lora(self, app, data: dict) -> dict:
+    async def _load_lora(self, app, req: LoraLoad) -> dict:
         # Through vLLM's own model registry, so that requests can then name the adapter as
         # their `model`.
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
-        name, path = _require(data, "name", str), _require(data, "path", str)
+        name, path = req.name, req.path
         if not os.path.isdir(path):
             raise AdminError(400, f"LoRA adapter folder {path} does not exist")
         models = getattr(app.state, "openai_serving_models", None)
@@ -249,10 +253,10 @@ class AdminMiddleware:
             raise AdminError(400, f"vLLM refused LoRA adapter {name!r} from {path}: {result.error.message}")
         return {"name": name, "path": path}
 
-    async def _unload_lora(self, app, data: dict) -> dict:
+    async def _unload_lora(self, app, req: LoraUnload) -> dict:
         from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
 
-        name = _require(data, "name", str)
+        name = req.name
         result = await app.state.openai_serving_models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
         if not isinstance(result, str):
             raise AdminError(404, f"cannot unload LoRA adapter {name!r}: {result.error.message}")

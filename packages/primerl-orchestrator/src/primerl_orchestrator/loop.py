@@ -132,10 +132,11 @@ class Orchestrator:
             self.pool = ServerPool(cfg.inference.server_urls(), cfg.model.name, cfg.inference.resolved_admin_token(),
                                    logprobs_mode=LOGPROBS_MODE)
             stack.push_async_callback(self.pool.close)
-            await self.pool.start()
+            self._resume()
+            # Resumed, the servers may serve anything: the trainer publishes its restored weights first.
+            await self.pool.start(any_policy=self.version is None)
             self.gen = Generator(self.pool, cfg.model.name, cfg.model.tokenizer or cfg.model.name,
                                  max_retries=self.o.max_retries)
-            self._resume()
             self._open_sockets(stack)
             log.info(
                 "orchestrator: %d servers (%d healthy), %d x %d rollouts per step, max_async_level %d, from step %d",

@@ -7,10 +7,17 @@
     await pool.load_weights(path, version, checksum)   # every healthy server, concurrently
 
 A server is healthy when `/health` answers 200, `/v1/models` answers JSON that lists the
-model and (for training) its policy route reports the logprobs mode the trainer agrees with. A rollout that failed at the model call makes the orchestrator probe its server
-(`report_failure`); one that fails the probe (killed, hung, answering garbage) is marked
-unhealthy and gets no more rollouts. Unhealthy servers are probed again every
-`revive_interval_s`; one that comes back first loads the current weights, then serves.
+model and (for training) its policy route reports the logprobs mode the trainer agrees with
+and the policy the run expects it to serve. A rollout that failed at the model call makes the
+orchestrator probe its server (`report_failure`); one that fails the probe (killed, hung,
+answering garbage) is marked unhealthy and gets no more rollouts. Unhealthy servers are
+probed again every `revive_interval_s`.
+
+What a server serves is never assumed: every probe (at start, after a failed rollout, on
+revival) asks it. A server that serves some other policy than the current one (it restarted
+on its base weights, or was left on another run's step) loads the current weights before it
+gets another rollout; at the start of a fresh run, when there is no published folder to
+load, a server that serves anything but its base weights is refused, naming what it serves.
 """
 
 from __future__ import annotations
@@ -23,7 +30,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
-from primerl_protocol.serving import POLICY_ROUTE
+import msgspec
+from primerl_protocol.serving import (
+    BASE_STEP,
+    LOAD_WEIGHTS_ROUTE,
+    POLICY_ROUTE,
+    LoadWeights,
+    PolicyAnswer,
+    bearer,
+    decode_answer,
+)
 
 log = logging.getLogger("primerl.orchestrator")
 
@@ -42,7 +58,8 @@ class Server:
     in_flight: int = 0
     """Rollouts running on it now."""
     version: int = 0
-    """Policy version it serves (0: the weights it started with)."""
+    """Policy version it serves (0: the weights it started with), as it last reported it or
+    as it was last told to load."""
     rollouts: int = 0
     """Rollouts started on it so far."""
     failures: int = 0
@@ -82,6 +99,9 @@ class ServerPool:
         """The logprobs mode a server must report on its policy route (None: not checked)."""
         self.weights: Weights | None = None
         """The weights every server should serve (None: the ones they started with)."""
+        self.any_policy = False
+        """Whether a server may serve any policy while `weights` is None (a resumed run: the
+        trainer publishes its restored weights before anything is generated)."""
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(probe_timeout_s))
         self._changed = asyncio.Event()
         self._last_revive = time.monotonic()
@@ -104,23 +124,43 @@ class ServerPool:
             if self.model not in ids:
                 return f"serves {ids}, not {self.model!r}"
             if self.logprobs_mode is not None:
-                return await self._check_logprobs_mode(server)
+                return await self._check_policy(server)
         except httpx.HTTPError as err:
             return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
         return None
 
-    async def _check_logprobs_mode(self, server: Server) -> str | None:
-        r = await self._http.get(server.url + POLICY_ROUTE, headers={"Authorization": f"Bearer {self.admin_token}"})
+    async def _check_policy(self, server: Server) -> str | None:
+        """What is wrong with the policy `server` reports (its logprobs mode, the weights it
+        serves), or None; a server on the wrong weights loads the current ones first."""
+        r = await self._http.get(server.url + POLICY_ROUTE, headers=bearer(self.admin_token))
         if r.status_code != 200:
             return f"{POLICY_ROUTE} answered HTTP {r.status_code} (is it a primerl-inference server, with this admin token?)"
         try:
-            mode = r.json()["logprobs_mode"]
-        except (ValueError, KeyError, TypeError):
-            return f"{POLICY_ROUTE} answered something without a logprobs_mode: {r.text[:80]!r}"
-        if mode != self.logprobs_mode:
-            return (f"reports logprobs in vLLM's {mode!r} mode, not {self.logprobs_mode!r}: its logprobs would not "
-                    f"describe the distribution it samples from at temperatures other than 1 (start it with "
-                    f"--logprobs-mode {self.logprobs_mode}, as primerl-inference does)")
+            policy = decode_answer(PolicyAnswer, r.content, POLICY_ROUTE)
+        except ValueError as err:
+            return str(err)
+        if policy.logprobs_mode != self.logprobs_mode:
+            return (f"reports logprobs in vLLM's {policy.logprobs_mode!r} mode, not {self.logprobs_mode!r}: its "
+                    f"logprobs would not describe the distribution it samples from at temperatures other than 1 "
+                    f"(start it with --logprobs-mode {self.logprobs_mode}, as primerl-inference does)")
+        w = self.weights
+        if w is None:
+            # Step 0 is policy 0, the base weights loaded from a folder (a reset).
+            if policy.step in (BASE_STEP, 0) or self.any_policy:
+                server.version = max(policy.step, 0)
+                return None
+            return (f"serves policy {policy.step} (from {policy.path}), not the base weights this run starts "
+                    "from, and there is no published folder of those to load: restart it, or resume the run "
+                    "that left it there")
+        if policy.step == w.version and (w.checksum is None or policy.checksum == w.checksum):
+            server.version = w.version
+            return None
+        log.warning("inference server %s serves policy %d (%s), not the current policy %d: loading it",
+                    server.url, policy.step, policy.path, w.version)
+        try:
+            await self._load(server, w)
+        except RuntimeError as err:
+            return f"serves policy {policy.step}, not the current {w.version}, and could not load it: {err}"
         return None
 
     def mark_unhealthy(self, server: Server, problem: str) -> None:
@@ -129,8 +169,10 @@ class ServerPool:
             log.warning("inference server %s is unhealthy (%s); its rollouts go to the others", server.url, problem)
         server.healthy, server.problem = False, problem
 
-    async def start(self) -> None:
-        """Probe every server; at least one must serve the model."""
+    async def start(self, *, any_policy: bool = False) -> None:
+        """Probe every server; at least one must serve the model. `any_policy`: the servers
+        may serve any weights until the first `load_weights` (a resumed run)."""
+        self.any_policy = any_policy
         problems = await asyncio.gather(*(self.probe(s) for s in self.servers))
         for server, problem in zip(self.servers, problems):
             if problem:
@@ -157,14 +199,9 @@ class ServerPool:
         """Probe the unhealthy servers; bring back those that serve again (current weights first)."""
         self._last_revive = time.monotonic()
         for server in [s for s in self.servers if not s.healthy]:
-            if await self.probe(server):
+            if problem := await self.probe(server):  # the probe loads the current weights if need be
+                server.problem = problem
                 continue
-            if self.weights is not None and server.version != self.weights.version:
-                try:
-                    await self._load(server, self.weights)
-                except (httpx.HTTPError, RuntimeError) as err:
-                    server.problem = f"came back but could not load weights: {err}"
-                    continue
             server.healthy, server.problem = True, None
             log.info("inference server %s is healthy again (policy %d)", server.url, server.version)
             self._changed.set()
@@ -210,14 +247,17 @@ class ServerPool:
     async def _load(self, server: Server, w: Weights) -> None:
         if not self.admin_token:
             raise RuntimeError("no admin token (inference.admin_token or $PRIMERL_ADMIN_TOKEN) to load weights with")
-        r = await self._http.post(
-            server.url + "/admin/load_weights",
-            json={"path": w.path, "step": w.version, "checksum": w.checksum},
-            headers={"Authorization": f"Bearer {self.admin_token}"},
-            timeout=self.load_timeout_s,
-        )
+        try:
+            r = await self._http.post(
+                server.url + LOAD_WEIGHTS_ROUTE,
+                content=msgspec.json.encode(LoadWeights(path=w.path, step=w.version, checksum=w.checksum)),
+                headers={**bearer(self.admin_token), "content-type": "application/json"},
+                timeout=self.load_timeout_s,
+            )
+        except httpx.HTTPError as err:
+            raise RuntimeError(f"{LOAD_WEIGHTS_ROUTE}: {type(err).__name__}: {err}") from None
         if r.status_code != 200:
-            raise RuntimeError(f"/admin/load_weights answered HTTP {r.status_code}: {r.text[:300]}")
+            raise RuntimeError(f"{LOAD_WEIGHTS_ROUTE} answered HTTP {r.status_code}: {r.text[:300]}")
         server.version = w.version
 
     async def load_weights(self, path: str, version: int, checksum: str | None = None) -> float:
