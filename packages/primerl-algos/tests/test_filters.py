@@ -1,6 +1,6 @@
 from primerl_algos.config import AdvantageConfig, FilterConfig
 from primerl_algos.filters import filter_rollouts, select
-from primerl_algos.types import Rollout, Turn
+from primerl_protocol.rollouts import Rollout, Turn
 
 
 def rollout(sid, group, reward, tokens=3, **kw):

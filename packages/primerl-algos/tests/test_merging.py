@@ -2,7 +2,7 @@
 
 import pytest
 from primerl_algos.merging import merge_turns
-from primerl_algos.types import Rollout, Turn
+from primerl_protocol.rollouts import Rollout, Turn
 
 SYS, USER1, USER2, TOOL = [1, 2], [3, 4], [5], [60, 61, 62]
 THINK, ANSWER = [70, 71], [80, 81]

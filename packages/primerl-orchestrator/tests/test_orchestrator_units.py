@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
-from primerl_algos.types import Rollout, Turn
+from primerl_protocol.rollouts import Rollout, Turn
 from primerl_orchestrator.batching import Group, build_step
 from primerl_orchestrator.config import OrchestratorConfig
 from primerl_orchestrator.evals import pass_at_k, score_tasks

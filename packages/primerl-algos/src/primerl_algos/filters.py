@@ -22,7 +22,7 @@ import numpy as np
 from primerl_algos.advantages import compute_advantages
 from primerl_algos.config import AdvantageConfig, FilterConfig
 from primerl_algos.registry import Registry
-from primerl_algos.types import Rollout
+from primerl_protocol.rollouts import Rollout
 
 ROLLOUT_FILTERS: Registry = Registry("filter")
 

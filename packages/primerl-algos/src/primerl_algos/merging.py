@@ -12,7 +12,8 @@ exactly once, next to exactly the context it was sampled in.
 
 from __future__ import annotations
 
-from primerl_algos.types import Rollout, Sample
+from primerl_protocol.rollouts import Rollout
+from primerl_algos.types import Sample
 
 
 def merge_turns(rollout: Rollout, advantage: float = 0.0) -> list[Sample]:

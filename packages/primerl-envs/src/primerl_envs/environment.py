@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from primerl_algos.types import Rollout
+from primerl_protocol.rollouts import Rollout
 
 from primerl_envs import compat
 from primerl_envs.config import EnvConfig

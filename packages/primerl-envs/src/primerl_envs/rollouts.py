@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from primerl_algos.types import BAD_SCORE, Rollout, Turn
+from primerl_protocol.rollouts import BAD_SCORE, Rollout, Turn
 
 from primerl_envs.compat import BAD_SCORES
 

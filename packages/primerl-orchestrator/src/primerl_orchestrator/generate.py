@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from primerl_algos.types import Rollout
+from primerl_protocol.rollouts import Rollout
 from primerl_envs.environment import Environment, model_context
 
 from primerl_orchestrator.servers import ServerPool
