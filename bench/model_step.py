@@ -24,7 +24,7 @@ import time
 
 import torch
 from primerl_models import ModelArgs, Transformer, chunked_logprobs
-from primerl_models.checkpointing import apply_activation_checkpointing
+from primerl_trainer.placement import apply_activation_checkpointing
 
 PEAK_FLOPS = 989e12
 VOCAB = 151936

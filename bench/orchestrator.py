@@ -46,6 +46,8 @@ from primerl_inference.config import InferenceConfig  # noqa: E402
 from primerl_inference.launcher import launch  # noqa: E402
 from primerl_models.tiny import build_tiny_model  # noqa: E402
 from primerl_orchestrator.config import OrchestratorConfig, SamplingConfig  # noqa: E402
+from primerl_protocol.rundir import WEIGHTS, complete_steps  # noqa: E402
+from primerl_protocol.weights import MARKER  # noqa: E402
 from primerl_orchestrator.loop import Orchestrator  # noqa: E402
 from primerl_orchestrator.testing import TrainerDouble  # noqa: E402
 from primerl_protocol import SocketSettings  # noqa: E402
@@ -103,8 +105,8 @@ def rl_run(root: Path, model: Path, url: str, k: int, a) -> float:
         if trainer.poll() is None:
             trainer.kill()
     # the trainer's publication times (the markers' clocks) of the steps after the warm-up
-    published = {int(m.parent.name[5:]): json.loads(m.read_text())["time"]
-                 for m in (run_dir / "weights").glob("step_*/primerl.json")}
+    published = {step: json.loads((folder / MARKER).read_text())["time"]
+                 for step, folder in complete_steps(run_dir / WEIGHTS, MARKER)}
     first, last = a.warmup - 1, max(published)
     return (published[last] - published[first]) / (last - first)
 

@@ -34,7 +34,7 @@ from primerl_trainer.config import OptimizerConfig
 from primerl_trainer.distributed import all_reduce_sum, init_distributed, shutdown
 from primerl_trainer.engine import peak_flops, train_flops
 from primerl_trainer.optim import build_optimizer, clip_grad_norm
-from primerl_trainer.parallel import parallelize
+from primerl_trainer.placement import parallelize
 from primerl_trainer.publish import FolderPublisher
 from primerl_trainer.rl import rl_loss
 

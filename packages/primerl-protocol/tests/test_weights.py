@@ -47,7 +47,7 @@ def test_durable_rename_syncs_every_file_before_the_rename(tmp_path, monkeypatch
     of fsyncs (of real descriptors) and the rename."""
     import os
 
-    from primerl_protocol.checkpoints import durable_rename
+    from primerl_protocol.rundir import durable_rename
 
     tmp = tmp_path / ".step_3.tmp"
     (tmp / "sub").mkdir(parents=True)

@@ -1,8 +1,10 @@
 """The RL trainer end to end on CPU: torchrun with 2 gloo ranks, real ZeroMQ sockets, a test
 double of the orchestrator (FakeOrchestrator), a tiny model built locally."""
 
+import contextlib
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import msgspec
@@ -11,8 +13,10 @@ import pytest
 import torch
 from primerl_models import load_model
 from primerl_models.tiny import build_tiny_model
-from primerl_protocol import Encoder
+from primerl_protocol import Encoder, Shutdown
 from primerl_protocol.weights import verify
+from primerl_trainer.distributed import Dist
+from primerl_trainer.rl import validate_batch
 from primerl_trainer.testing import (
     FakeOrchestrator,
     free_port_block,
@@ -21,6 +25,8 @@ from primerl_trainer.testing import (
 )
 
 RANKS = 2
+STOP_TIMEOUT_S = 120
+"""Only to catch a hang: a trainer that must stop does so in seconds, or waits for half an hour."""
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +65,35 @@ keep = 2
     return path
 
 
+@contextlib.contextmanager
+def trainer_running(tmp_path, model_dir, run_dir, max_steps, name="trainer", entry=("-m", "primerl.trainer_entry"),
+                    env=None, **extra):
+    """The trainer under torchrun (output in `tmp_path/name.log`) and the fake orchestrator it
+    talks to; killed if it still runs at the end."""
+    port = free_port_block(RANKS + 1)
+    cfg = write_config(tmp_path / f"{name}.toml", model_dir, run_dir, port, max_steps, **extra)
+    orch = FakeOrchestrator("127.0.0.1", port + 1, port, RANKS)
+    proc = launch_trainer(cfg, RANKS, tmp_path / f"{name}.log", entry, env)
+    try:
+        yield proc, orch
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        orch.close()
+
+
+def wait_exit(proc, log: Path) -> int:
+    try:
+        return proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the trainer still runs {STOP_TIMEOUT_S}s after it should have stopped:\n{log.read_text()}")
+
+
 def run_trainer(tmp_path, model_dir, run_dir, steps, first=0, max_steps=None, feed=None, **extra):
     """Start the trainer, feed it `steps` (batches from `feed`), wait for it to exit."""
-    port = free_port_block(RANKS + 1)
-    cfg = write_config(tmp_path / f"cfg{first}.toml", model_dir, run_dir, port, max_steps or first + steps, **extra)
-    orch = FakeOrchestrator("127.0.0.1", port + 1, port, RANKS)
-    log = tmp_path / f"trainer{first}.log"
-    proc = launch_trainer(cfg, RANKS, log)
+    name = f"trainer{first}"
     ready = []
-    try:
+    with trainer_running(tmp_path, model_dir, run_dir, max_steps or first + steps, name, **extra) as (proc, orch):
         if first:  # a resumed trainer first publishes the weights it restored
             ready.append(orch.wait_policy())
         for step in range(first, first + steps):
@@ -81,11 +107,7 @@ def run_trainer(tmp_path, model_dir, run_dir, steps, first=0, max_steps=None, fe
                 orch.send(batches)
             ready.append(orch.wait_policy())
         rc = proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        orch.close()
-    return rc, ready, log.read_text()
+    return rc, ready, (tmp_path / f"{name}.log").read_text()
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -170,38 +192,92 @@ def test_resume_gives_the_same_losses_and_weights(tmp_path, model_dir, straight_
         assert torch.equal(x, y), name
 
 
-def test_bad_batches_are_refused_naming_the_sample_and_training_goes_on(tmp_path, model_dir):
-    def feed(step, orch):
-        if step == 0:
-            bad = synthetic_batches(0, RANKS, 98)
-            bad[1].micro_batches[1].input_ids[3] = 5000  # out of the vocabulary, on rank 1
-            orch.send(bad)
-            empty = synthetic_batches(0, RANKS, 98)
-            empty[0].micro_batches = []
-            orch.send(empty)
-            # Arrays of mismatched lengths, as a buggy peer would frame them, to rank 0 only.
-            header, payload = Encoder().encode(synthetic_batches(0, RANKS, 98)[0])
-            tree = msgspec.msgpack.decode(header)
-            tree["micro_batches"][0]["advantages"][2] = [31]
-            orch.senders[0].socket.send_multipart([msgspec.msgpack.encode(tree), payload])
-            poisoned = synthetic_batches(0, RANKS, 98)
-            poisoned[0].micro_batches[1].advantages[17] = np.nan  # token 17: the 2nd sample (16 tokens each)
-            orch.send(poisoned)
-            poisoned = synthetic_batches(0, RANKS, 98)
-            poisoned[1].micro_batches[0].inference_logprobs[8] = -np.inf
-            orch.send(poisoned)
-        orch.send(synthetic_batches(step, RANKS, 98))
+def test_validate_batch_names_the_problem_and_the_sample():
+    d = Dist(rank=1, world_size=RANKS, local_rank=1, device=torch.device("cpu"))
 
-    rc, ready, log = run_trainer(tmp_path, model_dir, tmp_path / "run", steps=2, feed=feed)
-    assert rc == 0, log
-    assert [r.step for r in ready] == [0, 1]
+    def problem(step=0, rank=1, change=lambda mb: None):
+        batch = synthetic_batches(step, RANKS, 98)[rank]
+        change(batch.micro_batches[1])  # micro-batch 1 of rank 1: samples 1100 and 1101, 16 tokens each
+        return validate_batch(batch, 0, d, vocab_size=98, max_row_tokens=64)
+
+    assert problem() is None
+    assert problem(step=2) == "got a batch for step 2 while expecting step 0: a step was skipped"
+    assert problem(rank=0) == "batch for rank 0 of 2 arrived at rank 1 of 2"
+    assert problem(change=lambda mb: mb.input_ids.__setitem__(3, 5000)) == (
+        "micro-batch 1, sample 1100: token id 5000 is outside the vocabulary [0, 98)")
+    assert problem(change=lambda mb: mb.advantages.__setitem__(17, np.nan)) == (
+        "micro-batch 1, sample 1101: advantages holds nan at token 17, not a finite number")
+    assert problem(change=lambda mb: mb.inference_logprobs.__setitem__(8, -np.inf)) == (
+        "micro-batch 1, sample 1100: inference_logprobs holds -inf at token 8, not a finite number")
+    assert problem(change=lambda mb: mb.temperatures.__setitem__(20, 0.0)) == (
+        "micro-batch 1, sample 1101: temperatures holds 0.0 at token 20, not a positive finite number")
+    assert problem(change=lambda mb: mb.loss_mask.__setitem__(16, True)) == (
+        "micro-batch 1, sample 1101: its first token is marked for training but has no context")
+    empty = synthetic_batches(0, RANKS, 98)[1]
+    empty.micro_batches = []
+    assert validate_batch(empty, 0, d, 98, 64) == "batch for step 0 has no micro-batches"
+
+
+def test_a_refused_batch_stops_every_rank_and_tells_the_orchestrator_why(tmp_path, model_dir):
+    """The orchestrator sends no batch twice: waiting for another would wait for ever."""
+    run_dir = tmp_path / "run"
+    with trainer_running(tmp_path, model_dir, run_dir, max_steps=10, recv_timeout_s=600) as (proc, orch):
+        # Arrays of mismatched lengths, as a buggy peer would frame them, to rank 0: the socket
+        # drops it (it is not a batch) and the rank waits for its batch.
+        header, payload = Encoder().encode(synthetic_batches(0, RANKS, 98)[0])
+        tree = msgspec.msgpack.decode(header)
+        tree["micro_batches"][0]["advantages"][2] = [31]
+        orch.senders[0].socket.send_multipart([msgspec.msgpack.encode(tree), payload])
+        for step in range(3):
+            orch.send(synthetic_batches(step, RANKS, 98))
+            assert orch.wait_policy().step == step
+        bad = synthetic_batches(3, RANKS, 98)
+        bad[1].micro_batches[1].input_ids[3] = 5000  # out of the vocabulary, on rank 1
+        orch.send(bad)
+        stopped = orch.next_policy_message()
+        rc = wait_exit(proc, tmp_path / "trainer.log")
+    log = (tmp_path / "trainer.log").read_text()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    assert f"rank 1: micro-batch 1, sample 1100: token id 5000 is outside the vocabulary [0, {vocab})" in log
-    assert "rank 0: batch for step 0 has no micro-batches" in log
+    why = f"refused the batch for step 3: rank 1: micro-batch 1, sample 1100: token id 5000 is outside the vocabulary [0, {vocab})"
+    assert isinstance(stopped, Shutdown) and stopped.sender == "trainer", stopped
+    assert why in stopped.reason
+    assert rc != 0 and why in log
     assert "malformed TrainBatch on socket 'batches/rank0' at field `micro_batches[0]`" in log
-    assert "rank 0: micro-batch 1, sample 101: advantages holds nan at token 17, not a finite number" in log
-    assert "rank 1: micro-batch 0, sample 1000: inference_logprobs holds -inf at token 8, not a finite number" in log
-    assert [m["batches_refused"] for m in metrics(tmp_path / "run")] == [4, 4]
+    assert len(metrics(run_dir)) == 3  # steps 0-2; nothing of step 3 was trained
+    assert json.loads((run_dir / "checkpoints" / "step_2" / "meta.json").read_text())["step"] == 2  # kept
+
+
+def test_a_full_disk_on_rank_0_stops_every_rank_and_tells_the_orchestrator(tmp_path, model_dir):
+    """Rank 0 cannot write step 1's weights, while rank 1 goes on to wait for step 2's batch:
+    both must stop (not wait in a barrier, or for a batch, for half an hour)."""
+    run_dir = tmp_path / "run"
+    entry = (str(Path(__file__).with_name("faulty_trainer_entry.py")),)
+    with trainer_running(tmp_path, model_dir, run_dir, max_steps=10, entry=entry, recv_timeout_s=600,
+                         env={"PRIMERL_TEST_FULL_DISK_AT_WRITE": "2"}) as (proc, orch):
+        for step in range(2):
+            orch.send(synthetic_batches(step, RANKS, 98))
+        assert orch.wait_policy().step == 0
+        stopped = orch.next_policy_message()
+        rc = wait_exit(proc, tmp_path / "trainer.log")
+    log = (tmp_path / "trainer.log").read_text()
+    assert isinstance(stopped, Shutdown) and stopped.sender == "trainer", stopped
+    assert "rank 0 failed at step 1: OSError: [Errno 28] No space left on device" in stopped.reason
+    assert rc != 0 and "No space left on device" in log
+
+
+def test_a_shutdown_to_one_rank_stops_every_rank_with_a_final_checkpoint(tmp_path, model_dir):
+    """Rank 0 is told to stop; rank 1, waiting for a batch that will not come, stops with it."""
+    run_dir = tmp_path / "run"
+    with trainer_running(tmp_path, model_dir, run_dir, max_steps=10, recv_timeout_s=600) as (proc, orch):
+        orch.send(synthetic_batches(0, RANKS, 98))
+        assert orch.wait_policy().step == 0
+        orch.senders[0].send(Shutdown(sender="orchestrator", reason="the run is done"))
+        rc = wait_exit(proc, tmp_path / "trainer.log")
+    log = (tmp_path / "trainer.log").read_text()
+    assert rc == 0, log
+    assert "stopping: the orchestrator is shutting down (the run is done; told rank 0)" in log
+    meta = json.loads((run_dir / "checkpoints" / "step_0" / "meta.json").read_text())
+    assert (meta["step"], meta["data"]["next_step"]) == (0, 1)
 
 
 def test_non_finite_and_empty_steps_move_no_weights_and_publish_nothing_new(tmp_path, model_dir, straight_run):

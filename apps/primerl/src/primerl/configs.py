@@ -1,5 +1,10 @@
 """The root config of each command: the shared values plus the sections the command needs.
 
+Each process's own root is defined by its package (TrainerRunConfig and SFTRunConfig in
+primerl_trainer.config, OrchRunConfig and EvalRunConfig in primerl_orchestrator.config,
+InferenceRunConfig in primerl_inference.config); a command adds what only it needs (the
+Slurm job) and `primerl rl` joins them all.
+
 `primerl rl` reads an RLConfig; when it starts the trainer, orchestrator and inference it
 hands each the projection of the same config onto its own root (`cfg.project(TrainerRunConfig)`),
 so shared values are written once and never copied.
@@ -9,10 +14,13 @@ from __future__ import annotations
 
 import msgspec
 from primerl_envs.config import EnvsConfig
-from primerl_inference.config import InferenceConfig
-from primerl_orchestrator.config import EvalSettings, OrchestratorConfig
+from primerl_inference.config import InferenceConfig, InferenceRunConfig
+from primerl_orchestrator.config import EvalRunConfig, OrchestratorConfig, OrchRunConfig
 from primerl_protocol.config import Config, NonNegative, Port, Positive, SharedConfig
-from primerl_trainer.config import SFTDataConfig, TrainerConfig
+from primerl_trainer.config import SFTRunConfig, TrainerConfig, TrainerRunConfig
+
+__all__ = ["EvalConfig", "InferenceRunConfig", "OrchRunConfig", "RLConfig", "SFTConfig", "SlurmConfig",
+           "TrainerRunConfig"]
 
 
 class SlurmConfig(Config):
@@ -52,31 +60,6 @@ class SlurmConfig(Config):
     """Fail the job when an inference server is not up after this many seconds."""
 
 
-class TrainerRunConfig(SharedConfig):
-    """`primerl-trainer`: one torchrun rank group of the RL trainer."""
-
-    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
-    """The FSDP2 trainer: optimizer, schedule, loss, checkpoints, weight publishing."""
-
-
-class InferenceRunConfig(SharedConfig):
-    """`primerl-inference`: the vLLM servers."""
-
-    inference: InferenceConfig = msgspec.field(default_factory=InferenceConfig)
-    """vLLM servers: replicas, parallelism, admin token."""
-
-
-class OrchRunConfig(SharedConfig):
-    """`primerl-orch`: the rollout loop."""
-
-    orchestrator: OrchestratorConfig = msgspec.field(default_factory=OrchestratorConfig)
-    """Rollout loop: batch and group size, off-policy bound, sampling, advantages, filters."""
-    inference: InferenceConfig = msgspec.field(default_factory=InferenceConfig)
-    """Where the inference servers are."""
-    envs: EnvsConfig = msgspec.field(default_factory=EnvsConfig)
-    """Training and eval environments."""
-
-
 class RLConfig(SharedConfig):
     """`primerl rl`: a whole asynchronous RL run on this machine."""
 
@@ -114,27 +97,15 @@ class RLConfig(SharedConfig):
             )
 
 
-class SFTConfig(SharedConfig, kw_only=True):
+class SFTConfig(SFTRunConfig, kw_only=True):
     """`primerl sft`: supervised fine-tuning."""
 
-    data: SFTDataConfig
-    """Training data (JSONL/Parquet with prompt/completion or messages)."""
-    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
-    """The FSDP2 trainer (its loss section is not used)."""
     slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
     """The sbatch job of `primerl sft --slurm`."""
 
 
-class EvalConfig(SharedConfig):
+class EvalConfig(EvalRunConfig):
     """`primerl eval`: evaluate a model, or every published step of a run."""
 
-    inference: InferenceConfig = msgspec.field(default_factory=InferenceConfig)
-    """vLLM servers that generate the eval rollouts."""
-    envs: EnvsConfig = msgspec.field(default_factory=EnvsConfig)
-    """The eval environments (`envs.eval`)."""
-    eval: EvalSettings = msgspec.field(default_factory=EvalSettings)
-    """Samples per task and sampling temperature."""
-    run: str | None = None
-    """Evaluate each published step in this run directory instead of `model`."""
     slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
     """The sbatch job of `primerl eval --slurm`."""

@@ -6,7 +6,7 @@ import os
 from typing import Annotated, Literal
 
 import msgspec
-from primerl_protocol.config import Config, Port, Positive
+from primerl_protocol.config import Config, Port, Positive, SharedConfig
 
 
 ADMIN_TOKEN_ENV = "PRIMERL_ADMIN_TOKEN"
@@ -96,3 +96,10 @@ class InferenceConfig(Config):
     @property
     def gpus_per_replica(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
+
+
+class InferenceRunConfig(SharedConfig):
+    """The inference servers' root config (`primerl-inference`)."""
+
+    inference: InferenceConfig = msgspec.field(default_factory=InferenceConfig)
+    """vLLM servers: replicas, parallelism, admin token."""

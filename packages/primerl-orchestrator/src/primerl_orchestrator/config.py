@@ -6,7 +6,9 @@ from typing import Annotated
 
 import msgspec
 from primerl_algos.config import AdvantageConfig, FilterConfig
-from primerl_protocol.config import Config, NonNegative, Positive
+from primerl_envs.config import EnvsConfig
+from primerl_inference.config import InferenceConfig
+from primerl_protocol.config import Config, NonNegative, Positive, SharedConfig
 
 
 UNTRUNCATED = {"top_p": 1.0, "top_k": -1, "min_p": 0.0}
@@ -105,3 +107,27 @@ class OrchestratorConfig(Config):
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})"
             )
+
+
+class OrchRunConfig(SharedConfig):
+    """The orchestrator's root config (`primerl-orch`; `primerl_orchestrator.loop.Orchestrator`)."""
+
+    orchestrator: OrchestratorConfig = msgspec.field(default_factory=OrchestratorConfig)
+    """Rollout loop: batch and group size, off-policy bound, sampling, advantages, filters."""
+    inference: InferenceConfig = msgspec.field(default_factory=InferenceConfig)
+    """Where the inference servers are."""
+    envs: EnvsConfig = msgspec.field(default_factory=EnvsConfig)
+    """Training and eval environments."""
+
+
+class EvalRunConfig(SharedConfig):
+    """The root config of evals outside a run (`primerl_orchestrator.evals.eval_run`)."""
+
+    inference: InferenceConfig = msgspec.field(default_factory=InferenceConfig)
+    """vLLM servers that generate the eval rollouts."""
+    envs: EnvsConfig = msgspec.field(default_factory=EnvsConfig)
+    """The eval environments (`envs.eval`)."""
+    eval: EvalSettings = msgspec.field(default_factory=EvalSettings)
+    """Samples per task and sampling temperature."""
+    run: str | None = None
+    """Evaluate each published step in this run directory instead of `model`."""

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from primerl_envs.environment import Environment
 
-from primerl_orchestrator.generate import Generator
+from primerl_orchestrator.config import EvalRunConfig
+from primerl_orchestrator.generate import Generator, open_environments, start_generator
 
 log = logging.getLogger("primerl.orchestrator")
 
@@ -85,22 +86,17 @@ async def evaluate(
 
 def published_steps(run: str | Path) -> list[tuple[int, Path, str]]:
     """(step, folder, checksum) of every complete published weights folder of a run, in order."""
+    from primerl_protocol import rundir
     from primerl_protocol.weights import MARKER
 
-    out = []
-    for folder in (Path(run) / "weights").glob("step_*"):
-        marker = folder / MARKER
-        if folder.name[5:].isdigit() and marker.exists():
-            out.append((int(folder.name[5:]), folder, json.loads(marker.read_text())["checksum"]))
-    return sorted(out)
+    return [(step, folder, json.loads((folder / MARKER).read_text())["checksum"])
+            for step, folder in rundir.complete_steps(Path(run) / rundir.WEIGHTS, MARKER)]
 
 
-async def eval_run(cfg, urls: list[str], admin_token: str | None) -> list[dict]:
+async def eval_run(cfg: EvalRunConfig, urls: list[str], admin_token: str | None) -> list[dict]:
     """`primerl eval`: the eval environments on `cfg.model`, or on each published step of
     `cfg.run` (policy N + 1 = the weights after step N); results appended to
     `run_dir/evals.jsonl`, steps already there are not evaluated again."""
-    from primerl_orchestrator.servers import ServerPool
-
     if not cfg.envs.eval:
         raise ValueError("no eval environments: add at least one [[envs.eval]] entry")
     out_path = Path(cfg.run_dir) / "evals.jsonl"
@@ -111,11 +107,8 @@ async def eval_run(cfg, urls: list[str], admin_token: str | None) -> list[dict]:
     e = cfg.eval
     results = []
     async with contextlib.AsyncExitStack() as stack:
-        envs = [await stack.enter_async_context(Environment(c, seed=cfg.seed)) for c in cfg.envs.eval]
-        pool = ServerPool(urls, cfg.model.name, admin_token)
-        stack.push_async_callback(pool.close)
-        await pool.start()
-        gen = Generator(pool, cfg.model.name, cfg.model.tokenizer or cfg.model.name)
+        envs = await open_environments(stack, cfg.envs.eval, cfg.seed)
+        gen = await start_generator(stack, cfg.model, urls, admin_token)
         if cfg.run is None:
             targets = [(0, None, None)]
         else:
@@ -127,7 +120,7 @@ async def eval_run(cfg, urls: list[str], admin_token: str | None) -> list[dict]:
                 log.info("policy %d already evaluated in %s", policy, out_path)
                 continue
             if folder is not None:
-                await pool.load_weights(str(folder), policy, digest)
+                await gen.pool.load_weights(str(folder), policy, digest)
             metrics = await evaluate(envs, gen, e, max_tokens=e.max_tokens or 1024, concurrency=256)
             record = {"policy": policy, "model": cfg.model.name if folder is None else str(folder), **metrics}
             with out_path.open("a") as f:

@@ -13,7 +13,11 @@ from __future__ import annotations
 import logging
 
 from primerl_protocol.rollouts import Rollout
+import contextlib
+
+from primerl_envs.config import EnvConfig
 from primerl_envs.environment import Environment, model_context
+from primerl_protocol.config import ModelConfig
 
 from primerl_orchestrator.servers import ServerPool
 
@@ -74,3 +78,26 @@ class Generator:
             attempt += 1
             self.retries += 1
             log.info("rollout %d (env %s) failed on %s; retrying on another server", sample_id, env.name, server.url)
+
+
+async def open_environments(stack: contextlib.AsyncExitStack, configs: list[EnvConfig], seed: int) -> list[Environment]:
+    """The environments of `configs`, started, and stopped when `stack` closes."""
+    return [await stack.enter_async_context(Environment(c, seed=seed)) for c in configs]
+
+
+async def start_generator(
+    stack: contextlib.AsyncExitStack,
+    model: ModelConfig,
+    urls: list[str],
+    admin_token: str | None,
+    *,
+    logprobs_mode: str | None = None,
+    any_policy: bool = False,
+    max_retries: int = 2,
+) -> Generator:
+    """A Generator over a started ServerPool of `urls` (closed when `stack` closes): the set-up
+    the training loop and `primerl eval` share. Raises NoServerError when none serves `model`."""
+    pool = ServerPool(urls, model.name, admin_token, logprobs_mode=logprobs_mode)
+    stack.push_async_callback(pool.close)
+    await pool.start(any_policy=any_policy)
+    return Generator(pool, model.name, model.tokenizer or model.name, max_retries=max_retries)

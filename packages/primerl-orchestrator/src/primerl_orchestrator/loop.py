@@ -48,13 +48,13 @@ from primerl_protocol import (
     Shutdown,
     TransportTimeout,
 )
-from primerl_protocol.checkpoints import latest_checkpoint
+from primerl_protocol.rundir import CheckpointError, latest_checkpoint
 from primerl_protocol.serving import LOGPROBS_MODE
 
 from primerl_orchestrator.batching import Group, build_step
+from primerl_orchestrator.config import OrchRunConfig
 from primerl_orchestrator.evals import evaluate
-from primerl_orchestrator.generate import AGENT_SLOTS, Generator
-from primerl_orchestrator.servers import ServerPool
+from primerl_orchestrator.generate import AGENT_SLOTS, open_environments, start_generator
 
 log = logging.getLogger("primerl.orchestrator")
 RATE_WINDOW = 10
@@ -66,7 +66,7 @@ class OrchestratorError(RuntimeError):
 
 
 class Orchestrator:
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: OrchRunConfig) -> None:
         o = cfg.orchestrator
         self.cfg, self.o = cfg, o
         self.G, self.T, self.k = o.group_size, o.batch_size // o.group_size, o.max_async_level
@@ -123,20 +123,17 @@ class Orchestrator:
             )
         self.out_dir.mkdir(parents=True, exist_ok=True)
         async with contextlib.AsyncExitStack() as stack:
-            self.envs = [await stack.enter_async_context(Environment(e, seed=cfg.seed)) for e in cfg.envs.train]
+            self.envs = await open_environments(stack, cfg.envs.train, cfg.seed)
             # eval environments are started only when online evals are on
-            self.eval_envs = [await stack.enter_async_context(Environment(e, seed=cfg.seed))
-                              for e in (cfg.envs.eval if self.o.eval.interval else [])]
+            self.eval_envs = await open_environments(stack, cfg.envs.eval if self.o.eval.interval else [], cfg.seed)
             self.by_name = {e.name: e for e in self.envs}
             self.mix = EnvMix(self.envs)
-            self.pool = ServerPool(cfg.inference.server_urls(), cfg.model.name, cfg.inference.resolved_admin_token(),
-                                   logprobs_mode=LOGPROBS_MODE)
-            stack.push_async_callback(self.pool.close)
             self._resume()
             # Resumed, the servers may serve anything: the trainer publishes its restored weights first.
-            await self.pool.start(any_policy=self.version is None)
-            self.gen = Generator(self.pool, cfg.model.name, cfg.model.tokenizer or cfg.model.name,
-                                 max_retries=self.o.max_retries)
+            self.gen = await start_generator(stack, cfg.model, cfg.inference.server_urls(),
+                                             cfg.inference.resolved_admin_token(), logprobs_mode=LOGPROBS_MODE,
+                                             any_policy=self.version is None, max_retries=self.o.max_retries)
+            self.pool = self.gen.pool
             self._open_sockets(stack)
             log.info(
                 "orchestrator: %d servers (%d healthy), %d x %d rollouts per step, max_async_level %d, from step %d",
@@ -170,7 +167,10 @@ class Orchestrator:
         stack.callback(self.policy_rx.close)
 
     def _resume(self) -> None:
-        found = latest_checkpoint(self.run_dir)
+        try:  # the trainer makes the same choice, from the same folders
+            found = latest_checkpoint(self.run_dir)
+        except CheckpointError as err:
+            raise OrchestratorError(str(err)) from None
         if found is None:
             return
         path, meta = found
@@ -437,7 +437,7 @@ class Orchestrator:
                 await sender.send(Shutdown(sender="orchestrator", reason=reason), timeout_s=1.0)
 
 
-def run(cfg) -> None:
+def run(cfg: OrchRunConfig) -> None:
     """`primerl-orch`: the orchestrator until max_steps (or until stopped)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     asyncio.run(Orchestrator(cfg).run())

@@ -13,7 +13,6 @@ inference server.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import threading
 import time
@@ -23,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from primerl_protocol import BatchMessage, PolicyMessage, PolicyReady, Receiver, Sender, Shutdown, TrainBatch
-from primerl_protocol.checkpoints import CHECKPOINTS, META, latest_checkpoint
+from primerl_protocol import rundir
 from primerl_protocol.weights import write_marker
 
 
@@ -73,7 +72,7 @@ class TrainerDouble:
               for r in range(t.trainer_ranks)]
         policy = Sender(t.policy_endpoint(), PolicyMessage, channel="policy", settings=t.sockets)
         try:
-            found = latest_checkpoint(self.run_dir)
+            found = rundir.latest_checkpoint(self.run_dir)
             step = 0 if found is None else found[1]["step"] + 1
             if step:
                 policy.send(self._publish(step - 1))
@@ -106,22 +105,24 @@ class TrainerDouble:
             policy.close(0)
 
     def _publish(self, step: int) -> PolicyReady:
-        root = Path(self.run_dir) / "weights"
-        final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+        root = Path(self.run_dir) / rundir.WEIGHTS
+        final, tmp = rundir.step_folder(root, step), rundir.staging_folder(root, step)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(self.model, tmp)
         files = [p.name for p in tmp.glob("*.safetensors")]
         digest = write_marker(tmp, step, files, time.time())
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        rundir.publish(tmp, final)
         self.published.append(step)
         return PolicyReady(step=step, location=str(final.resolve()), checksum=digest)
 
     def _checkpoint(self, step: int, orchestrator_state: dict) -> None:
-        folder = Path(self.run_dir) / CHECKPOINTS / f"step_{step}"
-        folder.mkdir(parents=True, exist_ok=True)
+        root = Path(self.run_dir) / rundir.CHECKPOINTS
+        final, tmp = rundir.step_folder(root, step), rundir.staging_folder(root, step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         meta = {"step": step, "world_size": 1, "data": {"next_step": step + 1, "orchestrator": orchestrator_state}}
-        (folder / META).write_text(json.dumps(meta))
+        rundir.write_meta(tmp, meta)
+        rundir.publish(tmp, final)
 
 
 class _GarbageHandler(BaseHTTPRequestHandler):

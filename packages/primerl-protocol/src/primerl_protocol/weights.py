@@ -1,10 +1,10 @@
 """The contract of a published weights folder, shared by the trainer that writes it and the
 inference servers that load it.
 
-A folder `weights/step_N` is complete when its marker `primerl.json` exists (written last,
-before the folder is renamed into place); the marker lists the weight files and their
-checksum: xxh3-128 over each file's name and bytes, in name order (several GB/s; blake2b's
-~1 GB/s alone took seconds for a 2B model).
+A folder `weights/step_N` (names, staging and renaming: rundir.py) is complete when its
+marker `primerl.json` exists (written last, before the folder is renamed into place); the
+marker lists the weight files and their checksum: xxh3-128 over each file's name and bytes,
+in name order (several GB/s; blake2b's ~1 GB/s alone took seconds for a 2B model).
 """
 
 from __future__ import annotations

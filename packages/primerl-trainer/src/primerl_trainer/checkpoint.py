@@ -2,8 +2,12 @@
 
 `run_dir/checkpoints/step_N/` holds the DCP shards of model and optimizer, one `rank{r}.pt`
 per rank (RNG states and anything rank-specific) and `meta.json` (step, world size, scheduler
-state, data position) written last. A checkpoint is written to `.step_N.tmp` and renamed when
-complete, so the newest `step_N` folder is always whole; `latest` finds it on restart.
+state, data position, and the size of every other file) written last. A checkpoint is written
+to `.step_N.tmp` and renamed when complete (the layout is primerl_protocol.rundir's). On
+restart rank 0 picks the newest usable checkpoint with the same function the orchestrator
+uses (`rundir.latest_checkpoint`: an unreadable newer one is skipped with a warning) and
+tells the other ranks; if that one then fails to load, the trainer stops naming it rather
+than quietly pick another one the orchestrator would not pick.
 """
 
 from __future__ import annotations
@@ -16,13 +20,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from primerl_protocol.checkpoints import CHECKPOINTS, checkpoint_dirs, durable_rename
+from primerl_protocol import rundir
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from primerl_trainer.distributed import Dist
 
 log = logging.getLogger("primerl.trainer")
+
+
+class SetupError(RuntimeError):
+    """The trainer cannot start: the model or the run directory is not usable (says which)."""
 
 
 def _rng_state() -> dict:
@@ -42,15 +51,28 @@ def _set_rng_state(state: dict) -> None:
 
 class Checkpointer:
     def __init__(self, run_dir: str | Path, keep: int, d: Dist):
-        self.root = Path(run_dir) / CHECKPOINTS
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / rundir.CHECKPOINTS
         self.keep, self.d = keep, d
 
     def latest(self) -> Path | None:
-        dirs = checkpoint_dirs(self.root.parent)
-        return dirs[-1] if dirs else None
+        """The checkpoint to resume from (the orchestrator's choice too), the same on every
+        rank; None for a fresh run. SetupError if there are checkpoints but none is usable."""
+        choice: list = [None]
+        if self.d.is_main:
+            try:
+                found = rundir.latest_checkpoint(self.run_dir)
+                choice[0] = ("ok", None if found is None else str(found[0]))
+            except rundir.CheckpointError as err:
+                choice[0] = ("error", str(err))
+        dist.broadcast_object_list(choice, src=0)
+        kind, value = choice[0]
+        if kind == "error":
+            raise SetupError(value)
+        return None if value is None else Path(value)
 
     def save(self, step: int, model, optimizer, scheduler, data: dict) -> Path:
-        final, tmp = self.root / f"step_{step}", self.root / f".step_{step}.tmp"
+        final, tmp = rundir.step_folder(self.root, step), rundir.staging_folder(self.root, step)
         if self.d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -61,16 +83,27 @@ class Checkpointer:
         self.d.barrier()
         if self.d.is_main:
             meta = {"step": step, "world_size": self.d.world_size, "scheduler": scheduler.state_dict(), "data": data}
-            (tmp / "meta.json").write_text(json.dumps(meta))
-            shutil.rmtree(final, ignore_errors=True)
-            durable_rename(tmp, final)
-            self._prune()
+            rundir.write_meta(tmp, meta)
+            rundir.publish(tmp, final)
+            self._drop_newer(step)
+            rundir.prune(self.root, self.keep, rundir.META)
         self.d.barrier()
         return final
 
     def load(self, path: Path, model, optimizer, scheduler) -> dict:
-        """Restore everything from `path`; returns meta.json (step, data position, ...)."""
-        meta = json.loads((path / "meta.json").read_text())
+        """Restore everything from `path`; returns meta.json (step, data position, ...).
+        SetupError naming the folder if anything in it cannot be loaded."""
+        try:
+            return self._load(path, model, optimizer, scheduler)
+        except (Exception, dcp.CheckpointException) as err:  # the latter is a BaseException
+            last = (str(err).strip().splitlines() or [""])[-1]  # DCP's errors carry each rank's traceback
+            raise SetupError(
+                f"cannot resume from checkpoint {path} ({type(err).__name__}: {last}); the orchestrator resumes "
+                f"from the same one: to resume from the one before, move {path.name} out of {path.parent}"
+            ) from err
+
+    def _load(self, path: Path, model, optimizer, scheduler) -> dict:
+        meta = json.loads((path / rundir.META).read_text())
         if meta["world_size"] != self.d.world_size:
             log.warning(
                 "%s was written by %d ranks, resuming on %d: model and optimizer are resharded, "
@@ -86,8 +119,11 @@ class Checkpointer:
             _set_rng_state(torch.load(rank_file, weights_only=False)["rng"])
         return meta
 
-    def _prune(self) -> None:
-        if not self.keep:
-            return
-        for old in checkpoint_dirs(self.root.parent)[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _drop_newer(self, step: int) -> None:
+        """Checkpoints newer than the one just written were skipped at resume as unusable and
+        belong to a history this run left; kept, they would count against `keep` (and push
+        out the good ones) and could be picked on a later restart."""
+        for n, folder in rundir.complete_steps(self.root, rundir.META):
+            if n > step:
+                log.warning("removing %s: newer than the resumed run's step %d, skipped when it resumed", folder, step)
+                shutil.rmtree(folder, ignore_errors=True)

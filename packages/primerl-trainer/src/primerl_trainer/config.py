@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 from primerl_algos.config import LossConfig
-from primerl_protocol.config import Config, NonNegative, Positive
+from primerl_protocol.config import Config, NonNegative, Positive, SharedConfig
 
 
 class OptimizerConfig(Config):
@@ -92,3 +92,20 @@ class SFTDataConfig(Config):
     """Shuffle the data each epoch (seeded by the shared seed)."""
     eval_interval: NonNegative = 0
     """Score the eval split every this many steps (0: only at the end)."""
+
+
+class TrainerRunConfig(SharedConfig):
+    """The RL trainer's root config (`primerl-trainer`; `primerl_trainer.rl.train`): the shared
+    values and its own section."""
+
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    """The FSDP2 trainer: optimizer, schedule, loss, checkpoints, weight publishing."""
+
+
+class SFTRunConfig(SharedConfig, kw_only=True):
+    """The SFT trainer's root config (`primerl_trainer.sft.train`)."""
+
+    data: SFTDataConfig
+    """Training data (JSONL/Parquet with prompt/completion or messages)."""
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    """The FSDP2 trainer (its loss section is not used)."""

@@ -2,6 +2,12 @@
 
 World size 1 runs the same code as world size N: without torchrun's environment a one-rank
 group is made on a free local port, so FSDP2, DCP and every collective work unchanged.
+
+Stopping together: a rank that fails leaves a note in the group's key-value store (`post_note`)
+and exits at once (`shutdown(wait=False)`: no barrier, which would pair with whatever
+collective another rank is in, or wait 30 minutes). A rank waiting for data reads the notes
+between short polls (`read_note`), so it stops within seconds; a rank inside a collective is
+freed by gloo noticing the peer's closed connection, or by torchrun ending the job.
 """
 
 from __future__ import annotations
@@ -67,9 +73,53 @@ def all_reduce_max(value: float, d: Dist) -> float:
     return float(t.item())
 
 
-def shutdown() -> None:
-    """Leave the process group together: no rank tears it down while another still uses it."""
-    if dist.is_initialized():
+def all_gather_objects(value, d: Dist) -> list:
+    """Every rank's `value` (picklable), in rank order, on every rank."""
+    out = [None] * d.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+# Kinds of notes: "failed" (a rank cannot go on; everyone leaves now) and "stopping" (a rank
+# was told to stop; the others join it at their next agreement on the batch).
+NOTE_KINDS = ("failed", "stopping")
+
+
+def _store() -> dist.Store:
+    # The default group's store (the TCPStore the group was made with): it answers without a
+    # collective, so it works while other ranks are stuck in one. Torch has no public getter.
+    return dist.distributed_c10d._get_default_store()
+
+
+def post_note(kind: str, text: str) -> str:
+    """Leave `text` for every rank under `kind`; the first note of a kind wins and is returned.
+    Best effort: a store that is gone is logged by the caller's own error, not raised here."""
+    assert kind in NOTE_KINDS, kind
+    try:
+        if (first := read_note(kind)) is not None:
+            return first
+        _store().set(f"primerl/{kind}", text)
+    except RuntimeError:  # DistStoreError and friends: the store's host has exited
+        pass
+    return text
+
+
+def read_note(kind: str) -> str | None:
+    """The note of `kind`, or None; a store that cannot be reached reads as a failure."""
+    assert kind in NOTE_KINDS, kind
+    key = f"primerl/{kind}"
+    try:
+        store = _store()
+        return store.get(key).decode() if store.check([key]) else None
+    except RuntimeError as err:
+        return f"the process group's store cannot be reached ({err}): another rank has exited"
+
+
+def shutdown(wait: bool = True) -> None:
+    """Leave the process group. `wait`: together, so no rank tears it down while another still
+    uses it. Without (this rank failed): at once; the group is left to the process's exit, as
+    destroying it could wait on work that will never finish."""
+    if dist.is_initialized() and wait:
         try:
             dist.barrier()
         finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,11 +25,12 @@ import torch
 from primerl_algos.losses import mean_metrics
 from primerl_protocol import MicroBatch, PolicyReady
 
-from primerl_trainer.checkpoint import Checkpointer
+from primerl_trainer.checkpoint import Checkpointer, SetupError
+from primerl_trainer.config import SFTRunConfig, TrainerRunConfig
 from primerl_trainer.distributed import all_reduce_sum, init_distributed, shutdown
 from primerl_trainer.metrics import MetricsLogger
-from primerl_trainer.model import load_for_training
 from primerl_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+from primerl_trainer.placement import load_for_training
 from primerl_trainer.publish import FolderPublisher
 
 log = logging.getLogger("primerl.trainer")
@@ -68,12 +70,8 @@ def token_logprobs(model, mb: MicroBatch, device: torch.device) -> tuple[torch.T
     return torch.cat([zero, logprobs[0, :-1]]), torch.cat([zero, entropy[0, :-1]])
 
 
-class SetupError(RuntimeError):
-    """The trainer cannot start: the model or the run directory is not usable (says which)."""
-
-
 class Session:
-    def __init__(self, cfg, job: str):
+    def __init__(self, cfg: TrainerRunConfig | SFTRunConfig, job: str):
         self.cfg, self.tcfg = cfg, cfg.trainer
         self.d = d = init_distributed()
         self.run_dir = Path(cfg.run_dir)
@@ -179,6 +177,11 @@ class Session:
     def log(self, step: int, metrics: dict) -> None:
         self.metrics.log(step, metrics)
 
-    def close(self) -> None:
+    def close(self, failed: bool | None = None) -> None:
+        """Close the metrics and leave the process group: together after success, at once after
+        a failure (no barrier: the other ranks may wait in another collective, or be gone).
+        `failed` None: whether an exception is on its way out (the caller's `finally`)."""
+        if failed is None:
+            failed = sys.exc_info()[1] is not None
         self.metrics.close()
-        shutdown()
+        shutdown(wait=not failed)

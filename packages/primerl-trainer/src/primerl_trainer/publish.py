@@ -21,8 +21,7 @@ from typing import Protocol
 
 import torch
 from primerl_models import save_hf
-from primerl_protocol import PolicyReady
-from primerl_protocol.checkpoints import durable_rename
+from primerl_protocol import PolicyReady, rundir
 from primerl_protocol.weights import write_marker
 
 from primerl_trainer.distributed import Dist
@@ -42,7 +41,7 @@ class WeightPublisher(Protocol):
 
 class FolderPublisher:
     def __init__(self, run_dir: str | Path, source: Path, hf_config: dict, keep: int, dtype: torch.dtype, d: Dist):
-        self.root = Path(run_dir) / "weights"
+        self.root = Path(run_dir) / rundir.WEIGHTS
         self.source, self.hf_config, self.keep, self.dtype, self.d = source, hf_config, keep, dtype, d
         self.last_timing: dict[str, float] = {}
         self.last: PolicyReady | None = None
@@ -70,8 +69,7 @@ class FolderPublisher:
         if not self.d.is_main:
             return None
         t1 = time.monotonic()
-        final = self.root / f"step_{step}"
-        tmp = self.root / f".step_{step}.tmp"
+        final, tmp = rundir.step_folder(self.root, step), rundir.staging_folder(self.root, step)
         shutil.rmtree(tmp, ignore_errors=True)
         config = dict(self.hf_config, torch_dtype=str(self.dtype).removeprefix("torch."))
         files = [p.name for p in save_hf(state, config, tmp)]
@@ -82,9 +80,8 @@ class FolderPublisher:
         digest = write_marker(tmp, step, files, time.time())
         t3 = time.monotonic()
         self.last_timing = {"gather": t1 - t0, "write": t2 - t1, "checksum": t3 - t2}
-        shutil.rmtree(final, ignore_errors=True)
-        durable_rename(tmp, final)
-        self._prune()
+        rundir.publish(tmp, final)
+        rundir.prune(self.root, self.keep)
         self.last = PolicyReady(step=step, location=str(final.resolve()), checksum=digest)
         return self.last
 
@@ -93,8 +90,3 @@ class FolderPublisher:
         if not self.d.is_main or self.last is None:
             return None
         return PolicyReady(step=step, location=self.last.location, checksum=self.last.checksum)
-
-    def _prune(self) -> None:
-        steps = sorted(int(p.name.removeprefix("step_")) for p in self.root.glob("step_*") if p.name[5:].isdigit())
-        for old in steps[: -self.keep]:
-            shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)

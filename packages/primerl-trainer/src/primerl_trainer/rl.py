@@ -2,20 +2,33 @@
 
     torchrun --nproc-per-node 8 -m primerl.trainer_entry @ run.toml
 
-Each step: receive this rank's TrainBatch over ZeroMQ (all ranks agree to drop a batch that
-fails validation and wait for the step's next one), compute the trainer's logprobs of every
+Each step: receive this rank's TrainBatch over ZeroMQ, compute the trainer's logprobs of every
 token at its sampling temperature, the configured loss normalised over the global batch,
 backward, clip, AdamW; publish the weights (PolicyReady to the orchestrator); checkpoint every
 K steps and at the end, with the orchestrator's resume state that came with the step's batch.
 Metrics the orchestrator sent with the batch are logged with the trainer's own, on one step
 axis. A restart on the same run directory resumes from the newest checkpoint and first
-publishes the restored weights, so inference serves them again. If no batch arrives within `transport.sockets.recv_timeout_s` (the orchestrator is
-gone), the trainer stops with a clear error and keeps its checkpoints.
+publishes the restored weights, so inference serves them again.
+
+Stopping, always together (one collective after each receive decides for every rank):
+- a `Shutdown` from the orchestrator, to any rank, ends training cleanly on all of them (with a
+  final checkpoint); a rank still waiting for its batch learns of it from a note in the
+  process group's store, which it reads between one-second polls;
+- a batch that fails validation on any rank (or comes for a later step: one was lost) is
+  refused: nothing is trained, rank 0 sends `Shutdown(sender="trainer")` naming the step, the
+  rank and the problem, and every rank raises TrainerError with that reason. The orchestrator
+  sends nothing twice, so waiting for another batch would wait for ever;
+- any other failure of a rank (a full disk while writing weights, say) is noted in the store for
+  the others, rank 0 tells the orchestrator (best effort, 1 s), and the rank exits without a
+  barrier; torchrun ends the rest;
+- no batch within `transport.sockets.recv_timeout_s` (the orchestrator is gone): a clear error.
+Checkpoints already written are always kept; a rerun resumes from the newest.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -34,7 +47,8 @@ from primerl_protocol import (
     TransportTimeout,
 )
 
-from primerl_trainer.distributed import Dist, all_reduce_max
+from primerl_trainer.config import TrainerRunConfig
+from primerl_trainer.distributed import Dist, all_gather_objects, all_reduce_max, post_note, read_note
 from primerl_trainer.engine import Session, token_logprobs
 
 log = logging.getLogger("primerl.trainer")
@@ -46,6 +60,8 @@ class TrainerError(RuntimeError):
 
 def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_row_tokens: int) -> str | None:
     """Why this rank's batch cannot be trained on (naming the sample), or None."""
+    if batch.step != step:
+        return f"got a batch for step {batch.step} while expecting step {step}: a step was skipped"
     if batch.rank != d.rank or batch.num_ranks != d.world_size:
         return f"batch for rank {batch.rank} of {batch.num_ranks} arrived at rank {d.rank} of {d.world_size}"
     if not batch.micro_batches:
@@ -86,6 +102,13 @@ def _sample_at(mb: MicroBatch, t: int) -> int:
     return int(mb.sample_ids[int(np.searchsorted(np.cumsum(mb.seq_lens), t, side="right"))])
 
 
+POLL_S = 1.0
+"""How long a rank waiting for its batch listens before it looks at the other ranks' notes."""
+
+# Votes after a receive, agreed by their maximum over ranks.
+_TRAIN, _STOP, _REFUSE = 0.0, 1.0, 2.0
+
+
 @dataclass
 class StepData:
     batch: TrainBatch
@@ -95,45 +118,66 @@ class StepData:
 class BatchSource:
     """This rank's batches, validated in agreement with the other ranks."""
 
-    def __init__(self, cfg, d: Dist, vocab_size: int, max_row_tokens: int):
+    def __init__(self, cfg: TrainerRunConfig, d: Dist, vocab_size: int, max_row_tokens: int):
         t = cfg.transport
         self.receiver = Receiver(t.batch_endpoint(d.rank), BatchMessage, channel=f"batches/rank{d.rank}", settings=t.sockets)
         self.timeout_s = t.sockets.recv_timeout_s
         self.d, self.vocab_size, self.max_row_tokens = d, vocab_size, max_row_tokens
-        self.num_refused = 0
 
     def next(self, step: int) -> StepData | None:
-        """The batch of `step`, or None when the orchestrator said it is shutting down."""
+        """The batch of `step`, or None when the orchestrator told any rank it is shutting down.
+
+        Every rank decides the same in one collective (or the ones that train would wait for
+        ever in the next): stop if any rank was told to, else refuse if any rank's batch is bad
+        (TrainerError naming the step, the ranks and their problems), else train."""
         start = time.monotonic()
+        msg = self._receive(step)
+        problem = None if msg is None else validate_batch(msg, step, self.d, self.vocab_size, self.max_row_tokens)
+        verdict = all_reduce_max(_STOP if msg is None else _REFUSE if problem else _TRAIN, self.d)
+        if verdict == _STOP:
+            log.info("stopping: %s", read_note("stopping"))
+            return None
+        if verdict == _REFUSE:
+            problems = all_gather_objects(problem, self.d)
+            raise TrainerError(
+                f"refused the batch for step {step}: "
+                + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+                + ". The orchestrator sent data the trainer cannot train on; the trainer stops "
+                "(checkpoints in the run directory are kept)."
+            )
+        return StepData(msg, time.monotonic() - start)
+
+    def _receive(self, step: int) -> TrainBatch | None:
+        """This rank's batch for `step` (not validated yet), or None when told to stop: by a
+        Shutdown, or by another rank's note that it got one. Raises TrainerError when another
+        rank failed or nothing came within recv_timeout_s."""
+        deadline = time.monotonic() + self.timeout_s
         while True:
-            try:
-                msg = self.receiver.recv(timeout_s=self.timeout_s)
-            except TransportTimeout as err:
+            if (failure := read_note("failed")) is not None:
+                raise TrainerError(f"rank {self.d.rank} stopped waiting for the batch of step {step}: {failure}")
+            if read_note("stopping") is not None:
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise TrainerError(
-                    f"no batch for step {step} from the orchestrator ({err}); is it still running? "
-                    "The checkpoints in the run directory are kept; rerun to resume."
-                ) from None
+                    f"rank {self.d.rank}: no batch for step {step} from the orchestrator within "
+                    f"{self.timeout_s:.0f}s (transport.sockets.recv_timeout_s, socket '{self.receiver.channel}'); "
+                    "is it still running? The checkpoints in the run directory are kept; rerun to resume."
+                )
+            try:
+                msg = self.receiver.recv(timeout_s=min(POLL_S, remaining))
+            except TransportTimeout:
+                continue
             match msg:
                 case Heartbeat():
                     continue
                 case Shutdown(reason=reason):
-                    log.info("orchestrator is shutting down (%s)", reason or "no reason given")
+                    post_note("stopping", f"the orchestrator is shutting down ({reason or 'no reason given'}; told rank {self.d.rank})")
                     return None
                 case TrainBatch() if msg.step < step:
                     log.warning("dropped a batch for step %d (stale: expecting step %d)", msg.step, step)
                     continue
-                case TrainBatch() if msg.step > step:
-                    raise TrainerError(f"got a batch for step {msg.step} while expecting step {step}: a step was skipped")
-            problem = validate_batch(msg, step, self.d, self.vocab_size, self.max_row_tokens)
-            # Every rank must agree, or the ones that train would wait forever in collectives.
-            if all_reduce_max(1.0 if problem else 0.0, self.d):
-                self.num_refused += 1
-                log.error(
-                    "refused the batch for step %d%s; waiting for another",
-                    step, f" (rank {self.d.rank}: {problem})" if problem else " (another rank's was bad)",
-                )
-                continue
-            return StepData(msg, time.monotonic() - start)
+            return msg
 
     def close(self) -> None:
         self.receiver.close(linger_ms=0)
@@ -166,7 +210,23 @@ def tell(policy: Sender, ready) -> None:
         log.error("the orchestrator did not take PolicyReady(step %d): %s", ready.step, err)
 
 
-def train(cfg) -> None:
+def tell_stopped(policy: Sender, reason: str) -> None:
+    """Best effort: tell the orchestrator the trainer stops, so it does not wait for a policy
+    that will never come (it stops with `reason`). Closes `policy`."""
+    try:
+        policy.send(Shutdown(sender="trainer", reason=reason), timeout_s=1.0)
+    except Exception as err:  # no orchestrator, or its socket is gone: nothing more to do
+        log.error("could not tell the orchestrator that the trainer stops: %s", err)
+    # ZeroMQ sends from its own thread, and the trainer command leaves with os._exit, which
+    # would drop a message still queued: terminating the context waits until it is out (up to
+    # the 1 s linger). Bounded, in case another socket of this process is still open.
+    policy.close(linger_ms=1000)
+    flush = threading.Thread(target=policy.socket.context.term, daemon=True)
+    flush.start()
+    flush.join(timeout=2.0)
+
+
+def train(cfg: TrainerRunConfig) -> None:
     """Run the RL trainer with a root config (shared values + `trainer`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     session = Session(cfg, job="rl")
@@ -177,7 +237,7 @@ def train(cfg) -> None:
         Sender(cfg.transport.policy_endpoint(), PolicyMessage, channel="policy", settings=cfg.transport.sockets)
         if d.is_main else None
     )
-    step = session.start_step
+    step, failed = session.start_step, True
     try:
         if step > 0:
             # Resumed: inference may serve anything (a fresh server, or weights of steps this
@@ -201,18 +261,26 @@ def train(cfg) -> None:
                 **batch.metrics,
                 **stats,
                 "policy_lag_s": time.time() - batch.created_at,
-                "batches_refused": source.num_refused,
                 "time_data": data.wait_s,
                 "time_publish": publish_s,
             })
             step += 1
         if step > session.start_step and not checkpointed:
             session.maybe_checkpoint(step - 1, {"next_step": step, "orchestrator": batch.state}, final=True)
-    except TrainerError as err:
-        log.error("%s", err)
+        failed = False
+    except BaseException as err:
+        if isinstance(err, TrainerError):  # its message names the rank and step
+            log.error("%s", err)
+            own = str(err)
+        else:  # the traceback follows on its way out
+            own = f"rank {d.rank} failed at step {step}: {type(err).__name__}: {err}"
+        reason = post_note("failed", own)  # the first failure of any rank: the cause, not an echo
+        if policy is not None:
+            source.close()
+            tell_stopped(policy, reason)
         raise
     finally:
         source.close()
         if policy is not None:
             policy.close()
-        session.close()
+        session.close(failed=failed)

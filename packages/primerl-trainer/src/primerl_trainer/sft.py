@@ -21,6 +21,7 @@ import torch
 from primerl_algos.packing import build_micro_batch, plan_packing
 from primerl_algos.types import Sample
 
+from primerl_trainer.config import SFTRunConfig
 from primerl_trainer.distributed import all_reduce_sum
 from primerl_trainer.engine import Session, token_logprobs
 from primerl_trainer.sft_data import load_samples
@@ -89,7 +90,7 @@ def evaluate(session: Session, samples: list[Sample], row_tokens: int) -> float:
     return total / max(count, 1.0)
 
 
-def train(cfg) -> None:
+def train(cfg: SFTRunConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     session = Session(cfg, job="sft")
     d = session.d

@@ -17,11 +17,13 @@ from pathlib import Path
 import numpy as np
 from primerl_protocol import (
     BatchMessage,
+    Heartbeat,
     MicroBatch,
     PolicyMessage,
     PolicyReady,
     Receiver,
     Sender,
+    Shutdown,
     SocketSettings,
     TrainBatch,
 )
@@ -105,17 +107,27 @@ class FakeOrchestrator:
             if isinstance(msg, PolicyReady):
                 return msg
 
+    def next_policy_message(self, timeout_s: float = 120.0) -> PolicyReady | Shutdown:
+        """The trainer's next PolicyReady or Shutdown (heartbeats skipped)."""
+        while True:
+            msg = self.policy.recv(timeout_s=timeout_s)
+            if not isinstance(msg, Heartbeat):
+                return msg
+
     def close(self) -> None:
         for s in self.senders:
             s.close(0)
         self.policy.close(0)
 
 
-def launch_trainer(config: Path, num_ranks: int, log_file: Path) -> subprocess.Popen:
-    """The real trainer under torchrun, in the background; output goes to `log_file`."""
+def launch_trainer(config: Path, num_ranks: int, log_file: Path, entry: tuple[str, ...] = ("-m", "primerl.trainer_entry"),
+                   env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The real trainer under torchrun, in the background; output goes to `log_file`.
+    `entry`: what torchrun runs on each rank (a test's own entry script, say), given `@ config`;
+    `env`: extra environment variables."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={num_ranks}",
-        f"--master-port={free_port_block(1)}", "-m", "primerl.trainer_entry", "@", str(config),
+        f"--master-port={free_port_block(1)}", *entry, "@", str(config),
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.Popen(cmd, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env=env)

@@ -2,7 +2,7 @@
 
 import torch
 from primerl_models import load_model
-from primerl_models.checkpointing import apply_activation_checkpointing
+from primerl_trainer.placement import apply_activation_checkpointing
 from primerl_models.tiny import build_tiny_model
 
 
