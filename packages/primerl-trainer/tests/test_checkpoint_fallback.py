@@ -2,18 +2,11 @@
 usable one, the same one the orchestrator's `rundir.latest_checkpoint` picks; it stops naming
 the folder when the chosen one still fails to load, and refuses to start from scratch when
 checkpoints exist but none is usable. Real DCP checkpoints on a real gloo process group (one
-rank in-process; two ranks under torchrun for the SFT resume)."""
-
-import json
-import os
-import random
-import subprocess
-import sys
+rank in-process; the end-to-end SFT resume on two ranks is in test_sft.py)."""
 
 import pytest
 import torch
 import torch.distributed as dist
-from primerl_models.tiny import build_tiny_model
 from primerl_protocol import rundir
 from primerl_trainer.checkpoint import Checkpointer
 from primerl_trainer.distributed import init_distributed
@@ -128,53 +121,3 @@ def test_the_first_save_after_falling_back_removes_the_skipped_newer_ones(tmp_pa
     ckpt.save(4, model, opt, sched, {"next_step": 5})
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_4"]
     assert orchestrators_choice(tmp_path).name == "step_4"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", hidden_size=64, num_layers=2,
-                            alphabet="abcdefghij :", init_std=0.05)
-
-
-def run_sft(tmp_path, model_dir, run_dir, max_steps):
-    rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 8))) for _ in range(64)]
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps({"prompt": w, "completion": w[::-1]}) for w in words))
-    cfg = tmp_path / f"sft-{max_steps}.toml"
-    cfg.write_text(f"""
-seq_len = 128
-max_steps = {max_steps}
-run_dir = "{run_dir}"
-[model]
-name = "{model_dir}"
-[wandb]
-mode = "disabled"
-[data]
-path = "{tmp_path / 'train.jsonl'}"
-batch_size = 8
-[trainer]
-dtype = "float32"
-[trainer.checkpoint]
-interval = 4
-""")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port_block(1)}",
-           "-m", "primerl.sft_entry", "@", str(cfg)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def test_sft_resumes_from_the_previous_checkpoint_when_the_newest_is_garbage(tmp_path, model_dir):
-    run_dir = tmp_path / "run"
-    out = run_sft(tmp_path, model_dir, run_dir, 8)  # checkpoints after steps 3 and 7
-    assert out.returncode == 0, out.stdout + out.stderr
-    newest = run_dir / "checkpoints" / "step_7"
-    (newest / "meta.json").write_bytes(b"\x00\xff garbage")
-    out = run_sft(tmp_path, model_dir, run_dir, 8)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log
-    assert f"checkpoint {newest} is not usable" in log, log
-    assert "step_3; continuing at step 4" in log, log  # the restored step is the previous checkpoint's
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [*range(8), 4, 5, 6, 7], log
-    first, again = {r["step"]: r["loss"] for r in rows[:8]}, {r["step"]: r["loss"] for r in rows[8:]}
-    assert max(abs(first[s] - again[s]) for s in again) < 1e-6, (first, again)  # steps 4-7 replayed exactly
-    assert rundir.read_checkpoint(newest)["step"] == 7  # rewritten whole by the resumed run

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import transformers
 from primerl_models.tiny import build_tiny_model
+from primerl_protocol.rundir import read_checkpoint
 from primerl_trainer.sft_data import DataError, load_samples, read_rows, tokenize
 from primerl_trainer.testing import free_port_block
 
@@ -127,7 +128,8 @@ def test_sft_on_two_ranks_lowers_the_loss(tmp_path, model_dir):
 
 
 def test_sft_resumes_with_the_next_batch(tmp_path, model_dir):
-    """8 steps straight vs 4, stop, 4 more: same losses (data position, RNG, optimizer)."""
+    """8 steps straight vs 4, stop, 4 more: same losses (data position, RNG, optimizer); then
+    again with the newest checkpoint unreadable."""
     write_data(tmp_path)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_sft(sft_config(tmp_path, model_dir, straight, 8, interval=4))
@@ -141,3 +143,13 @@ def test_sft_resumes_with_the_next_batch(tmp_path, model_dir):
     a, b = losses(straight), losses(resumed)
     assert len(a) == len(b) == 8
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (a, b)
+    # the newest checkpoint (step 7) made unreadable: the rerun falls back to step 3 with a
+    # warning and trains steps 4-7 again, exactly, rewriting step 7 whole
+    newest = resumed / "checkpoints" / "step_7"
+    (newest / "meta.json").write_bytes(b"\x00\xff garbage")
+    out = run_sft(sft_config(tmp_path, model_dir, resumed, 8, interval=4))
+    log = out.stdout + out.stderr
+    assert f"checkpoint {newest} is not usable" in log and "step_3; continuing at step 4" in log, log
+    c = losses(resumed)
+    assert len(c) == 12 and max(abs(x - y) for x, y in zip(a[4:], c[8:])) < 1e-6, (a, c)
+    assert read_checkpoint(newest)["step"] == 7
