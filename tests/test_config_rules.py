@@ -1,5 +1,7 @@
 """Rules every config section of every package keeps, checked over each command's root."""
 
+import re
+
 import msgspec
 import pytest
 from msgspec import inspect as mi
@@ -11,7 +13,7 @@ from primerl.configs import (
     SFTConfig,
     TrainerRunConfig,
 )
-from primerl_protocol.config import field_docs
+from primerl_protocol.config import ConfigError, field_docs, load_config
 
 ROOTS = [RLConfig, SFTConfig, EvalConfig, TrainerRunConfig, OrchRunConfig, InferenceRunConfig]
 
@@ -53,3 +55,61 @@ def test_optional_fields_default_to_none(cls):
         may_be_none = isinstance(f.type, mi.UnionType) and any(isinstance(t, mi.NoneType) for t in f.type.types)
         if may_be_none and not f.required:
             assert f.default is None, f"{cls.__qualname__}.{f.name} may be None but defaults to {f.default!r}"
+
+
+# -- cross-checks between keys (the __post_init__ of the config Structs) --------------------
+# Refusals already covered elsewhere: truncated sampling and temperature 0
+# (test_orchestrator_units.py), the transport's loopback rule (test_transport_auth.py), too few
+# inference GPUs (test_server_command.py), and one refused value each of micro_batch_tokens and
+# weights.keep through `primerl rl` (apps/primerl/tests/test_cli.py). Here: the rest, each
+# through the loader (the message must name the key it is about), and each at its boundary.
+
+
+def load(root, *overrides):
+    return load_config(root, ["model.name=m", *overrides])
+
+
+@pytest.mark.parametrize("root", [RLConfig, OrchRunConfig])
+@pytest.mark.parametrize("batch_size, group_size", [(12, 8), (4, 8), (9, 2), (255, 8)])
+def test_batch_size_must_be_a_multiple_of_group_size(root, batch_size, group_size):
+    overrides = [f"orchestrator.batch_size={batch_size}", f"orchestrator.group_size={group_size}"]
+    with pytest.raises(ConfigError) as err:
+        load(root, *overrides)
+    message = str(err.value)
+    assert message.startswith("config key `orchestrator`: ")
+    assert f"batch_size ({batch_size}) must be a multiple of group_size ({group_size})" in message
+
+
+@pytest.mark.parametrize("batch_size, group_size", [(16, 8), (8, 8), (7, 1), (256, 8)])
+def test_batch_sizes_that_are_whole_groups_are_accepted(batch_size, group_size):
+    cfg = load(RLConfig, f"orchestrator.batch_size={batch_size}", f"orchestrator.group_size={group_size}")
+    assert (cfg.orchestrator.batch_size, cfg.orchestrator.group_size) == (batch_size, group_size)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["orchestrator.advantage.type=grpoo"],
+     "config key `orchestrator.advantage`: unknown advantage 'grpoo': built-in ones are drgrpo, grpo, maxrl, rloo"),
+    (["trainer.loss.type=gspoo"],
+     "config key `trainer.loss`: unknown loss 'gspoo': built-in ones are aipo, cispo, dppo, gspo, ppo"),
+    (["inference.num_replicas=2", "inference.tensor_parallel_size=2", "inference.gpus=[0, 1, 2]"],
+     "config key `inference`: gpus lists 3 GPUs, but 2 replicas x 2 GPUs each need 4"),
+    (["seq_len=1024", "trainer.micro_batch_tokens=1023"],
+     "trainer.micro_batch_tokens = 1023 is below seq_len = 1024"),
+    (["orchestrator.max_async_level=2", "trainer.weights.keep=2"],
+     "trainer.weights.keep = 2 with orchestrator.max_async_level = 2: .* set trainer.weights.keep >= 3"),
+], ids=["advantage", "loss", "gpus", "rows-one-short", "keep-equal"])
+def test_cross_checks_refuse_naming_the_keys(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load(RLConfig, *overrides)
+    assert re.search(message, str(err.value)), str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["seq_len=1024", "trainer.micro_batch_tokens=1024"],  # rows exactly seq_len long
+    ["orchestrator.max_async_level=2", "trainer.weights.keep=3"],  # one folder more than the window
+    ["orchestrator.max_async_level=0", "trainer.weights.keep=1"],  # on-policy keeps one
+    ["inference.num_replicas=2", "inference.tensor_parallel_size=2", "inference.gpus=[4, 5, 6, 7]"],
+    ["orchestrator.advantage.type=my_pkg.adv:fn", "trainer.loss.type=my_pkg.loss:fn"],  # plugins pass
+], ids=["rows-equal", "keep-one-more", "keep-on-policy", "gpus-exact", "plugins"])
+def test_cross_checks_accept_their_boundary(overrides):
+    load(RLConfig, *overrides)

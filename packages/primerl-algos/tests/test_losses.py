@@ -197,3 +197,54 @@ def test_a_tiny_float32_mismatch_is_measured_not_rounded_to_zero():
     x.inference_logprobs = x.inference_logprobs.float()
     _, _, m = run(x)
     assert mean_metrics([m])["mismatch_kl"] == pytest.approx(2e-10, rel=0.1)
+
+
+def test_gspo_sequence_ratio_is_over_the_trained_tokens_of_a_partly_masked_packed_row():
+    # One packed row of three multi-turn sequences; False: a token not trained on (a tool's
+    # output, a user turn). The masked tokens' log-ratios are large, so counting them anywhere
+    # (the mean's sum, or its count) would move or clip the sequence ratio.
+    #   seq 1, A = +1: log-ratios [0.1, (2.0), 0.2, 0.0] -> s = exp(0.3 / 3) = e^0.1 = 1.105, inside [0.8, 1.28]
+    #   seq 2, A = -1: log-ratios [(-3.0), -0.1, -0.3]    -> s = exp(-0.4 / 2) = e^-0.2 = 0.819, inside
+    #   seq 3, A = +1: nothing trained                     -> no loss
+    # (over all tokens: seq 1 s = e^0.575 clipped at 1.28, seq 2 s = e^-1.133 clipped at 0.8)
+    log_ratio = [0.1, 2.0, 0.2, 0.0, -3.0, -0.1, -0.3, 0.5, 0.5]
+    mu = [-0.5, -1.0, -2.0, -0.7, -0.1, -1.5, -0.9, -0.3, -1.2]
+    mask = [True, False, True, True, False, True, True, False, False]
+    adv = [1.0] * 4 + [-1.0] * 3 + [1.0] * 2
+    x = inputs([m + d for m, d in zip(mu, log_ratio)], mu, adv, mask=mask, seq_lens=[4, 3, 2])
+    loss, grad, m = run(x, scale=LossScale(tokens=5, sequences=3), type="gspo", eps_low=0.2, eps_high=0.28)
+    s1, s2 = math.exp(0.1), math.exp(-0.2)
+    # per sequence: the mean over its trained tokens of -min(s A, clip(s) A) = -s A; over 3 sequences
+    assert loss == pytest.approx((-s1 + s2) / 3)
+    # d/dpi_t of a trained token: -s A / (trained tokens of its sequence) / sequences
+    assert grad == pytest.approx([-s1 / 3 / 3, 0.0, -s1 / 3 / 3, -s1 / 3 / 3, 0.0, s2 / 2 / 3, s2 / 2 / 3, 0.0, 0.0])
+    assert (m["clipped_low"].item(), m["clipped_high"].item(), m["loss_tokens"].item()) == (0, 0, 5)
+
+
+@pytest.mark.parametrize("normalization", ["tokens", "sequence"])
+@pytest.mark.parametrize("kind", BUILTIN_LOSSES)
+def test_a_masked_out_tokens_logprobs_change_nothing(kind, normalization):
+    # Two sequences of a packed row, each partly trained; token 1 and token 5 are not trained.
+    mu = [-1.0, -0.4, -2.0, -0.6, -1.3, -0.2, -0.8]
+    pi = [-0.9, -0.5, -1.8, -0.7, -1.2, -0.3, -0.75]
+    mask = [True, False, True, True, True, False, True]
+    adv = [0.7] * 3 + [-1.3] * 4  # one advantage per sequence, as rollouts have
+
+    def result(pi, mu):
+        x = inputs(pi, mu, adv, mask=mask, seq_lens=[3, 4])
+        loss, grad, m = run(x, scale=LossScale(tokens=5, sequences=2), type=kind, kl_coef=0.1,
+                            normalization=normalization)
+        return loss, grad, {k: v.item() for k, v in m.items()}
+
+    loss, grad, metrics = result(pi, mu)
+    assert grad[1] == 0.0 and grad[5] == 0.0
+    for t, (dpi, dmu) in [(1, (4.0, 0.0)), (5, (0.0, -3.0)), (5, (-2.5, 1.0))]:
+        pi2, mu2 = list(pi), list(mu)
+        pi2[t] += dpi
+        mu2[t] += dmu
+        loss2, grad2, metrics2 = result(pi2, mu2)
+        assert loss2 == pytest.approx(loss, rel=1e-12, abs=1e-15)
+        assert grad2 == pytest.approx(grad, rel=1e-12, abs=1e-15)
+        assert metrics2 == pytest.approx(metrics, rel=1e-12, abs=1e-15)
+    # while a trained token's does (the comparison above is not blind)
+    assert result([pi[0] + 0.3, *pi[1:]], mu)[0] != pytest.approx(loss, rel=1e-6)

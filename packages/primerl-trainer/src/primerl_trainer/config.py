@@ -30,7 +30,7 @@ class SchedulerConfig(Config):
     type: Literal["constant", "linear", "cosine"] = "constant"
     """Shape after warm-up: constant, linear decay or cosine decay to min_lr_ratio x lr."""
     warmup_steps: NonNegative = 0
-    """Steps of linear warm-up from 0 to lr."""
+    """Steps of linear warm-up to lr: step s < warmup_steps runs at lr * (s + 1) / (warmup_steps + 1)."""
     min_lr_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
     """Final learning rate of the decaying schedules, as a fraction of lr."""
 
