@@ -18,6 +18,8 @@ from primerl_protocol.weights import write_marker
 from primerl_trainer.testing import free_port_block
 from safetensors.torch import save_file
 
+pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"
+
 TOKEN = "test-admin-token"
 PROMPT = [5, 9, 14, 3, 7, 22, 30]
 

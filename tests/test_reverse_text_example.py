@@ -10,7 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from primerl_trainer.testing import free_port_block
+
+pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"
 
 ROOT = Path(__file__).resolve().parents[1]
 

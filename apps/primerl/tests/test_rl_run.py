@@ -15,6 +15,8 @@ from primerl.testing import leftovers, processes
 from primerl_models.tiny import build_tiny_model
 from primerl_trainer.testing import free_port_block
 
+pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"
+
 PRIMERL = str(Path(sys.executable).parent / "primerl")
 
 

@@ -165,6 +165,7 @@ def settled(*paths: Path, timeout_s: float = 30) -> list[str]:
     return left
 
 
+@pytest.mark.slow
 def test_the_rl_job_runs_on_a_real_slurm_cluster(slurm, model, tmp_path):
     run_dir = tmp_path / "run"
     out = render_tiny_rl_job(model, run_dir, slurm, submit=True)
@@ -180,6 +181,7 @@ def test_the_rl_job_runs_on_a_real_slurm_cluster(slurm, model, tmp_path):
     assert not settled(run_dir, model)
 
 
+@pytest.mark.slow
 def test_a_failing_role_fails_the_job_naming_it_and_leaves_nothing_running(slurm, model, tmp_path):
     run_dir = tmp_path / "run"
     render_tiny_rl_job(model, run_dir, slurm, submit=False)
@@ -197,6 +199,7 @@ def test_a_failing_role_fails_the_job_naming_it_and_leaves_nothing_running(slurm
     assert not settled(run_dir, model)  # the inference server and the orchestrator were stopped too
 
 
+@pytest.mark.slow
 def test_the_sft_job_trains_over_two_nodes(slurm, model, tmp_path):
     """torchrun's c10d rendezvous across the two nodes: one gloo rank on each."""
     data = tmp_path / "data.jsonl"

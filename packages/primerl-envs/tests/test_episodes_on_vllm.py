@@ -27,6 +27,9 @@ from primerl_trainer.testing import free_port_block
 # parser looks for.
 ALPHABET = "".join(c for c in string.ascii_letters + string.digits + string.punctuation + " \n" if c not in "<>")
 
+pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"
+
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -147,6 +150,7 @@ def test_code_hidden_tests(server):
 RAISING_ENV = '''
 import asyncio
 import verifiers.v1 as vf
+
 
 class D(vf.TaskData):
     answer: str

@@ -40,6 +40,8 @@ from primerl_protocol.weights import write_marker
 from primerl_trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig, WeightsConfig
 from primerl_trainer.testing import free_port_block, launch_trainer
 
+pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"
+
 TOKEN = "test-admin-token"
 GROUP = 4
 ALPHABET = string.ascii_lowercase + " "
@@ -61,8 +63,15 @@ def base_weights(servers, tmp_path):
     test may have left trained ones, and a fresh run refuses servers on another policy)."""
     running, model = servers
     for i, url in enumerate(running.urls):
-        if httpx.get(url + "/health").status_code == 200:
+        if is_up(url):  # the killing test leaves one server dead
             serve_base_weights(url, model, tmp_path / f"base{i}")
+
+
+def is_up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health").status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def make_cfg(run_dir, model, urls, *, k, max_steps, eval_interval=0, max_tokens=24, **orch):
@@ -168,7 +177,7 @@ def real_trainer_run(servers, tmp_path, *, ranks: int, max_steps: int, temperatu
     (reverse-text unless `env` says otherwise); the rows of the run's metrics.jsonl, and the
     server's URL."""
     running, model = servers
-    url = next(u for u in running.urls if httpx.get(u + "/health").status_code == 200)
+    url = next(u for u in running.urls if is_up(u))
     cfg = make_cfg(tmp_path / "run", model, [url], k=k, max_steps=max_steps)
     sampling = SamplingConfig(max_tokens=24, temperature=temperature)
     cfg = msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport, trainer_ranks=ranks),
@@ -373,9 +382,7 @@ def test_a_killed_server_and_a_garbage_server(servers, tmp_path):
 
 def test_primerl_eval_on_a_model_and_on_each_published_step(servers, tmp_path):
     running, model = servers
-    url = running.urls[0]
-    if httpx.get(url + "/health").status_code != 200:
-        url = running.urls[1]
+    url = next(u for u in running.urls if is_up(u))
     # a run with published weights for steps 0-2
     cfg = make_cfg(tmp_path / "run", model, [url], k=1, max_steps=3)
     run(Orchestrator(cfg), double(cfg, model))

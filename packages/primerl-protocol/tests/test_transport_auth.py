@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 
+import msgspec
 import pytest
 import zmq
 from primerl_protocol import (
@@ -76,9 +77,13 @@ def test_the_runs_sockets_carry_messages_both_ways():
 def test_the_orchestrators_asyncio_sockets_authenticate_the_trainer():
     batches, policy = free_tcp_endpoint(), free_tcp_endpoint()
 
+    # The trainer closes its sender right after sending: with linger 0 that could drop the
+    # message while its CURVE handshake is still under way, so this one lingers as the trainer's do.
+    lingering = msgspec.structs.replace(RUN, linger_ms=5000)
+
     def trainer() -> int:
         with Receiver(batches, BatchMessage, channel="batches/rank0", settings=RUN) as rx, \
-                Sender(policy, PolicyMessage, channel="policy", settings=RUN) as tx:
+                Sender(policy, PolicyMessage, channel="policy", settings=lingering) as tx:
             step = rx.recv(timeout_s=5).step
             tx.send(PolicyReady(step=step, location="/w", checksum="c"))
             return step

@@ -123,6 +123,7 @@ def straight_run(tmp_path_factory, model_dir):
     return run_dir, ready, log
 
 
+@pytest.mark.slow
 def test_rl_steps_lower_the_loss_on_a_fixed_batch(straight_run):
     run_dir, ready, _ = straight_run
     losses = [m["loss"] for m in metrics(run_dir)]
@@ -131,6 +132,7 @@ def test_rl_steps_lower_the_loss_on_a_fixed_batch(straight_run):
     assert [r.step for r in ready] == list(range(6))
 
 
+@pytest.mark.slow
 def test_published_weights_are_complete_verified_and_pruned(straight_run):
     run_dir, ready, _ = straight_run
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["step_4", "step_5"]  # keep = 2
@@ -139,6 +141,7 @@ def test_published_weights_are_complete_verified_and_pruned(straight_run):
     assert (Path(ready[-1].location) / "tokenizer.json").exists()
 
 
+@pytest.mark.slow
 def test_published_weights_load_in_transformers_with_the_trainer_logits(straight_run):
     import transformers
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -159,6 +162,7 @@ def test_published_weights_load_in_transformers_with_the_trainer_logits(straight
         torch.testing.assert_close(hf(input_ids=ids).logits, ours.logits(ids, torch.arange(20)[None]), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_metrics_go_to_jsonl_and_offline_wandb(straight_run):
     run_dir, _, log = straight_run
     first = metrics(run_dir)[0]
@@ -171,6 +175,7 @@ def test_metrics_go_to_jsonl_and_offline_wandb(straight_run):
     assert runs and list(runs[0].glob("*.wandb"))
 
 
+@pytest.mark.slow
 def test_resume_gives_the_same_losses_and_weights(tmp_path, model_dir, straight_run):
     straight_dir, straight_ready, _ = straight_run
     run_dir = tmp_path / "run"
@@ -218,6 +223,7 @@ def test_validate_batch_names_the_problem_and_the_sample():
     assert validate_batch(empty, 0, d, 98, 64) == "batch for step 0 has no micro-batches"
 
 
+@pytest.mark.slow
 def test_a_refused_batch_stops_every_rank_and_tells_the_orchestrator_why(tmp_path, model_dir):
     """The orchestrator sends no batch twice: waiting for another would wait for ever."""
     run_dir = tmp_path / "run"
@@ -247,6 +253,7 @@ def test_a_refused_batch_stops_every_rank_and_tells_the_orchestrator_why(tmp_pat
     assert json.loads((run_dir / "checkpoints" / "step_2" / "meta.json").read_text())["step"] == 2  # kept
 
 
+@pytest.mark.slow
 def test_a_full_disk_on_rank_0_stops_every_rank_and_tells_the_orchestrator(tmp_path, model_dir):
     """Rank 0 cannot write step 1's weights, while rank 1 goes on to wait for step 2's batch:
     both must stop (not wait in a barrier, or for a batch, for half an hour)."""
@@ -265,6 +272,7 @@ def test_a_full_disk_on_rank_0_stops_every_rank_and_tells_the_orchestrator(tmp_p
     assert rc != 0 and "No space left on device" in log
 
 
+@pytest.mark.slow
 def test_a_shutdown_to_one_rank_stops_every_rank_with_a_final_checkpoint(tmp_path, model_dir):
     """Rank 0 is told to stop; rank 1, waiting for a batch that will not come, stops with it."""
     run_dir = tmp_path / "run"
@@ -280,6 +288,7 @@ def test_a_shutdown_to_one_rank_stops_every_rank_with_a_final_checkpoint(tmp_pat
     assert (meta["step"], meta["data"]["next_step"]) == (0, 1)
 
 
+@pytest.mark.slow
 def test_non_finite_and_empty_steps_move_no_weights_and_publish_nothing_new(tmp_path, model_dir, straight_run):
     """Step 1: advantages of 3e38 are finite (so the batch passes), but their sum overflows:
     the loss is -inf. Step 2: no token to learn from (the filters left nothing; AdamW's decay

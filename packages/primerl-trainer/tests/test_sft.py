@@ -113,6 +113,7 @@ def write_data(tmp_path):
         (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in reversal_rows(n, seed)))
 
 
+@pytest.mark.slow
 def test_sft_on_two_ranks_lowers_the_loss(tmp_path, model_dir):
     write_data(tmp_path)
     run_dir = tmp_path / "run"
@@ -127,6 +128,7 @@ def test_sft_on_two_ranks_lowers_the_loss(tmp_path, model_dir):
     assert (run_dir / "checkpoints" / "step_11" / "meta.json").exists()
 
 
+@pytest.mark.slow
 def test_sft_resumes_with_the_next_batch(tmp_path, model_dir):
     """8 steps straight vs 4, stop, 4 more: same losses (data position, RNG, optimizer); then
     again with the newest checkpoint unreadable."""
