@@ -168,10 +168,12 @@ class _StandInServer(BaseHTTPRequestHandler):
     real servers' report of their mode is checked against vLLM in test_inference_server)."""
 
     mode = "raw_logprobs"
+    policy = None
+    """What /admin/policy answers (None: a well-formed answer in `mode`)."""
 
     def do_GET(self):
-        payload = {"/health": {}, "/v1/models": {"data": [{"id": "m"}]},
-                   "/admin/policy": {"step": -1, "logprobs_mode": self.mode}}.get(self.path)
+        policy = self.policy if self.policy is not None else {"step": -1, "logprobs_mode": self.mode}
+        payload = {"/health": {}, "/v1/models": {"data": [{"id": "m"}]}, "/admin/policy": policy}.get(self.path)
         body = json.dumps(payload).encode()
         self.send_response(200 if payload is not None else 404)
         self.send_header("content-length", str(len(body)))
@@ -198,6 +200,36 @@ def test_a_server_whose_logprobs_ignore_the_temperature_is_refused():
         with pytest.raises(NoServerError, match=r"'raw_logprobs' mode, not 'processed_logprobs'.*--logprobs-mode"):
             asyncio.run(start("processed_logprobs"))
         asyncio.run(start(None))  # evals do not check it
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("policy, shown", [
+    ({"step": "3", "logprobs_mode": "processed_logprobs"}, r"Expected `int`, got `str` - at `\$.step`"),
+    ({"logprobs_mode": "processed_logprobs"}, r"missing required field `step`"),
+    ([1, 2], r"Expected `object`, got `array`"),
+    ({"step": 0, "logprobs_mode": "processed_logprobs", "extra": {"deep": [1] * 3}}, r"unknown field `extra`"),
+])
+def test_a_server_whose_policy_answer_is_malformed_is_refused_naming_the_route(policy, shown):
+    """A server's answer is input from outside: one that does not decode as the admin
+    contract's PolicyAnswer makes that server unhealthy, saying what was wrong, and the pool
+    raises its clear NoServerError (nothing else escapes)."""
+    handler = type("Garbage", (_StandInServer,), {"policy": policy})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def start():
+        pool = ServerPool([url], "m", "t", logprobs_mode="processed_logprobs")
+        try:
+            await pool.start()
+        finally:
+            await pool.close()
+
+    try:
+        with pytest.raises(NoServerError, match=rf"/admin/policy answered something that is not a PolicyAnswer \(.*{shown}"):
+            asyncio.run(start())
     finally:
         server.shutdown()
         server.server_close()
