@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -177,11 +176,8 @@ class Session:
     def log(self, step: int, metrics: dict) -> None:
         self.metrics.log(step, metrics)
 
-    def close(self, failed: bool | None = None) -> None:
+    def close(self, failed: bool) -> None:
         """Close the metrics and leave the process group: together after success, at once after
-        a failure (no barrier: the other ranks may wait in another collective, or be gone).
-        `failed` None: whether an exception is on its way out (the caller's `finally`)."""
-        if failed is None:
-            failed = sys.exc_info()[1] is not None
+        a failure (no barrier: the other ranks may wait in another collective, or be gone)."""
         self.metrics.close()
         shutdown(wait=not failed)

@@ -104,7 +104,7 @@ def train(cfg: SFTRunConfig) -> None:
     batches = Batches(samples, cfg.data.batch_size, cfg.seed, cfg.data.shuffle, session.data_state)
     max_steps = cfg.max_steps or max(1, len(samples) // cfg.data.batch_size)
     log.info("SFT on %d samples (%d dropped), %d steps", len(samples), sum(dropped.values()), max_steps)
-    step, checkpointed = session.start_step, False
+    step, checkpointed, failed = session.start_step, False, True
     try:
         while step < max_steps:
             t0 = time.monotonic()
@@ -119,5 +119,6 @@ def train(cfg: SFTRunConfig) -> None:
                 stats["eval_loss"] = evaluate(session, eval_samples, row_tokens)
             session.log(step, {**stats, "epoch": batches.epoch, "time_data": t_data, "time_publish": publish_s})
             step += 1
+        failed = False
     finally:
-        session.close()
+        session.close(failed=failed)
