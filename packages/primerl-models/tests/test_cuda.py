@@ -1,18 +1,50 @@
-"""GPU paths (flash/varlen/flex attention, grouped-GEMM experts, bf16) against the CPU-proven
-reference paths. Skipped on machines without CUDA; run on the lent GPU machine."""
+"""GPU paths (flash/varlen/flex attention, grouped-GEMM experts, bf16) against references of
+the same computation in fp32/fp64 on the same bf16-rounded inputs and weights. Skipped on
+machines without CUDA; run on the lent GPU machine.
+
+Tolerances. bf16 keeps 8 significant bits: one rounding to nearest changes a value x by at
+most U * |x|, U = 2^-8 = 0.0039 (unit roundoff; torch.finfo(bf16).eps = 2^-7 is the spacing at
+1, twice U). The GPU kernels accumulate in fp32 (eps 1.2e-7), whose error over the reductions
+here (at most 151936 terms) stays far below U, so each bound counts the bf16 roundings of
+the computation and scales them by the magnitude of the values they act on. Because every
+reference starts from the same bf16-rounded inputs, input rounding is not part of the
+error, and every element is compared (no medians, no finite-only checks). Each test prints
+the largest observed error over its tolerance (`... ratio` lines, run pytest with -s).
+"""
+
+import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from primerl_models import PackedSeqs, attention, chunked_logprobs, load_model
 from primerl_models.common.moe import GroupedExperts
 from primerl_models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = "cuda"
+U = 2.0**-8  # bf16 unit roundoff
+EPS32 = torch.finfo(torch.float32).eps
 
 
 def packed_positions(lengths):
     return torch.cat([torch.arange(n) for n in lengths])[None].to(CUDA)
+
+
+def check_every_element(name, got, ref, tol):
+    """Every element within its own tolerance; prints the worst error/tolerance ratio."""
+    assert got.shape == ref.shape
+    got, ref, tol = got.detach().double(), ref.detach().double(), tol.detach().double()
+    err = (got - ref).abs()
+    # err / tol, with 0 where both are 0 (an element that must be exact and is).
+    ratio = torch.where(err == 0, 0.0, err / tol)
+    worst = int(ratio.flatten().argmax())
+    print(f"{name} ratio {float(ratio.max()):.3f} (max err {float(err.max()):.3g}, "
+          f"tol there {float(tol.flatten()[worst]):.3g}, max|ref| {float(ref.abs().max()):.3g})")
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    assert bool((err <= tol).all()), (
+        f"{name}: {int((err > tol).sum())} of {err.numel()} elements outside tolerance, "
+        f"worst err/tol {float(ratio.max()):.3f}")
 
 
 @pytest.mark.parametrize("backend", ["varlen", "flex", "sdpa"])
@@ -25,60 +57,172 @@ def test_attention_backends_agree_on_packed_rows(backend):
     v = torch.randn(1, t, g, k, device=CUDA, dtype=torch.bfloat16)
     seqs = PackedSeqs.from_position_ids(packed_positions(lengths))
     got = attention(q, kk, v, seqs, backend).float()
-    # Reference: each document alone, fp32, plain causal attention.
-    outs, start = [], 0
+    # Reference: each document alone, fp32, plain causal attention, on the same bf16 inputs;
+    # and the same attention applied to |v|: mass_i = sum_j p_ij |v_j|.
+    outs, mass, start = [], [], 0
     for n in lengths:
         sl = slice(start, start + n)
         one = PackedSeqs.from_position_ids(torch.arange(n, device=CUDA)[None])
-        outs.append(attention(q[:, sl].float(), kk[:, sl].float(), v[:, sl].float(), one, "sdpa"))
+        qf, kf, vf = q[:, sl].float(), kk[:, sl].float(), v[:, sl].float()
+        outs.append(attention(qf, kf, vf, one, "sdpa"))
+        mass.append(attention(qf, kf, vf.abs(), one, "sdpa"))
         start += n
-    torch.testing.assert_close(got, torch.cat(outs, dim=1), atol=2e-2, rtol=2e-2)
+    ref, mass = torch.cat(outs, dim=1), torch.cat(mass, dim=1)
+    # The scores and the softmax statistics are fp32; the kernels round the probabilities p_ij
+    # to bf16 for the p @ v product (error <= U * sum_j p_ij |v_j| = U * mass) and round the
+    # output to bf16 (<= U * |out|). Two roundings, each bounded by U: tol = 2U(|ref| + mass),
+    # the factor 2 covering second-order terms and the normaliser's fp32 rounding.
+    check_every_element(f"attention[{backend}]", got, ref, 2 * U * (ref.abs() + mass))
 
 
 def test_grouped_mm_experts_match_the_loop():
     torch.manual_seed(0)
     e, d, f = 8, 256, 128
     experts = GroupedExperts(e, d, f).to(CUDA)
-    for w in experts.parameters():
-        torch.nn.init.normal_(w, std=0.05)
+    with torch.no_grad():
+        for w in experts.parameters():
+            w.copy_(torch.randn_like(w).mul(0.05).bfloat16().float())  # bf16-exact weights
     counts = torch.tensor([5, 0, 17, 3, 40, 1, 0, 30], device=CUDA)
-    x = torch.randn(int(counts.sum()), d, device=CUDA, requires_grad=True)
-    out_bf16 = experts(x.bfloat16(), counts)  # grouped GEMM path
-    out_ref = experts(x, counts)  # fp32 loop path
-    torch.testing.assert_close(out_bf16.float(), out_ref, atol=3e-2, rtol=3e-2)
+    x = torch.randn(int(counts.sum()), d, device=CUDA).bfloat16()
+    out_bf16 = experts(x, counts)  # grouped GEMM path
     out_bf16.float().sum().backward()
-    g_bf16 = experts.w_gate.grad.clone()
-    experts.zero_grad()
+    # Reference: the loop path in fp64 on the same (bf16-exact) weights and inputs.
+    ref_experts = copy.deepcopy(experts).double()
+    ref_experts.zero_grad()
+    xd = x.double()
+    out_ref = ref_experts(xd, counts)
     out_ref.sum().backward()
-    torch.testing.assert_close(g_bf16, experts.w_gate.grad, atol=0.5, rtol=5e-2)
+    # Magnitudes, per expert, from the fp64 values: gate, up, h = silu(gate) * up.
+    mag_out, mag_gate, mag_down = [], [], []
+    for i, x_e in enumerate(torch.split(xd, counts.tolist())):
+        wg, wu, wd = (w[i].detach() for w in (ref_experts.w_gate, ref_experts.w_up, ref_experts.w_down))
+        gate, up = x_e @ wg, x_e @ wu
+        h = F.silu(gate) * up
+        dsilu = torch.sigmoid(gate) * (1 + gate * (1 - torch.sigmoid(gate)))
+        dh = wd.sum(dim=1)  # d sum(out) / dh  [F]
+        mag_out.append(h.abs() @ wd.abs())
+        # d w_gate = x^T (dh * up * silu'(gate)); dh, up, their product and the silu backward
+        # output are each rounded (4U relative); silu' reads the rounded gate (|silu''| <= 0.5,
+        # so <= 0.5 U |gate| absolute).
+        mag_gate.append(x_e.abs().T @ (dh.abs() * up.abs() * (4 * dsilu.abs() + 0.5 * gate.abs())))
+        mag_down.append(h.abs().sum(dim=0)[:, None].expand(-1, d))
+    # Forward: gate, silu(gate), up and their product are each rounded to bf16 (h relative
+    # error <= ~4.1U, silu's condition number being <= 1.1), then h @ w_down accumulates in
+    # fp32 (error <= 4.1U * sum |h||w_down|) and is rounded (<= U |out|).
+    tol_out = U * out_ref.abs() + 4.5 * U * torch.cat(mag_out)
+    check_every_element("experts out", out_bf16, out_ref, tol_out)
+    # w_gate grad: the 4U + 0.5U|gate| of dgate (above) summed over an expert's tokens against
+    # |x|, plus the rounding of the result (U |ref|); experts with no tokens must get exactly 0.
+    tol_gate = U * ref_experts.w_gate.grad.abs() + 1.25 * U * torch.stack(mag_gate)
+    check_every_element("experts w_gate grad", experts.w_gate.grad, ref_experts.w_gate.grad, tol_gate)
+    # w_down grad = sum over the expert's tokens of h (4.1U relative each), rounded once more.
+    tol_down = U * ref_experts.w_down.grad.abs() + 4.5 * U * torch.stack(mag_down)
+    check_every_element("experts w_down grad", experts.w_down.grad, ref_experts.w_down.grad, tol_down)
+
+
+class PinnedRouting:
+    """Records the router's top-k choices of one run and replays them in another.
+
+    The router's top-k is a discrete choice: bf16 activations move some near-tie tokens to
+    another expert, which is not a numerical error. The reference takes the bf16 run's
+    experts (with its own fp32 probabilities at them), so both runs compute the same function
+    and every logit can be compared. MoE.forward calls `probs.topk(k, dim=-1)` once a layer."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch, self.orig, self.choices, self.flips = monkeypatch, torch.Tensor.topk, [], []
+
+    def record(self):
+        def topk(t, k, dim=-1, largest=True, sorted=True):
+            values, idx = self.orig(t, k, dim=dim, largest=largest, sorted=sorted)
+            self.choices.append(idx.detach().cpu())
+            return values, idx
+        self.monkeypatch.setattr(torch.Tensor, "topk", topk)
+
+    def replay(self):
+        calls = iter(self.choices)
+
+        def topk(t, k, dim=-1, largest=True, sorted=True):
+            idx = next(calls).to(t.device)
+            own_values, _ = self.orig(t, k, dim=dim, largest=largest, sorted=sorted)
+            values = t.gather(dim, idx)
+            # A choice may differ from the reference's own only at a near tie.
+            self.flips.append((own_values.sum(-1) - values.sum(-1)).abs())
+            return values, idx
+        self.monkeypatch.setattr(torch.Tensor, "topk", topk)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-def test_bf16_model_on_gpu_matches_fp32_cpu(family, tmp_path):
+def test_bf16_model_on_gpu_matches_fp32_cpu(family, tmp_path, monkeypatch):
+    torch.manual_seed(0)
     folder = build_tiny_model(tmp_path, family, hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
-    cpu = load_model(folder).eval()
     gpu = load_model(folder, device=CUDA, dtype=torch.bfloat16).eval()
+    # Reference: fp32 on the CPU, with the GPU model's bf16-rounded weights.
+    cpu = load_model(folder).eval()
+    with torch.no_grad():
+        for p in cpu.parameters():
+            p.copy_(p.bfloat16().float())
     lengths = [40, 90, 7]
     ids = torch.randint(0, 90, (1, sum(lengths)))
     pos = packed_positions(lengths).cpu()
+    routing = PinnedRouting(monkeypatch)
     with torch.no_grad():
-        ref = cpu.logits(ids, pos)
+        routing.record()
         got = gpu.logits(ids.to(CUDA), pos.to(CUDA)).float().cpu()
-    err = (got - ref).abs()
-    # bf16 moves a few near-tie routing decisions of the random MoE to other experts, so its
-    # tokens are compared by the median error; dense models by the worst one.
-    worst = err.median() if family == "qwen3_moe" else err.max()
-    assert worst < 0.05 * ref.abs().max()
+        routing.replay()
+        hidden = cpu(ids, pos)
+        ref = hidden @ cpu.output_weight.T
+    monkeypatch.undo()
+    # Each hidden element carries the error of about n = 27 independent bf16 roundings: per
+    # layer 7 on the attention side (norm, q/k/v projections, q/k norms, rope, attention,
+    # o_proj, residual add) and 6 on the MLP side (norm, gate/up, silu, product, down,
+    # residual add), plus the final norm. Errors uniform in [-U, U] have std U / sqrt(3), so
+    # the hidden's relative error has std U * sqrt(n / 3) = 3U, and a logit sum_i h_i w_vi
+    # errs with std 3U * s_v, s_v = sqrt(sum_i h_i^2 w_vi^2). The largest of ~14k logits stays
+    # below 5 std (a Gaussian's expected maximum over 14k draws is 3.9 std):
+    # tol = 15U * s + U |ref| (the logit's own rounding).
+    s = ((hidden**2) @ (cpu.output_weight**2).T).sqrt()
+    check_every_element(f"logits[{family}]", got, ref, 15 * U * s + U * ref.abs())
+    if family == "qwen3_moe":
+        assert len(routing.choices) == gpu.args.num_layers
+        gaps = torch.cat([g.flatten() for g in routing.flips])
+        print(f"routing: {int((gaps > 0).sum())} of {gaps.numel()} token-layers changed expert, "
+              f"largest prob gap {float(gaps.max()):.3g}")
+        # bf16 moves the router's fp32 probabilities by ~1e-3 (relative ~U * depth); a
+        # changed choice with a larger gap is a routing bug, not rounding.
+        assert float(gaps.max()) < 0.02 and int((gaps > 0).sum()) <= 0.1 * gaps.numel()
 
 
 def test_chunked_logprobs_bf16_on_gpu():
     torch.manual_seed(0)
-    n, d, v = 3000, 512, 151936
+    n, d, v, temp = 3000, 512, 151936, 0.8
     h = (torch.randn(n, d, device=CUDA) * 0.5).bfloat16().requires_grad_()
-    w = (torch.randn(v, d, device=CUDA) * 0.05).requires_grad_()
+    w = (torch.randn(v, d, device=CUDA) * 0.05).bfloat16().float().requires_grad_()  # bf16-exact
     tgt = torch.randint(0, v, (n,), device=CUDA)
-    lp, ent = chunked_logprobs(h, w, tgt, 0.8, chunk_size=1024)
-    ref = torch.log_softmax((h.float() @ w.T) / 0.8, -1).gather(1, tgt[:, None]).squeeze(1)
-    torch.testing.assert_close(lp, ref, atol=0.05, rtol=0.01)
+    lp, ent = chunked_logprobs(h, w, tgt, temp, chunk_size=1024)
     lp.sum().backward()
-    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    # Reference: fp64 full logits on the same values; autograd gives its gradients.
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    z = (h64 @ w64.T) / temp
+    ref = torch.log_softmax(z, -1).gather(1, tgt[:, None]).squeeze(1)
+    ref.sum().backward()
+    with torch.no_grad():
+        p, za = torch.softmax(z, -1), z.abs()
+        mean_abs_z = (p * za).sum(-1, keepdim=True)  # E_p |z|
+        # The only bf16 rounding in the forward is of the logits (<= U |z_v| each); logprob =
+        # z_t - lse moves by <= U |z_t| + U E_p|z|. The fp32 matmul (512 terms) and the fp32
+        # log-sum-exp add < d * eps32 * max|h| max|w| / t. Factor 1.5: second-order terms.
+        tol_lp = 1.5 * U * (za.gather(1, tgt[:, None]).squeeze(1) + mean_abs_z.squeeze(1))
+        tol_lp = tol_lp + d * EPS32 * float(h64.abs().max() * w64.abs().max()) / temp
+        check_every_element("logprobs", lp, ref, tol_lp)
+        # Backward: G = (onehot - p) / t, with p read from the bf16 logits (relative error
+        # <= U (|z_v| + E_p|z|)), then G rounded to bf16 (U |G|); grad_h = G @ w and
+        # grad_w = G^T @ h accumulate in fp32 and are rounded (U |result|; grad_w once per
+        # chunk, so U * sum |G||h| bounds the three chunk roundings together).
+        onehot = F.one_hot(tgt, v).double()
+        g_abs = (onehot - p).abs() / temp
+        dp = p * (za + mean_abs_z) / temp
+        tol_h = 1.5 * U * (h64.grad.abs() + (g_abs + dp) @ w64.abs())
+        check_every_element("logprobs grad hidden", h.grad, h64.grad, tol_h)
+        ha = h64.abs()
+        tol_w = 1.5 * U * (w64.grad.abs() + (2 * g_abs + dp).T @ ha)
+        check_every_element("logprobs grad weight", w.grad, w64.grad, tol_w)
