@@ -142,3 +142,41 @@ def test_checkpoints_that_are_all_unusable_are_refused_not_ignored(tmp_path):
     with pytest.raises(CheckpointError, match=r"no checkpoint in \S*checkpoints can be resumed from \(step_2: meta.json is "
                                               r"not JSON.*; step_1: meta.json is not JSON.*refusing to start again"):
         latest_checkpoint(tmp_path)
+
+
+def test_prune_counts_only_complete_checkpoints_and_leaves_half_written_ones(tmp_path):
+    """keep = 2 of step 1..4: steps 3 and 4 stay. A checkpoint being written (its staging
+    folder, newer than all) and a half-written `step_6` (no meta.json: a crash) are neither
+    counted against `keep` nor removed, and the newest complete one is still what resumes."""
+    for step in range(1, 5):
+        make_checkpoint(tmp_path, step)
+    root = tmp_path / rundir.CHECKPOINTS
+    writing = rundir.staging_folder(root, 5)
+    writing.mkdir()
+    (writing / "__0_0.distcp").write_bytes(b"x" * 100)  # shards so far, no meta.json yet
+    crashed = rundir.step_folder(root, 6)
+    crashed.mkdir()
+    (crashed / "__0_0.distcp").write_bytes(b"y" * 10)
+    removed = rundir.prune(root, 2, rundir.META)
+    assert [p.name for p in removed] == ["step_1", "step_2"]
+    assert sorted(p.name for p in root.iterdir()) == [".step_5.tmp", "step_3", "step_4", "step_6"]
+    assert (writing / "__0_0.distcp").read_bytes() == b"x" * 100 and (crashed / "__0_0.distcp").exists()
+    assert latest_checkpoint(tmp_path)[0].name == "step_4"
+    assert rundir.prune(root, 2, rundir.META) == []  # pruning again changes nothing
+
+
+def test_prune_never_removes_the_newest_complete_checkpoint(tmp_path):
+    """Whatever `keep` (1 and up), the newest complete checkpoint by step number (step_10 is
+    newer than step_9, though it sorts first as a name) survives; `keep` at or above the
+    count removes nothing; keep = 1 leaves exactly the newest."""
+    root = tmp_path / rundir.CHECKPOINTS
+    steps = (8, 9, 10)
+    for keep in (5, 3, 2, 1):
+        for step in steps:
+            if not rundir.step_folder(root, step).exists():
+                make_checkpoint(tmp_path, step)
+        removed = rundir.prune(root, keep, rundir.META)
+        left = sorted(rundir.step_of(p) for p in root.iterdir())
+        assert left == list(steps[-keep:]), (keep, left)
+        assert len(removed) == max(0, len(steps) - keep)
+        assert latest_checkpoint(tmp_path)[0].name == "step_10"

@@ -81,6 +81,12 @@ class FolderPublisher:
         t3 = time.monotonic()
         self.last_timing = {"gather": t1 - t0, "write": t2 - t1, "checksum": t3 - t2}
         rundir.publish(tmp, final)
+        # Folders newer than this step are from a history a resumed run left (published after
+        # its last checkpoint): kept, they would count against `keep` and push out the folder
+        # just announced (as Checkpointer._drop_newer does for checkpoints).
+        for n, folder in rundir.complete_steps(self.root, None):
+            if n > step:
+                shutil.rmtree(folder, ignore_errors=True)
         rundir.prune(self.root, self.keep)
         self.last = PolicyReady(step=step, location=str(final.resolve()), checksum=digest)
         return self.last
