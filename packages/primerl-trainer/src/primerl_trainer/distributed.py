@@ -68,9 +68,14 @@ def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
 
 
 def all_reduce_max(value: float, d: Dist) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=d.device)
+    return all_reduce_maxes([value], d)[0]
+
+
+def all_reduce_maxes(values: list[float], d: Dist) -> list[float]:
+    """The maximum over ranks of each of `values`, in one collective."""
+    t = torch.tensor(values, dtype=torch.float64, device=d.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return t.tolist()
 
 
 def all_gather_objects(value, d: Dist) -> list:

@@ -48,7 +48,7 @@ from primerl_protocol import (
 )
 
 from primerl_trainer.config import TrainerRunConfig
-from primerl_trainer.distributed import Dist, all_gather_objects, all_reduce_max, post_note, read_note
+from primerl_trainer.distributed import Dist, all_gather_objects, all_reduce_maxes, post_note, read_note
 from primerl_trainer.engine import Session, token_logprobs
 
 log = logging.getLogger("primerl.trainer")
@@ -129,23 +129,37 @@ class BatchSource:
 
         Every rank decides the same in one collective (or the ones that train would wait for
         ever in the next): stop if any rank was told to, else refuse if any rank's batch is bad
-        (TrainerError naming the step, the ranks and their problems), else train."""
+        or the ranks' micro-batch counts differ (TrainerError naming the step, the ranks and
+        their problems), else train."""
         start = time.monotonic()
         msg = self._receive(step)
         problem = None if msg is None else validate_batch(msg, step, self.d, self.vocab_size, self.max_row_tokens)
-        verdict = all_reduce_max(_STOP if msg is None else _REFUSE if problem else _TRAIN, self.d)
-        if verdict == _STOP:
+        if self.agree(step, msg, problem) == _STOP:
             log.info("stopping: %s", read_note("stopping"))
             return None
-        if verdict == _REFUSE:
-            problems = all_gather_objects(problem, self.d)
-            raise TrainerError(
-                f"refused the batch for step {step}: "
-                + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
-                + ". The orchestrator sent data the trainer cannot train on; the trainer stops "
-                "(checkpoints in the run directory are kept)."
-            )
         return StepData(msg, time.monotonic() - start)
+
+    def agree(self, step: int, msg: TrainBatch | None, problem: str | None) -> float:
+        """The ranks' common verdict on this step's batches (_STOP or _TRAIN); TrainerError on
+        every rank when any rank's batch is bad, or when the ranks got different numbers of
+        micro-batches: each micro-batch is a forward and a backward whose collectives every
+        rank must join, so a rank with fewer would leave the others waiting for ever."""
+        rows = len(msg.micro_batches) if msg is not None and problem is None else 0
+        vote = _STOP if msg is None else _REFUSE if problem else _TRAIN
+        verdict, most, minus_fewest = all_reduce_maxes([vote, rows, -rows], self.d)
+        if verdict == _TRAIN and most != -minus_fewest:
+            counts = all_gather_objects(rows, self.d)
+            reason = ("the ranks got different numbers of micro-batches ("
+                      + ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts)) + "), which must be equal")
+        elif verdict == _REFUSE:
+            problems = all_gather_objects(problem, self.d)
+            reason = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+        else:
+            return verdict
+        raise TrainerError(
+            f"refused the batch for step {step}: {reason}. The orchestrator sent data the trainer "
+            "cannot train on; the trainer stops (checkpoints in the run directory are kept)."
+        )
 
     def _receive(self, step: int) -> TrainBatch | None:
         """This rank's batch for `step` (not validated yet), or None when told to stop: by a
