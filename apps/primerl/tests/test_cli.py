@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from primerl.cli import inference_main, main, orch_main, trainer_main
 from primerl.configs import RLConfig
 from primerl_protocol.config import load_config
+from primerl_trainer.testing import free_port_block
 
 COMMANDS = {
     "rl": (main, ["rl"], ["trainer", "orchestrator", "inference", "envs", "model", "seq_len"]),
@@ -131,8 +132,9 @@ def test_trainers_name_a_model_that_cannot_be_loaded(name, config, tmp_path):
 
 def test_inference_command_names_a_server_that_does_not_come_up(tmp_path):
     cfg = tmp_path / "inf.toml"
-    cfg.write_text(f'run_dir = "{tmp_path}"\n[model]\nname = "{tmp_path / "no-such-model"}"\n[inference]\nport = 8791\n')
+    port = free_port_block(1)
+    cfg.write_text(f'run_dir = "{tmp_path}"\n[model]\nname = "{tmp_path / "no-such-model"}"\n[inference]\nport = {port}\n')
     result = CliRunner().invoke(inference_main, ["@", str(cfg)])
     assert result.exit_code == 1
-    assert "inference replica 0 (http://127.0.0.1:8791) exited with code" in result.output
+    assert f"inference replica 0 (http://127.0.0.1:{port}) exited with code" in result.output
     assert (tmp_path / "logs" / "inference-0.log").exists()

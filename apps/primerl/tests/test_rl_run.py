@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from primerl.testing import leftovers, processes
+from primerl_protocol.rundir import latest_checkpoint
 from primerl_models.tiny import build_tiny_model
 from primerl_trainer.testing import free_port_block
 
@@ -71,24 +72,39 @@ def steps_of(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def launch_until(cfg: Path, run_dir: Path, step: int) -> subprocess.Popen:
-    """`primerl rl @ cfg` started, once `step` is logged."""
-    launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-    deadline = time.monotonic() + 600
-    while max(steps_of(run_dir), default=-1) < step:
+def wait_until(launcher: subprocess.Popen, condition, what: str, timeout_s: float = 600) -> None:
+    """Until `condition()` holds while `primerl rl` runs; its output if it ends or the deadline passes first."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
         if launcher.poll() is not None or time.monotonic() > deadline:
             launcher.kill()
-            raise AssertionError(launcher.stdout.read())
+            raise AssertionError(f"waiting for {what}: " + launcher.stdout.read())
         time.sleep(0.5)
-    return launcher
 
 
-def test_a_killed_trainer_stops_everything_and_the_rerun_resumes(model, tmp_path):
+def rows_of(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_resumes(model, tmp_path):
+    """`primerl rl` with two servers. One is SIGKILLed (with its engine) after step 1: a
+    warning, and the run goes on on the other. Then its trainer is SIGKILLed: everything
+    stops, naming it, and nothing is left running. The same command again resumes right after
+    the newest checkpoint (steps after it are trained again, none skipped) and finishes."""
     run_dir = tmp_path / "run"
-    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=6)
-    launcher = launch_until(cfg, run_dir, 2)  # the checkpoint of step 1 is written
+    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=6, replicas=2)
+    port = int(next(line for line in cfg.read_text().splitlines() if line.startswith("port = ")).split("=")[1])
+    launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
     try:
+        wait_until(launcher, lambda: max(steps_of(run_dir), default=-1) >= 1, "step 1")
+        second = [pid for pid, argv in processes("vllm.entrypoints.openai.api_server") if str(port + 1) in argv]
+        assert len(second) == 1, second
+        os.killpg(second[0], signal.SIGKILL)  # the server and its engine
+        # the run went on without it (its pool counts it unhealthy), and a checkpoint exists
+        wait_until(launcher, lambda: any(r.get("servers/unhealthy") == 1 for r in rows_of(run_dir))
+                   and latest_checkpoint(run_dir) is not None, "a step without the killed server, and a checkpoint")
         [(torchrun, _)] = processes("torch.distributed.run", run_dir)
         os.killpg(torchrun, signal.SIGKILL)
         output, _ = launcher.communicate(timeout=120)
@@ -96,44 +112,20 @@ def test_a_killed_trainer_stops_everything_and_the_rerun_resumes(model, tmp_path
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 1, output
+    assert "warning: inference-1 was killed by signal 9; the run goes on" in output
     assert "primerl rl: trainer was killed by signal 9; last lines of" in output
     assert not leftovers(run_dir)
     trained_before = steps_of(run_dir)
+    folder, meta = latest_checkpoint(run_dir)
+    resume_at = meta["step"] + 1  # the step after the newest checkpoint
+    assert 0 < resume_at <= max(trained_before) + 1
+
     out = subprocess.run([PRIMERL, "rl", "@", str(cfg)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+    assert f"resumed from {folder}; continuing at step {resume_at}" in (run_dir / "logs" / "trainer.log").read_text()
     steps = steps_of(run_dir)
-    # the second run continues right after the newest checkpoint: steps after it were retrained, none skipped
-    resumed_at = steps[len(trained_before)]
-    assert resumed_at in (2, 4) and resumed_at <= max(trained_before) + 1
-    assert steps[len(trained_before):] == list(range(resumed_at, 6))
-    assert not leftovers(run_dir)
-
-
-def test_a_run_finishes_reports_each_step_and_outlives_a_killed_server(model, tmp_path):
-    """Two servers; one is SIGKILLed (with its engine) after step 1: a warning, and the run
-    finishes on the other."""
-    run_dir = tmp_path / "run"
-    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=6, replicas=2)
-    port = int(next(line for line in cfg.read_text().splitlines() if line.startswith("port = ")).split("=")[1])
-    launcher = launch_until(cfg, run_dir, 1)
-    try:
-        second = [pid for pid, argv in processes("vllm.entrypoints.openai.api_server") if str(port + 1) in argv]
-        assert len(second) == 1, second
-        os.killpg(second[0], signal.SIGKILL)  # the server and its engine
-        output, _ = launcher.communicate(timeout=600)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode == 0, output
-    assert "warning: inference-1 was killed by signal 9; the run goes on" in output
-    assert "run finished" in output and "step 5 | reward" in output
-    assert steps_of(run_dir) == list(range(6))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[len(trained_before):] == list(range(resume_at, 6))
+    rows = rows_of(run_dir)
     assert all("reward/mean" in r and "loss" in r for r in rows)
-    assert rows[-1]["servers/healthy"] == 1 and rows[-1]["servers/unhealthy"] == 1
-    for name in ("rl", "trainer", "orchestrator"):
-        assert (run_dir / "configs" / f"{name}.toml").exists()
-    for name in ("inference-0", "inference-1", "trainer", "orchestrator"):
-        assert (run_dir / "logs" / f"{name}.log").exists()
+    assert rows[-1]["servers/healthy"] == 2  # the rerun started both servers again
     assert not leftovers(run_dir)

@@ -8,7 +8,6 @@ tokens still come from the model, sampled under that constraint, with their logp
 import asyncio
 import math
 import re
-import string
 
 import pytest
 from primerl_algos.config import FilterConfig
@@ -18,27 +17,15 @@ from primerl_code import SOLUTIONS
 from primerl_envs.config import EnvConfig
 from primerl_envs.environment import Environment, model_context
 from primerl_envs.rollouts import trace_to_rollout
-from primerl_inference.config import InferenceConfig
-from primerl_inference.launcher import launch
-from primerl_models.tiny import build_tiny_model
-from primerl_trainer.testing import free_port_block
-
-# No '<' or '>': then "<tool_call>" can only be written as its one token, which the tool-call
-# parser looks for.
-ALPHABET = "".join(c for c in string.ascii_letters + string.digits + string.punctuation + " \n" if c not in "<>")
 
 pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"
 
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", alphabet=ALPHABET, hidden_size=128,
-                             num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
-    servers = launch(InferenceConfig(port=free_port_block(1), startup_timeout_s=600), str(model), 4096,
-                     tmp_path_factory.mktemp("run"))
-    yield servers.urls[0], str(model)
-    servers.stop()
+@pytest.fixture
+def server(vllm):
+    """One of the session's shared replicas (root conftest.py): a tiny Qwen3 whose characters
+    leave out '<' and '>', so that "<tool_call>" can only be written as its one token."""
+    return vllm.urls[0], str(vllm.model)
 
 
 def episode(server, cfg: EnvConfig, regex=None, *, tasks: int = 1, max_tokens: int = 120):
@@ -198,7 +185,20 @@ def test_errors_and_hangs_are_rollout_errors_and_the_run_goes_on(server, tmp_pat
 
 
 def test_served_environment_gives_the_same_rollouts(server):
-    cfg = EnvConfig(id="reverse-text", args={"num_tasks": 4}, mode="server")
-    (task, _, right), = episode(server, cfg, lambda t: forced(t.data.answer))
-    assert right.reward == 1.0
-    check_tokens(right)
+    """The environment run as its own server process gives exactly the rollouts it gives in
+    process: same tasks, prompt and sampled tokens, rewards and metrics (the sampled text is
+    forced, so only the logprobs may differ, by the server's batch-dependent rounding)."""
+    forcings = [lambda t: forced(t.data.answer), lambda t: forced(t.data.answer[1:] + "zz")]
+    results = {}
+    for mode in ("in_process", "server"):
+        cfg = EnvConfig(id="reverse-text", args={"num_tasks": 4}, mode=mode)
+        results[mode] = [episode(server, cfg, forcing)[0] for forcing in forcings]
+    for (task, _, local), (served_task, _, served) in zip(results["in_process"], results["server"]):
+        assert served_task.data == task.data
+        check_tokens(served)
+        assert [(t.prompt_ids, t.completion_ids) for t in served.turns] == [(t.prompt_ids, t.completion_ids) for t in local.turns]
+        assert (served.reward, served.metrics, served.truncated) == (local.reward, local.metrics, local.truncated)
+        for a, b in zip(served.turns, local.turns):
+            assert max(abs(x - y) for x, y in zip(a.completion_logprobs, b.completion_logprobs)) <= 1e-4
+    rewards = [rollout.reward for _, _, rollout in results["server"]]
+    assert rewards[0] == 1.0 and 0.0 < rewards[1] < 1.0  # the comparison covered a full and a partial score

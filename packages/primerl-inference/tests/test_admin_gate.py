@@ -21,7 +21,7 @@ from primerl_protocol.weights import write_marker
 TOKEN = "s3cret-admin-token"
 GENERATE = "/v1/completions"
 TIMEOUT_S = 2.0  # every wait is bounded: a broken gate fails the test instead of hanging it
-SETTLE_S = 0.05  # long enough for everything runnable (and the swap's checksum thread) to run
+POLL_S = 0.001  # how often `until` looks again at the state it waits for
 
 ADMIN_ROUTES = [
     ("POST", serving.LOAD_WEIGHTS_ROUTE),
@@ -130,6 +130,18 @@ class Server:
         self.app.holds[name] = asyncio.Event()
         return self.app.holds[name]
 
+    # The gate's counters (0 before the first request, which makes the gate): `closed` how many
+    # closings (a swap, a pause) hold it shut, `held` the requests waiting at it, `active` those
+    # admitted and still running.
+    def closed(self) -> int:
+        return self.mw.gate.closed if self.mw.gate is not None else 0
+
+    def held(self) -> int:
+        return self.mw.gate.held if self.mw.gate is not None else 0
+
+    def active(self) -> int:
+        return self.mw.gate.active if self.mw.gate is not None else 0
+
     async def admin(self, method: str, route: str, body: dict | None = None):
         return await asyncio.wait_for(self.request(method, route, body, token=TOKEN), TIMEOUT_S)
 
@@ -138,8 +150,17 @@ def step_of(headers: dict) -> int:
     return int(headers[serving.STEP_HEADER.encode()])
 
 
-async def settle() -> None:
-    await asyncio.sleep(SETTLE_S)
+async def until(condition, what: str) -> None:
+    """Wait until `condition()` is true (polled every POLL_S); fail naming `what` after TIMEOUT_S.
+
+    Waits for the state a test needs, never for a guessed time: a loaded machine only makes it
+    slower, not wrong."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TIMEOUT_S
+    while not condition():
+        if loop.time() > deadline:
+            pytest.fail(f"not reached within {TIMEOUT_S} s: {what}")
+        await asyncio.sleep(POLL_S)
 
 
 async def done(task: asyncio.Task):
@@ -202,7 +223,8 @@ def test_the_right_token_opens_the_admin_and_lora_routes_engine_stood_in(token):
     async def main():
         server = Server()
         status, _, health = await server.admin("GET", serving.HEALTH_ROUTE)
-        assert status == 200 and health == {"ready": True, "paused": False, "step": serving.BASE_STEP}
+        assert status == 200 and health == {"ready": True, "paused": False, "step": serving.BASE_STEP,
+                                            "in_flight": 0, "held": 0}
         for route in sorted(VLLM_LORA_ROUTES):  # passed through to vLLM's own route
             status, _, answer = await server.admin("POST", route, {"id": route})
             assert status == 200 and answer == {"id": route}
@@ -223,13 +245,16 @@ def test_pause_holds_generation_requests_and_resume_releases_them_in_order_engin
         status, _, answer = await server.admin("POST", serving.PAUSE_ROUTE)
         assert (status, answer) == (200, {"paused": True})
         _, _, health = await server.admin("GET", serving.HEALTH_ROUTE)
-        assert health == {"ready": False, "paused": True, "step": serving.BASE_STEP}
+        assert health == {"ready": False, "paused": True, "step": serving.BASE_STEP, "in_flight": 0, "held": 0}
 
         tasks = []
-        for rid in ["r1", "r2", "r3"]:
+        for i, rid in enumerate(["r1", "r2", "r3"], start=1):
             tasks.append(server.start_generate(rid))
-            await settle()  # each one is waiting at the gate before the next arrives
+            # each one is waiting at the gate before the next arrives
+            await until(lambda: server.held() == i or tasks[-1].done(), f"{rid} waits at the closed gate ({i} held)")
         assert server.app.served == [] and not any(t.done() for t in tasks)
+        _, _, health = await server.admin("GET", serving.HEALTH_ROUTE)
+        assert (health["held"], health["in_flight"]) == (3, 0)
 
         status, _, answer = await server.admin("POST", serving.RESUME_ROUTE)
         assert (status, answer) == (200, {"paused": False})
@@ -239,7 +264,7 @@ def test_pause_holds_generation_requests_and_resume_releases_them_in_order_engin
         # and the gate stays open
         assert (await done(server.start_generate("r4")))[0] == 200
         _, _, health = await server.admin("GET", serving.HEALTH_ROUTE)
-        assert health == {"ready": True, "paused": False, "step": serving.BASE_STEP}
+        assert health == {"ready": True, "paused": False, "step": serving.BASE_STEP, "in_flight": 0, "held": 0}
 
     asyncio.run(main())
 
@@ -256,15 +281,18 @@ def test_get_requests_are_never_held_engine_stood_in(token, weights):
 
         release = server.hold("a")
         in_flight = server.start_generate("a", hold="a")
-        await settle()
+        await until(lambda: server.app.in_flight() == 1 and server.active() == 1, '"a" is admitted and running')
         swap = server.start("POST", serving.LOAD_WEIGHTS_ROUTE, {"path": weights(1), "step": 1}, token=TOKEN)
-        await settle()
+        # past its checksum check, the swap has closed the gate and waits for "a"
+        await until(lambda: server.closed() == 1 or swap.done(), "the swap closes the gate")
+        assert server.mw.swap_lock.locked()
         assert not swap.done()  # the gate is closed, draining "a"
         for path in gets:  # while a swap drains
             status, _, _ = await asyncio.wait_for(server.request("GET", path), TIMEOUT_S)
             assert status == 200
         _, _, health = await server.admin("GET", serving.HEALTH_ROUTE)
         assert health["ready"] is False and health["step"] == serving.BASE_STEP
+        assert (health["in_flight"], health["held"]) == (1, 0)  # "a" drains; nothing else asked
         release.set()
         assert (await done(swap))[0] == 200 and (await done(in_flight))[0] == 200
         assert server.app.served == [*gets, "a", *gets]
@@ -281,20 +309,24 @@ def test_a_swap_waits_for_the_requests_in_flight_before_reloading_engine_stood_i
         path = weights(3)
         release = server.hold("old")
         in_flight = [server.start_generate("a", hold="old"), server.start_generate("b", hold="old")]
-        await settle()
+        await until(lambda: server.active() == 2 and len(server.app.served) == 2, '"a" and "b" are running')
         assert server.app.in_flight() == 2
 
         swap = server.start("POST", serving.LOAD_WEIGHTS_ROUTE, {"path": path, "step": 3}, token=TOKEN)
-        await settle()
+        # past its checksum check (in a thread), the swap has closed the gate: its drain has begun
+        await until(lambda: server.closed() == 1 or swap.done(), "the swap closes the gate")
+        assert not swap.done()
         late = server.start_generate("late")  # arrives while the swap drains: waits, not refused
-        await asyncio.sleep(0.2)
+        await until(lambda: server.held() == 1 or late.done(), '"late" waits at the closed gate')
+        await asyncio.sleep(0.2)  # the drain lasts at least this long: drain_s is checked below
         assert not swap.done() and server.engine.calls == []  # no reload under requests in flight
         assert server.app.served == ["a", "b"]  # "late" is held at the closed gate
 
         release.set()
         status, _, answer = await done(swap)
         assert status == 200 and answer["step"] == 3 and answer["path"] == path
-        assert answer["drain_s"] >= 0.2  # it waited for "a" and "b" at least the 0.2 s they were held
+        assert answer["drained"] == 2  # it waited for "a" and "b"
+        assert answer["drain_s"] >= 0.2  # for at least the 0.2 s they were held
         # the reload came when nothing was in flight and both old requests had finished; then the
         # prefix cache was dropped
         assert server.engine.calls == [
@@ -328,7 +360,7 @@ def test_a_swap_with_nothing_in_flight_does_not_wait_engine_stood_in(token, weig
 
         status, _, answer = await server.admin("POST", serving.LOAD_WEIGHTS_ROUTE, {"path": weights(1), "step": 1})
         assert status == 200
-        assert answer["drain_s"] == pytest.approx(0.0, abs=0.02)
+        assert answer["drained"] == 0  # nothing was in flight to wait for
         assert [c[0] for c in server.engine.calls] == ["collective_rpc", "reset_prefix_cache"]
 
     asyncio.run(main())
@@ -342,16 +374,19 @@ def test_a_pause_inside_a_swap_nests_engine_stood_in(token, weights):
         # 1. pause during a swap's drain; the swap ends first: still paused
         release = server.hold("a")
         in_flight = server.start_generate("a", hold="a")
-        await settle()
+        await until(lambda: server.app.in_flight() == 1 and server.active() == 1, '"a" is admitted and running')
         swap = server.start("POST", serving.LOAD_WEIGHTS_ROUTE, {"path": weights(1), "step": 1}, token=TOKEN)
-        await settle()
+        await until(lambda: server.closed() == 1 or swap.done(), "the swap closes the gate and drains")
+        assert not swap.done()
         pause = server.start("POST", serving.PAUSE_ROUTE, token=TOKEN)
-        await settle()
+        await until(lambda: server.closed() == 2 or pause.done(), "the pause closes the gate inside the swap's")
+        assert not swap.done() and not pause.done()  # both wait for "a"
         release.set()
         assert (await done(swap))[0] == 200 and (await done(pause))[0] == 200
         assert (await done(in_flight))[0] == 200
         held = server.start_generate("b")
-        await settle()
+        await until(lambda: server.held() == 1 or held.done(), '"b" waits at the gate the pause keeps closed')
+        assert server.closed() == 1  # the pause's closing is left
         assert not held.done() and server.app.served == ["a"]  # the swap reopened only its own closing
         await server.admin("POST", serving.RESUME_ROUTE)
         status, headers, _ = await done(held)
@@ -361,18 +396,20 @@ def test_a_pause_inside_a_swap_nests_engine_stood_in(token, weights):
         await server.admin("POST", serving.PAUSE_ROUTE)
         server.engine.reload_hold = asyncio.Event()
         swap = server.start("POST", serving.LOAD_WEIGHTS_ROUTE, {"path": weights(2), "step": 2}, token=TOKEN)
-        await settle()
+        await until(lambda: len(server.engine.calls) >= 3 or swap.done(), "the swap calls the reload")
         assert len(server.engine.calls) == 3  # reloading now (no drain: nothing in flight)
+        assert server.engine.calls[2][:2] == ("collective_rpc", "primerl_reload_weights")
         await server.admin("POST", serving.RESUME_ROUTE)
+        assert server.closed() == 1  # the resume undid the pause's closing only
         held = server.start_generate("c")
-        await settle()
+        await until(lambda: server.held() == 1 or held.done(), '"c" waits at the gate the swap keeps closed')
         assert not held.done() and server.app.served == ["a", "b"]  # the swap still holds the gate
         server.engine.reload_hold.set()
         assert (await done(swap))[0] == 200
         status, headers, _ = await done(held)
         assert status == 200 and step_of(headers) == 2
         _, _, health = await server.admin("GET", serving.HEALTH_ROUTE)
-        assert health == {"ready": True, "paused": False, "step": 2}
+        assert health == {"ready": True, "paused": False, "step": 2, "in_flight": 0, "held": 0}
 
     asyncio.run(main())
 
@@ -391,12 +428,14 @@ def test_every_generation_response_carries_the_step_of_its_policy_engine_stood_i
         # the new policy, not the one serving when it arrived
         release = server.hold("x")
         in_flight = server.start_generate("in flight", hold="x")
-        await settle()
+        await until(lambda: server.app.in_flight() == 1 and server.active() == 1, '"in flight" is running')
         path9 = weights(9)
         swap = server.start("POST", serving.LOAD_WEIGHTS_ROUTE, {"path": path9, "step": 9}, token=TOKEN)
-        await settle()
+        await until(lambda: server.closed() == 1 or swap.done(), "the swap closes the gate")
+        assert not swap.done()
         waiting = server.start_generate("waited")
-        await settle()
+        await until(lambda: server.held() == 1 or waiting.done(), '"waited" waits at the closed gate')
+        assert not waiting.done() and server.app.served == ["before", "after 4", "in flight"]  # not admitted yet
         release.set()
         await done(swap)
         assert step_of((await done(in_flight))[1]) == 4

@@ -11,7 +11,7 @@ primerl_protocol.serving, which the orchestrator uses too (JSON in, JSON out):
   POST /admin/lora/unload   LoraUnload {"name"}
   POST /admin/pause  /  POST /admin/resume                              stop / restart admitting requests
   GET  /admin/policy        PolicyAnswer {"step", "path", "checksum", "paused", "logprobs_mode"}
-  GET  /admin/health        HealthAnswer {"ready", "paused", "step"}
+  GET  /admin/health        HealthAnswer {"ready", "paused", "step", "in_flight", "held"}
 
 A request body with a missing, mistyped or unknown field is answered 400 naming the field.
 
@@ -76,11 +76,16 @@ class Gate:
     def __init__(self) -> None:
         self.cond = asyncio.Condition()
         self.active = 0
+        self.held = 0  # waiting in enter()
         self.closed = 0  # nesting: a pause inside a swap
 
     async def enter(self) -> None:
         async with self.cond:
-            await self.cond.wait_for(lambda: not self.closed)
+            self.held += 1
+            try:
+                await self.cond.wait_for(lambda: not self.closed)
+            finally:
+                self.held -= 1
             self.active += 1
 
     async def leave(self) -> None:
@@ -88,11 +93,13 @@ class Gate:
             self.active -= 1
             self.cond.notify_all()
 
-    async def close(self) -> None:
-        """Stop admitting, then wait until nothing admitted is still running."""
+    async def close(self) -> int:
+        """Stop admitting, then wait until nothing admitted is still running; how many were."""
         async with self.cond:
             self.closed += 1
+            running = self.active
             await self.cond.wait_for(lambda: self.active == 0)
+            return running
 
     async def open(self) -> None:
         async with self.cond:
@@ -201,7 +208,7 @@ class AdminMiddleware:
                                           logprobs_mode=_logprobs_mode(scope["app"]))
                 case ("GET", serving.HEALTH_ROUTE):
                     result = HealthAnswer(ready=not self.paused and not self.swap_lock.locked(), paused=self.paused,
-                                          step=self.policy.step)
+                                          step=self.policy.step, in_flight=self.gate.active, held=self.gate.held)
                 case ("POST", serving.LORA_LOAD_ROUTE):
                     result = await self._load_lora(scope["app"], _parse(LoraLoad, body))
                 case ("POST", serving.LORA_UNLOAD_ROUTE):
@@ -224,7 +231,7 @@ class AdminMiddleware:
             except ValueError as err:
                 raise AdminError(409, f"refused weights for step {step}: {err}") from None
             t0 = time.monotonic()
-            await self.gate.close()  # requests in flight finish on the old weights
+            drained = await self.gate.close()  # requests in flight finish on the old weights
             try:
                 waited = time.monotonic() - t0
                 await engine.collective_rpc("primerl_reload_weights", kwargs={"weights_path": path})
@@ -235,7 +242,8 @@ class AdminMiddleware:
                 self.policy = Policy(step=step, path=path, checksum=meta["checksum"])
             finally:
                 await self.gate.open()
-            return LoadAnswer(step=step, path=path, drain_s=waited, swap_s=time.monotonic() - t0 - waited)
+            return LoadAnswer(step=step, path=path, drain_s=waited, drained=drained,
+                              swap_s=time.monotonic() - t0 - waited)
 
     async def _load_lora(self, app, req: LoraLoad) -> dict:
         # Through vLLM's own model registry, so that requests can then name the adapter as

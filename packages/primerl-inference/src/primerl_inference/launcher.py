@@ -151,11 +151,19 @@ class Servers:
         return [s.url for s in self.specs]
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        for p in self.procs:
+        self._stop(self.procs, timeout_s)
+
+    def stop_one(self, replica: int, timeout_s: float = 30.0) -> None:
+        """Stop replica `replica` (and its engine) only; a no-op if it has already exited."""
+        self._stop([self.procs[replica]], timeout_s)
+
+    @staticmethod
+    def _stop(procs: list[subprocess.Popen], timeout_s: float) -> None:
+        for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for p in self.procs:
+        for p in procs:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

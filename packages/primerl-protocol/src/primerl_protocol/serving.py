@@ -69,6 +69,8 @@ class LoadAnswer(_Body):
     path: str
     drain_s: float
     """Seconds waited for the requests in flight to finish on the old weights."""
+    drained: int
+    """How many requests were in flight when the swap closed the gate (it waited for each)."""
     swap_s: float
     """Seconds the new weights took to load."""
 
@@ -96,6 +98,10 @@ class HealthAnswer(_Body):
     ready: bool
     paused: bool
     step: int
+    in_flight: int
+    """Generation requests admitted and not finished."""
+    held: int
+    """Generation requests waiting at the closed gate (a pause or a swap)."""
 
 
 _Kind = typing.TypeVar("_Kind", bound=msgspec.Struct)
