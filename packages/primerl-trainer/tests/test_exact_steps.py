@@ -56,7 +56,8 @@ from primerl_models import load_model
 from primerl_models.tiny import build_tiny_model
 from primerl_protocol import MicroBatch, TrainBatch
 from primerl_protocol.weights import verify
-from primerl_trainer.testing import FakeOrchestrator, free_port_block, launch_trainer
+from primerl_trainer.config import CheckpointConfig, OptimizerConfig, SchedulerConfig, TrainerConfig, WeightsConfig
+from primerl_trainer.testing import FakeOrchestrator, free_port_block, launch_trainer, write_trainer_config
 
 LR = 3e-3
 WEIGHT_DECAY = 0.01
@@ -172,44 +173,20 @@ def flatten(split) -> list[dict]:
 
 # -- the runs ---------------------------------------------------------------------------------
 
-def write_config(path: Path, model: Path, run_dir: Path, port: int, max_steps: int) -> Path:
-    path.write_text(f"""
-seq_len = 64
-max_steps = {max_steps}
-run_dir = "{run_dir}"
-[model]
-name = "{model}"
-[transport]
-batch_port = {port + 1}
-policy_port = {port}
-[transport.sockets]
-recv_timeout_s = {TIMEOUT_S}
-linger_ms = 0
-[wandb]
-mode = "disabled"
-[trainer]
-dtype = "float32"
-[trainer.optimizer]
-lr = {LR}
-weight_decay = {WEIGHT_DECAY}
-betas = [{BETAS[0]}, {BETAS[1]}]
-max_grad_norm = {MAX_GRAD_NORM}
-[trainer.scheduler]
-warmup_steps = 1
-[trainer.checkpoint]
-interval = 1
-keep = 1
-[trainer.weights]
-dtype = "float32"
-keep = 2
-""")
-    return path
+TRAINER = TrainerConfig(
+    dtype="float32",
+    optimizer=OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, max_grad_norm=MAX_GRAD_NORM),
+    scheduler=SchedulerConfig(warmup_steps=1),
+    checkpoint=CheckpointConfig(interval=1, keep=1),
+    weights=WeightsConfig(dtype="float32", keep=2),
+)
 
 
 def run(tmp: Path, name: str, model_dir: Path, run_dir: Path, ranks: int, max_steps: int, feed) -> tuple[list, str]:
     """Launch the trainer on `ranks` ranks; `feed(orch)` talks to it; returns what feed returns and the log."""
     port = free_port_block(ranks + 1)
-    cfg = write_config(tmp / f"{name}.toml", model_dir, run_dir, port, max_steps)
+    cfg = write_trainer_config(tmp / f"{name}.toml", model_dir, run_dir, port, max_steps, TRAINER,
+                               recv_timeout_s=TIMEOUT_S)
     log_file = tmp / f"{name}.log"
     orch = FakeOrchestrator("127.0.0.1", port + 1, port, ranks)
     proc = launch_trainer(cfg, ranks, log_file)

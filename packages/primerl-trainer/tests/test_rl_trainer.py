@@ -17,11 +17,13 @@ from primerl_protocol import Encoder, Shutdown
 from primerl_protocol.weights import verify
 from primerl_trainer.distributed import Dist
 from primerl_trainer.rl import validate_batch
+from primerl_trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig, WeightsConfig
 from primerl_trainer.testing import (
     FakeOrchestrator,
     free_port_block,
     launch_trainer,
     synthetic_batches,
+    write_trainer_config,
 )
 
 RANKS = 2
@@ -34,35 +36,8 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", hidden_size=64, num_layers=2, init_std=0.05)
 
 
-def write_config(path: Path, model: Path, run_dir: Path, port: int, max_steps: int, **extra) -> Path:
-    wandb = extra.pop("wandb", "disabled")
-    timeout = extra.pop("recv_timeout_s", 120)
-    path.write_text(f"""
-seq_len = 64
-max_steps = {max_steps}
-run_dir = "{run_dir}"
-[model]
-name = "{model}"
-[transport]
-batch_port = {port + 1}
-policy_port = {port}
-[transport.sockets]
-recv_timeout_s = {timeout}
-linger_ms = 0
-[wandb]
-mode = "{wandb}"
-[trainer]
-dtype = "float32"
-[trainer.optimizer]
-lr = 3e-3
-[trainer.checkpoint]
-interval = 3
-keep = 5
-[trainer.weights]
-dtype = "float32"
-keep = 2
-""")
-    return path
+TRAINER = TrainerConfig(dtype="float32", optimizer=OptimizerConfig(lr=3e-3), checkpoint=CheckpointConfig(interval=3, keep=5),
+                        weights=WeightsConfig(dtype="float32", keep=2))
 
 
 @contextlib.contextmanager
@@ -71,7 +46,7 @@ def trainer_running(tmp_path, model_dir, run_dir, max_steps, name="trainer", ent
     """The trainer under torchrun (output in `tmp_path/name.log`) and the fake orchestrator it
     talks to; killed if it still runs at the end."""
     port = free_port_block(RANKS + 1)
-    cfg = write_config(tmp_path / f"{name}.toml", model_dir, run_dir, port, max_steps, **extra)
+    cfg = write_trainer_config(tmp_path / f"{name}.toml", model_dir, run_dir, port, max_steps, TRAINER, **extra)
     orch = FakeOrchestrator("127.0.0.1", port + 1, port, RANKS)
     proc = launch_trainer(cfg, RANKS, tmp_path / f"{name}.log", entry, env)
     try:

@@ -86,6 +86,23 @@ def synthetic_batches(step: int, num_ranks: int, vocab: int, micro_batches: int 
     ]
 
 
+def write_trainer_config(path: Path, model: str | Path, run_dir: str | Path, port: int, max_steps: int, trainer, *,
+                         seq_len: int = 64, recv_timeout_s: float = 120.0, wandb: str = "disabled") -> Path:
+    """A trainer run config (TOML at `path`) whose sockets meet a FakeOrchestrator made with the
+    same `port` (policy at `port`, batches at `port + 1`); `trainer` is its TrainerConfig."""
+    from primerl_protocol.config import ModelConfig, TransportConfig, WandbConfig, to_toml
+    from primerl_trainer.config import TrainerRunConfig
+
+    cfg = TrainerRunConfig(
+        model=ModelConfig(name=str(model)), seq_len=seq_len, max_steps=max_steps, run_dir=str(run_dir),
+        transport=TransportConfig(batch_port=port + 1, policy_port=port,
+                                  sockets=SocketSettings(recv_timeout_s=recv_timeout_s, linger_ms=0)),
+        wandb=WandbConfig(mode=wandb), trainer=trainer,
+    )
+    path.write_text(to_toml(cfg))
+    return path
+
+
 class FakeOrchestrator:
     """A test double of the orchestrator: same sockets, batches supplied by the test."""
 
