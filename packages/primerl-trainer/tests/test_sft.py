@@ -53,8 +53,14 @@ def test_bad_data_is_named(tmp_path, tokenizer):
     bad.write_text('{"question": "a"}\n')
     with pytest.raises(DataError, match=r"row 0: a row needs `messages`, or `prompt` and `completion`; it has \['question'\]"):
         load_samples(str(bad), tokenizer, 64)
-    with pytest.raises(DataError, match="no such file"):
-        read_rows(str(tmp_path / "missing.jsonl"))
+    # file paths that do not exist are named as such, whether or not `datasets` is installed
+    # (it would otherwise try them as Hub dataset names and answer about the Hub)
+    for missing in (tmp_path / "missing.jsonl", tmp_path / "missing"):
+        with pytest.raises(DataError, match=f"^{missing}: no such file$"):
+            read_rows(str(missing))
+    # a name, tried with `datasets` (offline here) if installed: a DataError either way
+    with pytest.raises(DataError, match="^no-such-org/no-such-set: no such file, and `datasets` "):
+        read_rows("no-such-org/no-such-set")
 
 
 def test_samples_longer_than_a_row_are_dropped_and_counted(tmp_path, tokenizer):

@@ -48,11 +48,18 @@ def read_rows(path: str) -> list[dict]:
         return pq.read_table(p).to_pylist()
     if p.exists():
         raise DataError(f"{p}: unsupported file type (use .jsonl or .parquet)")
+    if p.suffix in (".jsonl", ".json", ".parquet") or p.is_absolute() or path.startswith((".", "~")):
+        # a file path, not a dataset name: say so, rather than what the Hub says of it
+        raise DataError(f"{path}: no such file")
     try:
         import datasets
     except ImportError:
         raise DataError(f"{path}: no such file, and `datasets` is not installed to load it by name") from None
-    return list(datasets.load_dataset(path, split="train"))
+    try:
+        return list(datasets.load_dataset(path, split="train"))
+    except Exception as err:  # offline, no such dataset, no train split: named, not a traceback
+        raise DataError(f"{path}: no such file, and `datasets` cannot load it by name "
+                        f"({type(err).__name__}: {err})") from None
 
 
 def _messages(row: dict, where: str) -> list[dict]:
