@@ -2,6 +2,7 @@
 start rule of the off-policy bound, routing and health probes (against real HTTP sockets)."""
 
 import asyncio
+import contextlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -184,25 +185,32 @@ class _StandInServer(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_server_whose_logprobs_ignore_the_temperature_is_refused():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _StandInServer)
+@contextlib.contextmanager
+def stand_in(handler):
+    """A stand-in HTTP server answering with `handler` on a free port; its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-
-    async def start(mode):
-        pool = ServerPool([url], "m", "t", logprobs_mode=mode)
-        try:
-            await pool.start()
-        finally:
-            await pool.close()
-
     try:
-        with pytest.raises(NoServerError, match=r"'raw_logprobs' mode, not 'processed_logprobs'.*--logprobs-mode"):
-            asyncio.run(start("processed_logprobs"))
-        asyncio.run(start(None))  # evals do not check it
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+
+
+async def start_pool(url: str, mode: str | None) -> None:
+    """Start (and close) a pool of the one server at `url`, checking `mode` as logprobs mode."""
+    pool = ServerPool([url], "m", "t", logprobs_mode=mode)
+    try:
+        await pool.start()
+    finally:
+        await pool.close()
+
+
+def test_a_server_whose_logprobs_ignore_the_temperature_is_refused():
+    with stand_in(_StandInServer) as url:
+        with pytest.raises(NoServerError, match=r"'raw_logprobs' mode, not 'processed_logprobs'.*--logprobs-mode"):
+            asyncio.run(start_pool(url, "processed_logprobs"))
+        asyncio.run(start_pool(url, None))  # evals do not check it
 
 
 @pytest.mark.parametrize("policy, shown", [
@@ -215,24 +223,9 @@ def test_a_server_whose_policy_answer_is_malformed_is_refused_naming_the_route(p
     """A server's answer is input from outside: one that does not decode as the admin
     contract's PolicyAnswer makes that server unhealthy, saying what was wrong, and the pool
     raises its clear NoServerError (nothing else escapes)."""
-    handler = type("Garbage", (_StandInServer,), {"policy": policy})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-
-    async def start():
-        pool = ServerPool([url], "m", "t", logprobs_mode="processed_logprobs")
-        try:
-            await pool.start()
-        finally:
-            await pool.close()
-
-    try:
+    with stand_in(type("Garbage", (_StandInServer,), {"policy": policy})) as url:
         with pytest.raises(NoServerError, match=rf"/admin/policy answered something that is not a PolicyAnswer \(.*{shown}"):
-            asyncio.run(start())
-    finally:
-        server.shutdown()
-        server.server_close()
+            asyncio.run(start_pool(url, "processed_logprobs"))
 
 
 def test_sampling_that_the_trainer_cannot_score_is_refused_at_config_load():

@@ -125,7 +125,8 @@ def server_command(
     return ServerSpec(replica, host, port, argv, env, gpus)
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """The server at `url` answers /health with 200 (not up yet, hung up mid-answer: False)."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
             return r.status == 200
@@ -197,7 +198,7 @@ def launch(cfg: InferenceConfig, model: str, max_model_len: int, run_dir: str | 
     try:
         while pending:
             servers.check_alive()
-            pending = {i for i in pending if not _healthy(specs[i].url)}
+            pending = {i for i in pending if not healthy(specs[i].url)}
             if pending and time.monotonic() > deadline:
                 i = min(pending)
                 raise LaunchError(f"inference replica {i} ({specs[i].url}) not healthy after {cfg.startup_timeout_s}s; "

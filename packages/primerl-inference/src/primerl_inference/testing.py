@@ -11,7 +11,6 @@ run earlier anyway, `reset` starts the dead replica again.
 
 from __future__ import annotations
 
-import http.client
 import json
 import shutil
 import urllib.request
@@ -22,8 +21,11 @@ import msgspec
 
 from primerl_inference.config import InferenceConfig
 from primerl_inference.launcher import Servers, launch
+from primerl_inference.launcher import healthy as is_up
 from primerl_protocol.serving import LOAD_WEIGHTS_ROUTE, POLICY_ROUTE, RESUME_ROUTE, bearer
 from primerl_protocol.weights import write_marker
+
+__all__ = ["TOKEN", "SharedServers", "admin", "is_up", "published_copy", "start_shared"]
 
 TOKEN = "test-admin-token"
 """The admin token of the shared servers."""
@@ -35,14 +37,6 @@ def admin(url: str, route: str, body: dict | None = None, token: str = TOKEN, ti
     req = urllib.request.Request(url + route, data=data, headers={"content-type": "application/json", **bearer(token)})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())
-
-
-def is_up(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as r:
-            return r.status == 200
-    except (OSError, http.client.HTTPException):
-        return False
 
 
 def published_copy(model: str | Path, folder: str | Path, step: int) -> str:
@@ -92,7 +86,7 @@ class SharedServers:
 
     def reset(self) -> None:
         for i, url in enumerate(self.urls):
-            if self.procs[i].poll() is not None or not is_up(url):
+            if self.procs[i].poll() is not None:  # killed (by a test that kills a server)
                 self.servers.stop_one(i)
                 self.revive(i)
             admin(url, RESUME_ROUTE, {})

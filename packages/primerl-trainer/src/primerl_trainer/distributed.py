@@ -60,22 +60,24 @@ def init_distributed(timeout_s: float = 1800.0) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
-    """Sum a few floats over all ranks (one collective)."""
+def _all_reduce(values: list[float], d: Dist, op) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=d.device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return t.tolist()
 
 
-def all_reduce_max(value: float, d: Dist) -> float:
-    return all_reduce_maxes([value], d)[0]
+def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
+    """Sum a few floats over all ranks (one collective)."""
+    return _all_reduce(values, d, dist.ReduceOp.SUM)
 
 
 def all_reduce_maxes(values: list[float], d: Dist) -> list[float]:
     """The maximum over ranks of each of `values`, in one collective."""
-    t = torch.tensor(values, dtype=torch.float64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return _all_reduce(values, d, dist.ReduceOp.MAX)
+
+
+def all_reduce_max(value: float, d: Dist) -> float:
+    return all_reduce_maxes([value], d)[0]
 
 
 def all_gather_objects(value, d: Dist) -> list:
