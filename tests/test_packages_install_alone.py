@@ -211,7 +211,7 @@ CASES = {
         from primerl_inference.config import InferenceConfig
         from primerl_inference.launcher import server_command
         spec = server_command(InferenceConfig(), "some/model", 512, 1, "run", device="cpu")
-        assert spec.argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], spec.argv
+        assert spec.argv[1:3] == ["-m", "primerl_inference.serve"], spec.argv
         assert "--enforce-eager" in spec.argv and spec.env["PRIMERL_MODEL"] == "some/model"
         """,
     ),

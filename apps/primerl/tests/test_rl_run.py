@@ -3,6 +3,7 @@ orchestrator, started, watched and stopped by the launcher from one config."""
 
 import json
 import os
+import re
 import signal
 import string
 import subprocess
@@ -100,7 +101,7 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
                                 text=True)
     try:
         wait_until(launcher, lambda: max(steps_of(run_dir), default=-1) >= 1, "step 1")
-        second = [pid for pid, argv in processes("vllm.entrypoints.openai.api_server") if str(port + 1) in argv]
+        second = [pid for pid, argv in processes("primerl_inference.serve") if str(port + 1) in argv]
         assert len(second) == 1, second
         os.killpg(second[0], signal.SIGKILL)  # the server and its engine
         # the run went on without it (its pool counts it unhealthy), and a checkpoint exists
@@ -131,4 +132,20 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
     rows = rows_of(run_dir)
     assert all("reward/mean" in r and "loss" in r for r in rows)
     assert rows[-1]["servers/healthy"] == 1 and rows[-1]["servers/unhealthy"] == 0
+    assert not leftovers(run_dir)
+
+
+def test_a_server_that_fails_to_start_stops_the_trainer_and_orchestrator_started_beside_it(model, tmp_path):
+    """The trainer and the orchestrator start while vLLM loads: a server that exits before it
+    serves (here vLLM refuses an unknown flag) stops the run, naming it, with its log's end,
+    and the two processes started beside it are stopped too."""
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=2)
+    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), 'inference.extra_args=["--no-such-vllm-flag"]'],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"primerl rl: inference: inference replica 0 \(http://127.0.0.1:\d+\) exited with code 2; "
+                     r"last lines of \S+inference-0.log", out.stderr), out.stderr
+    assert "--no-such-vllm-flag" in out.stdout + out.stderr  # vLLM's own complaint, from its log
+    assert (run_dir / "logs" / "trainer.log").exists() and (run_dir / "logs" / "orchestrator.log").exists()
     assert not leftovers(run_dir)

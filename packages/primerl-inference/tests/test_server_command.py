@@ -11,7 +11,7 @@ from primerl_inference.launcher import server_command
 
 
 def args_of(argv: list[str]) -> list[str]:
-    return argv[argv.index("vllm.entrypoints.openai.api_server") + 1 :]
+    return argv[argv.index("primerl_inference.serve") + 1 :]
 
 
 def value(argv: list[str], flag: str) -> str:
@@ -24,6 +24,7 @@ def test_cpu_server():
     assert value(a, "--model") == "m" and value(a, "--port") == "8100" and value(a, "--max-model-len") == "512"
     assert "--enforce-eager" in a and value(a, "--middleware") == "primerl_inference.admin.AdminMiddleware"
     assert spec.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "CUDA_VISIBLE_DEVICES" not in spec.env
+    assert spec.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # CPU only: the model in the engine process
     assert spec.url == "http://127.0.0.1:8100"
 
 
@@ -32,6 +33,7 @@ def test_replicas_get_their_own_ports_and_gpus():
     specs = [server_command(cfg, "m", 1024, i, "/r", device="cuda") for i in range(2)]
     assert [s.port for s in specs] == [9000, 9001]
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["4,5", "6,7"]
+    assert all("VLLM_ENABLE_V1_MULTIPROCESSING" not in s.env for s in specs)  # vLLM's default on GPUs
     assert value(args_of(specs[1].argv), "--tensor-parallel-size") == "2"
 
 

@@ -4,8 +4,11 @@
    (primerl-models must implement it), every environment id, the trainer's rank count.
 2. Lays out the run directory: `configs/` (the resolved config and each process's
    projection of it), `logs/` (one log per process).
-3. Starts the inference servers (and waits until they serve), the torchrun trainer and the
-   orchestrator, each in its own process group.
+3. Starts the inference servers, the torchrun trainer and the orchestrator, each in its own
+   process group, all at once: the trainer builds its model and the orchestrator its
+   environments while vLLM loads (the orchestrator waits for the first server to serve, up to
+   `inference.startup_timeout_s`). A server that exits or is not healthy within that time
+   stops the run, as before.
 4. Watches them: prints one line per step (step, reward, tokens/s, off-policy level, ETA);
    when a process exits with an error, or on Ctrl-C, stops all of them (SIGTERM, then
    SIGKILL) and says which one failed, its exit code and the end of its log.
@@ -27,12 +30,14 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-from primerl_inference.launcher import LaunchError, launch, resolve_device
+from primerl_inference.launcher import LaunchError, resolve_device
+from primerl_inference.launcher import start as start_servers
 from primerl_protocol.config import to_toml, write_private
 
 from primerl.configs import OrchRunConfig, RLConfig, TrainerRunConfig
@@ -179,11 +184,9 @@ def run_rl(cfg: RLConfig) -> None:
     servers = None
     try:
         print(f"starting {cfg.inference.num_replicas} inference server(s) on {device} (logs in {logs})", flush=True)
-        try:
-            servers = launch(cfg.inference, cfg.model.name, cfg.seq_len, run_dir)
-        except LaunchError as err:
-            raise RunError(f"inference: {err}") from None
+        servers = start_servers(cfg.inference, cfg.model.name, cfg.seq_len, run_dir)
         procs += [Proc(f"inference-{i}", p, log) for i, (p, log) in enumerate(zip(servers.procs, servers.logs))]
+        startup = ServersStartup(servers)
 
         trainer_cfg = run_dir / "configs" / "trainer.toml"
         write_private(trainer_cfg, to_toml(cfg.project(TrainerRunConfig)))
@@ -204,7 +207,7 @@ def run_rl(cfg: RLConfig) -> None:
         procs.append(_start("orchestrator", [sys.executable, "-m", "primerl.orch_entry", "@", str(orch_cfg)],
                             logs / "orchestrator.log", {"PYTHONUNBUFFERED": "1"}))
         print(f"trainer ({cfg.transport.trainer_ranks} rank(s)) and orchestrator started", flush=True)
-        _watch(procs, Progress(run_dir, cfg.max_steps))
+        _watch(procs, Progress(run_dir, cfg.max_steps), startup)
     except KeyboardInterrupt:
         print("stopping every process (Ctrl-C)", flush=True)
         raise
@@ -212,11 +215,38 @@ def run_rl(cfg: RLConfig) -> None:
         _stop(procs)
 
 
-def _watch(procs: list[Proc], progress: Progress) -> None:
-    """Until the trainer and the orchestrator have both finished; the first failure stops all."""
+class ServersStartup:
+    """Waits in a thread until every server serves (Servers.wait_healthy), so that the
+    trainer and the orchestrator start meanwhile; `check()` raises RunError once it failed."""
+
+    def __init__(self, servers) -> None:
+        self.error: LaunchError | None = None
+        self.done = False
+        self.thread = threading.Thread(target=self._wait, args=(servers,), name="servers-startup", daemon=True)
+        self.thread.start()
+
+    def _wait(self, servers) -> None:
+        try:
+            servers.wait_healthy()
+        except LaunchError as err:
+            self.error = err
+        else:
+            print(f"inference server(s) serving at {', '.join(servers.urls)}", flush=True)
+        self.done = True
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RunError(f"inference: {self.error}")
+
+
+def _watch(procs: list[Proc], progress: Progress, startup: ServersStartup | None = None) -> None:
+    """Until the trainer and the orchestrator have both finished; the first failure stops all
+    (a server that exits before all of them serve is a failure, even with others left)."""
     finishers = {"trainer", "orchestrator"}
     lost: set[str] = set()
     while True:
+        if startup is not None:
+            startup.check()
         progress.poll()
         servers = [p for p in procs if p.name not in finishers]
         for p in procs:
@@ -224,6 +254,9 @@ def _watch(procs: list[Proc], progress: Progress) -> None:
             if code is None or (code == 0 and p.name in finishers) or p.name in lost:
                 continue
             reason = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+            if startup is not None and not startup.done:
+                startup.thread.join(timeout=5.0)  # its LaunchError names the replica and its log
+                startup.check()
             if p.name not in finishers and any(q.popen.poll() is None for q in servers):
                 # the orchestrator routes around a dead server; the run goes on
                 print(f"warning: {p.name} {reason}; the run goes on with the other servers "

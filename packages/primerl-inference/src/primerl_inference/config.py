@@ -69,7 +69,9 @@ class InferenceConfig(Config):
     admin_token: str | None = None
     """Bearer token for the admin routes (default: $PRIMERL_ADMIN_TOKEN)."""
     startup_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
-    """How long to wait for a server to become healthy before giving up."""
+    """How long to wait for a server to become healthy before giving up: the launcher, for
+    every replica it starts; the RL orchestrator at its start, for the first of its servers
+    (`primerl rl` starts the trainer and the orchestrator while the servers load)."""
     extra_args: list[str] = []
     """Extra command-line arguments passed to vLLM as they are."""
     extra_env: dict[str, str] = {}

@@ -94,10 +94,12 @@ async def start_generator(
     logprobs_mode: str | None = None,
     any_policy: bool = False,
     max_retries: int = 2,
+    wait_s: float = 0.0,
 ) -> Generator:
     """A Generator over a started ServerPool of `urls` (closed when `stack` closes): the set-up
-    the training loop and `primerl eval` share. Raises NoServerError when none serves `model`."""
+    the training loop and `primerl eval` share. Raises NoServerError when none serves `model`
+    (after waiting up to `wait_s` for servers that are still starting: ServerPool.start)."""
     pool = ServerPool(urls, model.name, admin_token, logprobs_mode=logprobs_mode)
     stack.push_async_callback(pool.close)
-    await pool.start(any_policy=any_policy)
+    await pool.start(any_policy=any_policy, wait_s=wait_s)
     return Generator(pool, model.name, model.tokenizer or model.name, max_retries=max_retries)

@@ -132,7 +132,9 @@ class Orchestrator:
             # Resumed, the servers may serve anything: the trainer publishes its restored weights first.
             self.gen = await start_generator(stack, cfg.model, cfg.inference.server_urls(),
                                              cfg.inference.resolved_admin_token(), logprobs_mode=LOGPROBS_MODE,
-                                             any_policy=self.version is None, max_retries=self.o.max_retries)
+                                             any_policy=self.version is None, max_retries=self.o.max_retries,
+                                             # servers started beside this process may still be loading
+                                             wait_s=cfg.inference.startup_timeout_s)
             self.pool = self.gen.pool
             self._open_sockets(stack)
             log.info(

@@ -44,6 +44,11 @@ from primerl_protocol.serving import (
 log = logging.getLogger("primerl.orchestrator")
 
 
+class NotUp(str):
+    """A probe's problem that means the server does not serve yet: nothing listens on its port,
+    or /health does not answer 200 (vLLM still loading)."""
+
+
 class NoServerError(RuntimeError):
     """No healthy inference server (says which were tried and what was wrong with each)."""
 
@@ -109,11 +114,12 @@ class ServerPool:
     # -- health -----------------------------------------------------------------------
 
     async def probe(self, server: Server) -> str | None:
-        """What is wrong with `server`, or None when it serves the model."""
+        """What is wrong with `server`, or None when it serves the model (a `NotUp` problem:
+        it does not serve yet)."""
         try:
             r = await self._http.get(server.url + "/health")
             if r.status_code != 200:
-                return f"/health answered HTTP {r.status_code}"
+                return NotUp(f"/health answered HTTP {r.status_code}")
             r = await self._http.get(server.url + "/v1/models")
             if r.status_code != 200:
                 return f"/v1/models answered HTTP {r.status_code}"
@@ -126,7 +132,8 @@ class ServerPool:
             if self.logprobs_mode is not None:
                 return await self._check_policy(server)
         except httpx.HTTPError as err:
-            return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            problem = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            return NotUp(problem) if isinstance(err, httpx.ConnectError) else problem
         return None
 
     async def _check_policy(self, server: Server) -> str | None:
@@ -169,11 +176,25 @@ class ServerPool:
             log.warning("inference server %s is unhealthy (%s); its rollouts go to the others", server.url, problem)
         server.healthy, server.problem = False, problem
 
-    async def start(self, *, any_policy: bool = False) -> None:
+    async def start(self, *, any_policy: bool = False, wait_s: float = 0.0) -> None:
         """Probe every server; at least one must serve the model. `any_policy`: the servers
-        may serve any weights until the first `load_weights` (a resumed run)."""
+        may serve any weights until the first `load_weights` (a resumed run). `wait_s`: while
+        none serves but none is wrong either (nothing listens yet, /health not 200: servers
+        that are still starting), probe again for up to this long; the others join later
+        (`revive`)."""
         self.any_policy = any_policy
-        problems = await asyncio.gather(*(self.probe(s) for s in self.servers))
+        deadline = time.monotonic() + wait_s
+        next_note = time.monotonic() + 15.0
+        while True:
+            problems = await asyncio.gather(*(self.probe(s) for s in self.servers))
+            if any(p is None for p in problems) or not all(isinstance(p, NotUp) for p in problems) \
+                    or time.monotonic() >= deadline:
+                break
+            if time.monotonic() >= next_note:
+                log.info("waiting for an inference server to come up (%s; %.0f s left)",
+                         "; ".join(f"{s.url}: {p}" for s, p in zip(self.servers, problems)), deadline - time.monotonic())
+                next_note += 15.0
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         for server, problem in zip(self.servers, problems):
             if problem:
                 self.mark_unhealthy(server, problem)
