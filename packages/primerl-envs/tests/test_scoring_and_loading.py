@@ -157,3 +157,34 @@ def test_primerl_envs_installs_and_runs_without_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_default_factory_check_is_remembered_and_still_right():
+    """compat.install() memoises pydantic's 'does this default_factory take the validated data?'
+    (an inspect.signature per defaulted field per model_construct, before): the answers stay
+    pydantic's own, for plain factories, data-taking ones and unhashable ones."""
+    import pydantic
+    from pydantic._internal import _fields
+    from primerl_envs import compat
+
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self, data):
+            return data["a"] * 2
+
+    compat.install()
+    assert _fields.takes_validated_data_argument(list) is False
+    assert _fields.takes_validated_data_argument(lambda data: data) is True
+    assert _fields.takes_validated_data_argument(Unhashable()) is True
+
+    class M(pydantic.BaseModel):
+        a: int = 1
+        items: list = pydantic.Field(default_factory=list)
+        b: int = pydantic.Field(default_factory=lambda data: data["a"] + 1)
+        c: int = pydantic.Field(default_factory=Unhashable())
+
+    for _ in range(2):  # the second time from the memo
+        m = M.model_construct(a=5)
+        assert (m.items, m.b, m.c) == ([], 6, 10)
+        assert M(a=2).model_dump() == {"a": 2, "items": [], "b": 3, "c": 4}
