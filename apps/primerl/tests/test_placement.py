@@ -1,8 +1,12 @@
-"""GPU placement of `primerl rl` (a pure function of the config: no GPU needed to test it)."""
+"""GPU placement of `primerl rl` (a pure function of the config: no GPU needed to test it),
+and the trainer's CPU threads."""
 
+import os
+
+import msgspec
 import pytest
 from primerl.configs import RLConfig
-from primerl.launch import RunError, gpu_plan
+from primerl.launch import RunError, gpu_plan, trainer_threads
 from primerl_inference.config import InferenceConfig
 from primerl_protocol.config import ModelConfig, TransportConfig
 
@@ -31,3 +35,14 @@ def test_bad_plans_are_named():
         gpu_plan(cfg(ranks=2, trainer_gpus=[0, 1]), "cuda")
     with pytest.raises(RunError, match=r"trainer_ranks = 2 but the trainer gets GPUs \[3\]"):
         gpu_plan(cfg(ranks=2, trainer_gpus=[3]), "cuda")
+
+
+def test_trainer_threads_share_the_cores_only_when_training_and_generation_alternate():
+    cores = len(os.sched_getaffinity(0))
+    on_policy = msgspec.structs.replace(cfg(ranks=1), orchestrator=msgspec.structs.replace(
+        cfg().orchestrator, max_async_level=0))
+    assert trainer_threads(on_policy, []) == cores
+    two_ranks = msgspec.structs.replace(on_policy, transport=TransportConfig(trainer_ranks=2))
+    assert trainer_threads(two_ranks, []) == max(1, cores // 2)
+    assert trainer_threads(cfg(ranks=1), []) == 1  # max_async_level 1 (the default): vLLM computes meanwhile
+    assert trainer_threads(on_policy, [0]) == 1  # GPUs

@@ -198,14 +198,14 @@ def _run_orchestrator(config: OrchRunConfig) -> None:
 
 def _run_eval(config: EvalConfig) -> None:
     import asyncio
-    import logging
 
     from primerl_envs.environment import EnvLoadError
     from primerl_inference.launcher import LaunchError, launch
     from primerl_orchestrator.evals import eval_run
+    from primerl_orchestrator.loop import configure_logging
     from primerl_orchestrator.servers import NoServerError
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure_logging()
     servers = None
     try:
         if config.inference.urls:

@@ -164,6 +164,17 @@ class Progress:
             )
 
 
+def trainer_threads(cfg: RLConfig, trainer_gpus: list[int]) -> int:
+    """Threads of each trainer rank ($OMP_NUM_THREADS, unless set). On GPUs, 1. On CPU, 1 as
+    well when training overlaps generation (max_async_level > 0: vLLM computes meanwhile); an
+    on-policy run (max_async_level = 0) trains while generation waits, so each rank gets its
+    share of the cores (the reverse-text example's forward and backward on 2 cores: ~0.3 s
+    instead of ~0.5 s)."""
+    if trainer_gpus or cfg.orchestrator.max_async_level > 0:
+        return 1
+    return max(1, len(os.sched_getaffinity(0)) // cfg.transport.trainer_ranks)
+
+
 def run_rl(cfg: RLConfig) -> None:
     """Run the whole RL run; raises RunError naming the failed process."""
     check(cfg)
@@ -190,7 +201,8 @@ def run_rl(cfg: RLConfig) -> None:
 
         trainer_cfg = run_dir / "configs" / "trainer.toml"
         write_private(trainer_cfg, to_toml(cfg.project(TrainerRunConfig)))
-        trainer_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+        trainer_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(trainer_threads(cfg, trainer_gpus)),
+                       "PYTHONUNBUFFERED": "1"}
         if trainer_gpus:
             trainer_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, trainer_gpus))
         else:

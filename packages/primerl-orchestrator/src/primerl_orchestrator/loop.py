@@ -439,7 +439,20 @@ class Orchestrator:
                 await sender.send(Shutdown(sender="orchestrator", reason=reason), timeout_s=1.0)
 
 
+PER_REQUEST_LOGGERS = ("verifiers.v1.rollout", "httpx", "aiohttp.access")
+"""Loggers that write a line per rollout or per HTTP request at INFO (four lines a rollout in all,
+2 MB of log per 30 steps of the reverse-text example): held at WARNING, so their warnings and
+errors still show."""
+
+
+def configure_logging() -> None:
+    """INFO to stderr with times, without the per-request lines (the orchestrator and evals)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for name in PER_REQUEST_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def run(cfg: OrchRunConfig) -> None:
     """`primerl-orch`: the orchestrator until max_steps (or until stopped)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure_logging()
     asyncio.run(Orchestrator(cfg).run())
