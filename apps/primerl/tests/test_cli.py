@@ -64,17 +64,20 @@ def test_rl_dry_run_prints_toml_of_the_resolved_config(config):
     ("gpt2", "model_type 'gpt2' is not implemented by primerl-models; supported:"),
     ("no-envs", "envs.train: no training environments"),
     ("missing-env", "envs.train[0].id:"),
+    ("long-rows", "seq_len = 8192 is above the model's max_position_embeddings = 4096"),
 ])
 def test_rl_bad_setups_fail_before_any_process_starts(tmp_path, monkeypatch, setup, message):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "gpt2" if setup == "gpt2" else "qwen3"}))
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2" if setup == "gpt2" else "qwen3",
+                                                   "max_position_embeddings": 4096}))
     name = {"model": "tiny", "hub": "no-such-org/no-such-model"}.get(setup, str(model))
     envs = {"no-envs": "", "missing-env": '[[envs.train]]\nid = "./no_such_env.py"\n'}.get(
         setup, '[[envs.train]]\nid = "reverse-text"\n')
     path = tmp_path / "rl.toml"
-    path.write_text(f'run_dir = "{tmp_path / "run"}"\n[model]\nname = "{name}"\n{envs}')
+    seq_len = "seq_len = 8192\n" if setup == "long-rows" else ""
+    path.write_text(f'{seq_len}run_dir = "{tmp_path / "run"}"\n[model]\nname = "{name}"\n{envs}')
     result = CliRunner().invoke(main, ["rl", "@", str(path)])
     assert result.exit_code == 1 and message in result.output, result.output
     assert not (tmp_path / "run" / "logs").exists()  # nothing was started

@@ -69,9 +69,17 @@ def check(cfg: RLConfig) -> None:
         folder = Path(cfg.model.name)
         if is_hub_id(cfg.model.name):  # fetched once here; vLLM and the trainer find it in the HF cache
             folder = resolve_model_folder(cfg.model.name, cfg.model.revision)
-        family_for(read_config(folder), where=f"{cfg.model.name}/config.json")
+        hf_config = read_config(folder)
+        family_for(hf_config, where=f"{cfg.model.name}/config.json")
     except (FileNotFoundError, ValueError) as err:
         raise RunError(f"model.name: {err}") from None
+    limit = hf_config.get("max_position_embeddings")
+    text = hf_config.get("text_config") or {}
+    limit = limit or (text.get("max_position_embeddings") if isinstance(text, dict) else None)
+    scaled = hf_config.get("rope_scaling") or (text.get("rope_scaling") if isinstance(text, dict) else None)
+    if isinstance(limit, int) and not scaled and cfg.seq_len > limit:
+        raise RunError(f"seq_len = {cfg.seq_len} is above the model's max_position_embeddings = {limit} "
+                       f"({cfg.model.name}/config.json): vLLM would refuse to serve it; use seq_len <= {limit}")
     if not cfg.envs.train:
         raise RunError("envs.train: no training environments; add at least one [[envs.train]] entry")
     for section, envs in (("envs.train", cfg.envs.train), ("envs.eval", cfg.envs.eval)):

@@ -80,6 +80,9 @@ def server_command(
         # Logprobs of the distribution tokens are sampled from (after temperature), which is
         # what the trainer computes; vLLM's default is the raw logits' (temperature 1).
         "--logprobs-mode", LOGPROBS_MODE,
+        # No log line per HTTP request (thousands a step in RL; extra_args
+        # "--no-disable-uvicorn-access-log" brings them back).
+        "--disable-uvicorn-access-log",
     ]
     env = {
         "VLLM_CACHE_ROOT": str(Path(run_dir) / "cache" / "vllm"),
