@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def test_the_reverse_text_example_learns(tmp_path):
 
     run = tmp_path / "rt" / "rl"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    max_steps = 160  # examples/reverse_text/rl.toml
+    max_steps = tomllib.loads((ROOT / "examples" / "reverse_text" / "rl.toml").read_text())["max_steps"]
     assert [r["step"] for r in rows] == list(range(max_steps))
     rewards = [r["reward/mean"] for r in rows]
     first, last = statistics.mean(rewards[:20]), statistics.mean(rewards[-20:])
