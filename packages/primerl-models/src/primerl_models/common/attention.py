@@ -134,10 +134,21 @@ def _sdpa_padded(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, gqa: bool) -> torch.T
     return out_SMHK.reshape(s_ * m, h, kd).index_select(0, at_N).view(b, t, h, kd)
 
 
-try:
-    from torch.nn.attention.varlen import varlen_attn as _VARLEN
-except ImportError:  # torch < 2.10
-    _VARLEN = None
+def _load_varlen():
+    """torch's varlen attention, where it can run: CUDA kernels only, so a CPU-only torch build
+    does not import it at all (importing it pulls in torch._dynamo: 1.4 s of every CPU process's
+    start-up, the trainer's and `primerl rl`'s own checks included). The build, not the device,
+    decides: asking for a device here would touch the CUDA driver before processes fork."""
+    if torch.version.cuda is None:
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
+_VARLEN = _load_varlen()
 # Read once here, not under torch.compile. The causal switch moved between torch releases:
 # `is_causal` (2.10/2.11) or `window_size=(-1, 0)` (2.13); remove when the oldest supported
 # torch has window_size.
@@ -152,7 +163,7 @@ def _varlen_fn():
 def _varlen(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs) -> torch.Tensor:
     fn = _varlen_fn()
     if fn is None:
-        raise ValueError("attention backend 'varlen' needs torch.nn.attention.varlen (torch >= 2.10)")
+        raise ValueError("attention backend 'varlen' needs CUDA and torch.nn.attention.varlen (torch >= 2.10)")
     b, t, h, kd = q_BTHK.shape
     q_NHK, k_NGK, v_NGK = (x.reshape(b * t, x.shape[2], kd) for x in (q_BTHK, k_BTGK, v_BTGK))
     kwargs = dict(_VARLEN_CAUSAL)
