@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import multiprocessing
 import random
 import sys
@@ -290,6 +291,18 @@ class Environment:
         except EpisodeError as e:
             return [Rollout(sample_id=sample_id, turns=[], error=str(e), **meta)]
         return [trace_to_rollout(t, sample_id=sample_id + i, **meta) for i, t in enumerate(traces)]
+
+
+def preload() -> None:
+    """Import now what verifiers' training client imports on its first model call: renderers
+    loads the tokenizer through transformers' AutoTokenizer, which imports transformers and
+    torch (4.4 s of the RL run's first step on 2 cores, py-spy). The orchestrator calls this
+    while its inference servers may still be loading. Without transformers installed it does
+    nothing (renderers then names the missing extra at that first call)."""
+    try:
+        importlib.import_module("transformers").AutoTokenizer  # noqa: B018 (the lazy import itself)
+    except ImportError:
+        pass
 
 
 class EpisodeError(RuntimeError):

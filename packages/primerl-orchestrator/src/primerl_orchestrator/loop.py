@@ -38,7 +38,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from primerl_envs.environment import EnvMix, Environment
+from primerl_envs.environment import EnvMix, Environment, preload
 from primerl_protocol import (
     AsyncReceiver,
     AsyncSender,
@@ -129,6 +129,7 @@ class Orchestrator:
             self.by_name = {e.name: e for e in self.envs}
             self.mix = EnvMix(self.envs)
             self._resume()
+            preload()  # the first model call's imports, while the servers may still be loading
             # Resumed, the servers may serve anything: the trainer publishes its restored weights first.
             self.gen = await start_generator(stack, cfg.model, cfg.inference.server_urls(),
                                              cfg.inference.resolved_admin_token(), logprobs_mode=LOGPROBS_MODE,
