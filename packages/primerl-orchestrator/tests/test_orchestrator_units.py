@@ -4,7 +4,9 @@ start rule of the off-policy bound, routing and health probes (against real HTTP
 import asyncio
 import contextlib
 import json
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
@@ -241,3 +243,51 @@ def test_sampling_that_the_trainer_cannot_score_is_refused_at_config_load():
             load({key: value})
     cfg = load({"temperature": 0.7})
     assert cfg.sampling.request() == {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _start(urls: list[str], model: str = "m", wait_s: float = 600.0) -> float:
+    """Seconds ServerPool.start(wait_s=...) took (it raises what start raises)."""
+    pool = ServerPool(urls, model, "t")
+    t0 = time.monotonic()
+    try:
+        await pool.start(wait_s=wait_s)
+        return time.monotonic() - t0
+    finally:
+        await pool.close()
+
+
+def test_the_pool_waits_for_a_server_that_is_still_starting_and_only_for_that():
+    """ServerPool.start(wait_s): nothing listening yet is a server still starting (vLLM
+    loading), so the pool probes again until it serves; a server that answers wrongly fails at
+    once however long the wait; nothing ever listening fails after wait_s, saying why."""
+    port = _unused_port()
+    url = f"http://127.0.0.1:{port}"
+    servers = []
+
+    def come_up_late():
+        time.sleep(1.5)
+        server = ThreadingHTTPServer(("127.0.0.1", port), _StandInServer)
+        servers.append(server)
+        server.serve_forever()
+
+    threading.Thread(target=come_up_late, daemon=True).start()
+    try:
+        assert asyncio.run(_start([url])) >= 1.4
+        t0 = time.monotonic()
+        with pytest.raises(NoServerError, match=r"serves \['m'\], not 'other'"):
+            asyncio.run(_start([url], model="other"))
+        assert time.monotonic() - t0 < 60  # not the 600 s allowed: a wrong server is not a slow one
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    nobody = f"http://127.0.0.1:{_unused_port()}"
+    with pytest.raises(NoServerError, match=rf"{nobody}: ConnectError"):
+        asyncio.run(_start([nobody], wait_s=1.0))
