@@ -274,7 +274,7 @@ def _watch(procs: list[Proc], progress: Progress, startup: ServersStartup | None
             if code is None or (code == 0 and p.name in finishers) or p.name in lost:
                 continue
             reason = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
-            if startup is not None and not startup.done:
+            if p.name not in finishers and startup is not None and not startup.done:
                 startup.thread.join(timeout=5.0)  # its LaunchError names the replica and its log
                 startup.check()
             if p.name not in finishers and any(q.popen.poll() is None for q in servers):
