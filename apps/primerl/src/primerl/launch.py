@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-from primerl_inference.launcher import LaunchError, resolve_device
+from primerl_inference.launcher import healthy, log_tail, resolve_device
 from primerl_inference.launcher import start as start_servers
 from primerl_protocol.config import to_toml, write_private
 
@@ -236,22 +236,44 @@ def run_rl(cfg: RLConfig) -> None:
 
 
 class ServersStartup:
-    """Waits in a thread until every server serves (Servers.wait_healthy), so that the
-    trainer and the orchestrator start meanwhile; `check()` raises RunError once it failed."""
+    """Watches the servers' start-up in a thread, so that the trainer and the orchestrator
+    start meanwhile. A replica that exits or is not healthy in time while another serves is a
+    lost server like any other (`_watch` warns, the run goes on); `check()` raises RunError
+    only when none came up (naming the first replica that failed, with its log's end)."""
 
     def __init__(self, servers) -> None:
-        self.error: LaunchError | None = None
+        self.servers = servers
+        self.error: str | None = None
+        self.serving: set[int] = set()
         self.done = False
-        self.thread = threading.Thread(target=self._wait, args=(servers,), name="servers-startup", daemon=True)
+        self.thread = threading.Thread(target=self._wait, name="servers-startup", daemon=True)
         self.thread.start()
 
-    def _wait(self, servers) -> None:
-        try:
-            servers.wait_healthy()
-        except LaunchError as err:
-            self.error = err
+    def _wait(self) -> None:
+        s = self.servers
+        deadline = s.started_at + s.startup_timeout_s
+        pending, failed = set(range(len(s.specs))), []
+        while pending:
+            for i in sorted(pending):
+                if (code := s.procs[i].poll()) is not None:
+                    pending.discard(i)
+                    failed.append(f"inference replica {i} ({s.specs[i].url}) exited with code {code}; "
+                                  f"last lines of {s.logs[i]}:\n{log_tail(s.logs[i])}")
+                elif healthy(s.specs[i].url):
+                    pending.discard(i)
+                    self.serving.add(i)
+            if pending and time.monotonic() > deadline:
+                failed += [f"inference replica {i} ({s.specs[i].url}) not healthy after {s.startup_timeout_s}s; "
+                           f"last lines of {s.logs[i]}:\n{log_tail(s.logs[i])}" for i in sorted(pending)]
+                break
+            if pending:
+                time.sleep(0.5)
+        if self.serving:
+            print(f"inference server(s) serving at {', '.join(s.specs[i].url for i in sorted(self.serving))}", flush=True)
+            for problem in failed:
+                print(f"warning: {problem.splitlines()[0]}; the run goes on with the other servers", flush=True)
         else:
-            print(f"inference server(s) serving at {', '.join(servers.urls)}", flush=True)
+            self.error = failed[0] if failed else "no inference server came up"
         self.done = True
 
     def check(self) -> None:
@@ -274,8 +296,8 @@ def _watch(procs: list[Proc], progress: Progress, startup: ServersStartup | None
             if code is None or (code == 0 and p.name in finishers) or p.name in lost:
                 continue
             reason = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
-            if p.name not in finishers and startup is not None and not startup.done:
-                startup.thread.join(timeout=5.0)  # its LaunchError names the replica and its log
+            if p.name not in finishers and startup is not None and not startup.serving:
+                startup.thread.join(timeout=5.0)  # when none came up, its error names the replica and its log
                 startup.check()
             if p.name not in finishers and any(q.popen.poll() is None for q in servers):
                 # the orchestrator routes around a dead server; the run goes on

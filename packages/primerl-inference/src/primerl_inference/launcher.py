@@ -142,7 +142,8 @@ def healthy(url: str) -> bool:
         return False
 
 
-def _tail(path: Path, lines: int = 30) -> str:
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The last `lines` lines of a log (or "(no log)")."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -192,7 +193,7 @@ class Servers:
             if pending and time.monotonic() > deadline:
                 i = min(pending)
                 raise LaunchError(f"inference replica {i} ({self.specs[i].url}) not healthy after "
-                                  f"{self.startup_timeout_s}s; last lines of {self.logs[i]}:\n{_tail(self.logs[i])}")
+                                  f"{self.startup_timeout_s}s; last lines of {self.logs[i]}:\n{log_tail(self.logs[i])}")
             if pending:
                 time.sleep(poll_s)
 
@@ -200,7 +201,7 @@ class Servers:
         for spec, p, log in zip(self.specs, self.procs, self.logs):
             if p.poll() is not None:
                 raise LaunchError(f"inference replica {spec.replica} ({spec.url}) exited with code {p.returncode}; "
-                                  f"last lines of {log}:\n{_tail(log)}")
+                                  f"last lines of {log}:\n{log_tail(log)}")
 
 
 def start(cfg: InferenceConfig, model: str, max_model_len: int, run_dir: str | Path) -> Servers:
