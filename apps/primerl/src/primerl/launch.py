@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-from primerl_inference.launcher import healthy, log_tail, resolve_device
+from primerl_inference.launcher import resolve_device
 from primerl_inference.launcher import start as start_servers
 from primerl_protocol.config import to_toml, write_private
 
@@ -251,23 +251,7 @@ class ServersStartup:
 
     def _wait(self) -> None:
         s = self.servers
-        deadline = s.started_at + s.startup_timeout_s
-        pending, failed = set(range(len(s.specs))), []
-        while pending:
-            for i in sorted(pending):
-                if (code := s.procs[i].poll()) is not None:
-                    pending.discard(i)
-                    failed.append(f"inference replica {i} ({s.specs[i].url}) exited with code {code}; "
-                                  f"last lines of {s.logs[i]}:\n{log_tail(s.logs[i])}")
-                elif healthy(s.specs[i].url):
-                    pending.discard(i)
-                    self.serving.add(i)
-            if pending and time.monotonic() > deadline:
-                failed += [f"inference replica {i} ({s.specs[i].url}) not healthy after {s.startup_timeout_s}s; "
-                           f"last lines of {s.logs[i]}:\n{log_tail(s.logs[i])}" for i in sorted(pending)]
-                break
-            if pending:
-                time.sleep(0.5)
+        _, failed = s.watch_startup(fail_fast=False, serving=self.serving)
         if self.serving:
             print(f"inference server(s) serving at {', '.join(s.specs[i].url for i in sorted(self.serving))}", flush=True)
             for problem in failed:

@@ -182,26 +182,48 @@ class Servers:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
 
+    def problem(self, replica: int, why: str) -> str:
+        """What went wrong with `replica`, naming it, with the end of its log."""
+        spec, log = self.specs[replica], self.logs[replica]
+        return f"inference replica {replica} ({spec.url}) {why}; last lines of {log}:\n{log_tail(log)}"
+
+    def watch_startup(self, *, fail_fast: bool, serving: set[int] | None = None,
+                      poll_s: float = 0.5) -> tuple[set[int], list[str]]:
+        """Poll until every replica serves, has exited, or is not healthy `startup_timeout_s`
+        after the start: (the replicas serving, a problem for each other one). `serving` is
+        filled as replicas come up; `fail_fast`: return at the first problem."""
+        serving = set() if serving is None else serving
+        deadline = self.started_at + self.startup_timeout_s
+        pending, problems = set(range(len(self.specs))), []
+        while pending:
+            for i in sorted(pending | serving):
+                if (code := self.procs[i].poll()) is not None:
+                    pending.discard(i)
+                    serving.discard(i)
+                    problems.append(self.problem(i, f"exited with code {code}"))
+                elif i in pending and healthy(self.specs[i].url):
+                    pending.discard(i)
+                    serving.add(i)
+            if problems and fail_fast:
+                break
+            if pending and time.monotonic() > deadline:
+                problems += [self.problem(i, f"not healthy after {self.startup_timeout_s}s") for i in sorted(pending)]
+                break
+            if pending:
+                time.sleep(poll_s)
+        return serving, problems
+
     def wait_healthy(self, poll_s: float = 0.5) -> None:
         """Until every replica answers /health; LaunchError when one exits first or is not
         healthy `startup_timeout_s` after the start (naming it, with the end of its log)."""
-        deadline = self.started_at + self.startup_timeout_s
-        pending = set(range(len(self.specs)))
-        while pending:
-            self.check_alive()
-            pending = {i for i in pending if not healthy(self.specs[i].url)}
-            if pending and time.monotonic() > deadline:
-                i = min(pending)
-                raise LaunchError(f"inference replica {i} ({self.specs[i].url}) not healthy after "
-                                  f"{self.startup_timeout_s}s; last lines of {self.logs[i]}:\n{log_tail(self.logs[i])}")
-            if pending:
-                time.sleep(poll_s)
+        _, problems = self.watch_startup(fail_fast=True, poll_s=poll_s)
+        if problems:
+            raise LaunchError(problems[0])
 
     def check_alive(self) -> None:
-        for spec, p, log in zip(self.specs, self.procs, self.logs):
+        for i, p in enumerate(self.procs):
             if p.poll() is not None:
-                raise LaunchError(f"inference replica {spec.replica} ({spec.url}) exited with code {p.returncode}; "
-                                  f"last lines of {log}:\n{log_tail(log)}")
+                raise LaunchError(self.problem(i, f"exited with code {p.returncode}"))
 
 
 def start(cfg: InferenceConfig, model: str, max_model_len: int, run_dir: str | Path) -> Servers:
