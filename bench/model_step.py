@@ -58,7 +58,7 @@ def our_args(name: str) -> ModelArgs:
 
 
 def flops_per_token(args: ModelArgs, seq: int) -> float:
-    return 6 * args.num_active_params() + 6 * args.num_layers * seq * args.num_heads * args.head_dim
+    return args.train_flops([seq]) / seq
 
 
 def build_transformers(name: str, ac: bool):

@@ -60,7 +60,7 @@ def test_experts_are_stacked_for_grouped_gemm(tmp_path):
     assert torch.equal(w_gate[2], hf["model.layers.0.mlp.experts.2.gate_proj.weight"].T)
     assert ours["layers.0.mlp.experts.w_down"].shape == (4, 16, 32)  # [E, F, D]
     assert "layers.1.mlp.gate_proj.weight" in ours  # layer 1 is dense (mlp_only_layers)
-    back = to_hf(ours)
+    back = to_hf(ours, args)
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
@@ -73,7 +73,7 @@ def write_config(folder, **changes):
 def test_unsupported_model_type_lists_supported(tmp_path):
     save_transformers(DENSE, tmp_path)
     write_config(tmp_path, model_type="gpt2")
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not implemented .*supported: llama, qwen3, qwen3_moe"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not implemented .*supported: glm4, glm4_moe, llama, minimax_m2, qwen3, qwen3_moe"):
         load_model(tmp_path)
 
 

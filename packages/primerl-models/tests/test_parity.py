@@ -1,4 +1,7 @@
-"""Our models against transformers' own implementations with the same weights (CPU, fp32)."""
+"""Our models against transformers' own implementations with the same weights (CPU, fp32): two
+or more tiny configs per family that switch its options on and off, saved by transformers'
+own save_pretrained (routers' correction biases drawn non-zero, so that they change the
+choice of experts)."""
 
 import pytest
 import torch
@@ -34,14 +37,57 @@ CASES = {
         dict(num_key_value_heads=2, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
              norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[0]),
     ),
+    # GLM-4.5: dense first layer, sigmoid router with correction bias, 2 groups of which the
+    # best 1 is searched, shared expert, scaling, per-head qk-norm, q/k/v bias, half RoPE.
+    "glm4moe-groups-shared-qknorm-bias": (
+        transformers.Glm4MoeConfig,
+        dict(num_hidden_layers=3, num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+             routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+             partial_rotary_factor=0.5),
+    ),
+    # ... and the other way: no dense layer, one group, two shared experts' width, no
+    # renormalisation, no qk-norm, no bias, full RoPE.
+    "glm4moe-flat-unnormed-full-rope": (
+        transformers.Glm4MoeConfig,
+        dict(num_key_value_heads=4, n_routed_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+             n_shared_experts=2, first_k_dense_replace=0, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+             norm_topk_prob=False, use_qk_norm=False, attention_bias=False,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)),
+    ),
+    # MiniMax-M2: qk RMSNorm over the whole projection, partial rotary (rotary_dim), sigmoid
+    # router with correction bias.
+    "minimax-m2-partial-rope": (
+        transformers.MiniMaxM2Config,
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8),
+    ),
+    "minimax-m2-full-rope-mha-top3": (
+        transformers.MiniMaxM2Config,
+        dict(num_key_value_heads=4, num_local_experts=6, num_experts_per_tok=3,
+             rope_parameters=dict(rope_type="default", rope_theta=5e6, partial_rotary_factor=1.0)),
+    ),
+    # GLM-4 dense: interleaved partial RoPE, sandwich norms, fused gate/up, q/k/v bias.
+    "glm4-half-rope-bias": (
+        transformers.Glm4Config,
+        dict(num_key_value_heads=2, attention_bias=True, partial_rotary_factor=0.5, pad_token_id=0),
+    ),
+    "glm4-full-rope-tied-nobias": (
+        transformers.Glm4Config,
+        dict(num_key_value_heads=1, attention_bias=False, tie_word_embeddings=True, pad_token_id=0,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)),
+    ),
 }
 
 
 def hf_checkpoint(case: str, folder, shard: str | None = None):
     config_cls, extra = CASES[case]
-    config = config_cls(**COMMON, **extra)
+    config = config_cls(**{**COMMON, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.1)
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     return model
 
@@ -59,7 +105,8 @@ def test_logits_match_transformers(case, tmp_path):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["qwen3-gqa-tied", "qwen3moe-top2-norm"])
+@pytest.mark.parametrize("case", ["qwen3-gqa-tied", "qwen3moe-top2-norm", "glm4moe-groups-shared-qknorm-bias",
+                                  "minimax-m2-partial-rope", "glm4-half-rope-bias"])
 def test_packed_row_equals_each_sequence_alone(case, tmp_path):
     hf_checkpoint(case, tmp_path)
     ours = load_model(tmp_path).eval()

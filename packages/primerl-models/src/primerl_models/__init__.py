@@ -1,4 +1,5 @@
-"""primerl-models: our own Llama, Qwen3 and Qwen3-MoE, HF conversion, tiny models.
+"""primerl-models: our own Llama, Qwen3, Qwen3-MoE, GLM-4, GLM-4.5 and MiniMax-M2, described
+layer by layer (ModelArgs), HF conversion, tiny models.
 
     from primerl_models import load_model, chunked_logprobs
     model = load_model("path/to/hf_folder", device="cuda", dtype=torch.bfloat16)
@@ -6,15 +7,17 @@
     logprobs, entropy = chunked_logprobs(hidden[0], model.output_weight, targets, temperature)
 """
 
-from primerl_models.common.args import ModelArgs
+from primerl_models.common.args import Attention, DenseMLP, Layer, ModelArgs, MoEMLP, Rope
 from primerl_models.common.attention import BACKENDS, PackedSeqs, attention
 from primerl_models.common.logprobs import chunked_logprobs
 from primerl_models.common.transformer import Transformer
 from primerl_models.families import FAMILIES, family_for
 from primerl_models.hf import (
     build_model,
+    carried_tensors,
     is_hub_id,
     load_model,
+    published_config,
     read_config,
     resolve_model_folder,
     save_hf,
@@ -25,15 +28,22 @@ from primerl_models.hf import (
 __all__ = [
     "BACKENDS",
     "FAMILIES",
+    "Attention",
+    "DenseMLP",
+    "Layer",
     "ModelArgs",
+    "MoEMLP",
     "PackedSeqs",
+    "Rope",
     "Transformer",
     "attention",
     "build_model",
+    "carried_tensors",
     "chunked_logprobs",
     "family_for",
     "is_hub_id",
     "load_model",
+    "published_config",
     "read_config",
     "resolve_model_folder",
     "save_hf",

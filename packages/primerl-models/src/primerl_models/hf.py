@@ -1,8 +1,11 @@
 """Hugging Face checkpoints: read, convert to our names and layouts, build the model, write back.
 
-Names: ours are HF's without the `model.` prefix, except mixture-of-experts layers, where HF
-stores each expert's [out, in] matrices separately and we stack them [E, in, out] for grouped
-GEMMs, and the router (`mlp.gate` -> `mlp.router`). `to_ours(to_hf(sd)) == sd` exactly.
+Names and layouts are each family's (families/checkpoint.py); `to_ours(to_hf(sd)) == sd`
+exactly. Tensors a family carries (GLM-4.5's MTP layer) are not loaded into the model: the
+publisher copies them from the source folder into every published folder (`carried_tensors`).
+Checkpoints stored block-quantised in FP8 (`quantization_config` with quant_method "fp8" and
+`weight_block_size`, MiniMax-M2's) are dequantised at load with their stored scales
+(`weight_scale_inv`), and what is published is plain weights (`published_config`).
 
 Everything a user can get wrong fails here, naming it: an unsupported model_type, a missing
 config.json or safetensors file, a corrupt file, a missing or unexpected tensor, a tensor of
@@ -12,8 +15,6 @@ the wrong shape.
 from __future__ import annotations
 
 import json
-import re
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -23,46 +24,18 @@ from safetensors.torch import save_file
 from primerl_models.common.args import ModelArgs
 from primerl_models.common.attention import Backend
 from primerl_models.common.transformer import Transformer
-from primerl_models.families import family_for
+from primerl_models.families import FAMILIES, family_for
 
-_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-_OUR_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.w_(gate|up|down)$")
 
 
 def to_ours(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """HF names and layouts -> ours."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = defaultdict(dict)
-    for name, tensor in hf.items():
-        if m := _HF_EXPERT.match(name):
-            experts[(int(m[1]), m[3])][int(m[2])] = tensor
-            continue
-        if name == "lm_head.weight" and args.tie_embeddings:
-            continue  # tied: the embedding is the output projection
-        ours = name.removeprefix("model.").replace(".mlp.gate.weight", ".mlp.router.weight")
-        out[ours] = tensor
-    for (layer, proj), by_index in experts.items():
-        missing = sorted(set(range(args.num_experts)) - set(by_index))
-        if missing:
-            names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight" for e in missing[:3]]
-            raise ValueError(f"missing tensors: {', '.join(names)}{' ...' if len(missing) > 3 else ''}")
-        out[f"layers.{layer}.mlp.experts.w_{proj}"] = torch.stack([by_index[e].T for e in sorted(by_index)])
-    return out
+    """HF names and layouts -> ours, by the family's checkpoint rules (families/checkpoint.py)."""
+    return FAMILIES[args.model_type].checkpoint.to_ours(hf, args)
 
 
-def to_hf(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hf(ours: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our names and layouts -> HF's (contiguous tensors, ready for safetensors)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in ours.items():
-        if m := _OUR_EXPERTS.match(name):
-            for e, w in enumerate(tensor.unbind(0)):
-                out[f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}_proj.weight"] = w.T.contiguous()
-            continue
-        if name == "lm_head.weight":
-            out[name] = tensor.contiguous()
-            continue
-        out["model." + name.replace(".mlp.router.weight", ".mlp.gate.weight")] = tensor.contiguous()
-    return out
+    return FAMILIES[args.model_type].checkpoint.to_hf(ours)
 
 
 def resolve_model_folder(name: str, revision: str | None = None) -> Path:
@@ -112,17 +85,65 @@ def _weight_files(folder: Path) -> list[Path]:
     return paths
 
 
-def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a HF checkpoint folder (single file or sharded with an index)."""
+def read_tensors(path: str | Path, keep=None) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF checkpoint folder (single file or sharded with an index), or those
+    whose names `keep(name)` accepts."""
     out: dict[str, torch.Tensor] = {}
     for file in _weight_files(Path(path)):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    out[name] = f.get_tensor(name)
+                    if keep is None or keep(name):
+                        out[name] = f.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as err:
             raise ValueError(f"{file}: not a readable safetensors file ({err})") from None
     return out
+
+
+def dequantize_fp8(tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dtype, where: str) -> dict[str, torch.Tensor]:
+    """Block-quantised FP8 weights (`X.weight` float8 with `X.weight_scale_inv` [ceil(out/bo),
+    ceil(in/bi)] fp32, bo x bi = weight_block_size) -> `X.weight` = fp8 x scale in `dtype`.
+    A checkpoint without `quantization_config` is returned as is."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return tensors
+    method, block = quant.get("quant_method"), quant.get("weight_block_size")
+    if method != "fp8" or not block or len(block) != 2:
+        raise ValueError(
+            f"{where}: quantization_config {{quant_method: {method!r}, weight_block_size: {block!r}}} is not "
+            "supported; block-quantised fp8 checkpoints are dequantised at load, other quantised ones are not"
+        )
+    out = dict(tensors)
+    for scale_name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
+        name = scale_name.removesuffix("_scale_inv")
+        if name not in out:
+            raise ValueError(f"{where}: {scale_name} has no weight {name}")
+        weight, scale = out[name], out.pop(scale_name)
+        rows, cols = weight.shape
+        grid = (-(-rows // block[0]), -(-cols // block[1]))
+        if tuple(scale.shape) != grid:
+            raise ValueError(f"{where}: {scale_name} has shape {tuple(scale.shape)}, expected {grid} for "
+                             f"{name} {tuple(weight.shape)} in blocks of {tuple(block)}")
+        full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+        out[name] = (weight.float() * full).to(dtype)
+    unscaled = [n for n, t in out.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    if unscaled:
+        raise ValueError(f"{where}: fp8 tensors without a weight_scale_inv: {', '.join(sorted(unscaled)[:5])}")
+    return out
+
+
+def published_config(cfg: dict) -> dict:
+    """The config.json of weights the trainer publishes: what it dequantised is written plain."""
+    return {k: v for k, v in cfg.items() if k != "quantization_config"}
+
+
+def carried_tensors(path: str | Path, cfg: dict, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint folder that its family carries through untrained (HF names),
+    dequantised when the checkpoint is fp8 (the published config says it is not)."""
+    carried = family_for(cfg).checkpoint.carried(cfg)
+    scales = lambda name: name.endswith(".weight_scale_inv") and carried(name.removesuffix("_scale_inv"))  # noqa: E731
+    tensors = read_tensors(path, keep=lambda name: carried(name) or scales(name))
+    return dequantize_fp8(tensors, cfg, dtype, str(path)) if tensors else {}
 
 
 def check_state_dict(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], where: str) -> None:
@@ -161,9 +182,12 @@ def load_model(
     """Our model with the weights of a HF checkpoint folder."""
     path = Path(path)
     cfg = read_config(path)
-    args = family_for(cfg, str(path / "config.json")).args_from_hf(cfg)
-    state = to_ours(read_tensors(path), args)
-    model = build_model(args, device, attn_backend).to(dtype)
+    family = family_for(cfg, str(path / "config.json"))
+    args = family.args_from_hf(cfg)
+    carried = family.checkpoint.carried(cfg)
+    tensors = read_tensors(path, keep=lambda name: not carried(name.removesuffix("_scale_inv")))
+    state = to_ours(dequantize_fp8(tensors, cfg, dtype, str(path)), args)
+    model = build_model(args, device, attn_backend).cast_parameters(dtype)
     check_state_dict(model.state_dict(), state, str(path))
     model.load_state_dict(state)
     return model
@@ -174,11 +198,15 @@ def save_hf(
     hf_config: dict,
     path: str | Path,
     max_shard_bytes: int = 5 << 30,
+    carried: dict[str, torch.Tensor] | None = None,
 ) -> list[Path]:
-    """Write our state dict as a HF checkpoint (config.json, safetensors shards and index)."""
+    """Write our state dict as a HF checkpoint (config.json, safetensors shards and index),
+    with the `carried` tensors (HF names, see `carried_tensors`) beside it unchanged."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu() for k, v in to_hf(state_dict).items()}
+    args = family_for(hf_config).args_from_hf(hf_config)
+    tensors = {k: v.detach().cpu() for k, v in to_hf(state_dict, args).items()}
+    tensors.update(carried or {})
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-from primerl_models.common.args import ModelArgs
 from primerl_models.common.transformer import Transformer
-from primerl_models.families import FAMILIES
+from primerl_models.families import FAMILIES, TinyShape
 from primerl_models.hf import save_hf
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -110,8 +109,14 @@ def build_tiny_model(
     max_position_embeddings: int = 4096,
     init_std: float = 0.02,
     seed: int = 0,
+    router_bias_std: float = 0.0,
+    config_overrides: dict | None = None,
 ) -> Path:
-    """Write a random-weight model of `family` with its tokenizer to `folder`; returns it."""
+    """Write a random-weight model of `family` with its tokenizer to `folder`; returns it.
+
+    MoE families get `num_experts` experts of half the dense width; `router_bias_std` > 0 draws
+    the routers' correction biases (zero otherwise, as in HF's initialisation);
+    `config_overrides` replaces keys of the family's tiny config.json (n_group, use_qk_norm, ...)."""
     if family not in FAMILIES:
         raise ValueError(f"family {family!r} is not one of {sorted(FAMILIES)}")
     if tokenizer not in ("chars", "bpe"):
@@ -119,30 +124,26 @@ def build_tiny_model(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok = char_tokenizer(alphabet) if tokenizer == "chars" else bpe_tokenizer(corpus or DEFAULT_CORPUS, bpe_vocab_size)
-    moe = family == "qwen3_moe"
-    args = ModelArgs(
-        model_type=family,
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim or hidden_size // num_heads,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        rope_theta=10000.0,
-        tie_embeddings=tie_embeddings,
-        qk_norm=family in ("qwen3", "qwen3_moe"),
-        max_position_embeddings=max_position_embeddings,
-        num_experts=num_experts if moe else 0,
-        num_experts_per_tok=num_experts_per_tok if moe else 0,
-        moe_intermediate_size=(intermediate_size or 2 * hidden_size) // 2 if moe else 0,
-        norm_topk_prob=moe,
+    hidden = intermediate_size or 2 * hidden_size
+    shape = TinyShape(
+        vocab_size=tok.get_vocab_size(), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim or hidden_size // num_heads, intermediate_size=hidden,
+        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=hidden // 2,
+        tie_embeddings=tie_embeddings, max_position_embeddings=max_position_embeddings,
     )
+    # The family's own config keys, read back by the family's reader: a tiny model is loaded
+    # exactly as a real checkpoint of its family would be.
+    config = FAMILIES[family].tiny_config(shape) | dict(config_overrides or {})
+    args = FAMILIES[family].args_from_hf(config)
     model = Transformer(args)
     model.init_weights(std=init_std, generator=torch.Generator().manual_seed(seed))
+    if router_bias_std:
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, router_bias_std, generator=torch.Generator().manual_seed(seed + 1))
 
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    config = FAMILIES[family].hf_config(args) | {
+    config = config | {
         "bos_token_id": None,
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],

@@ -39,9 +39,8 @@ LossFn = Callable[[torch.nn.Module, MicroBatch], tuple[torch.Tensor, dict[str, t
 
 
 def train_flops(args, seq_lens: np.ndarray) -> float:
-    """FLOPs of forward + backward of one packed row: 6 N per token + causal attention."""
-    n = seq_lens.astype(np.float64)
-    return 6 * args.num_active_params() * n.sum() + 6 * args.num_layers * args.num_heads * args.head_dim * (n**2).sum()
+    """FLOPs of forward + backward of one packed row: each layer by its own kind (ModelArgs.train_flops)."""
+    return args.train_flops(seq_lens.tolist())
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -89,7 +88,8 @@ class Session:
             self.start_step, self.data_state = meta["step"] + 1, meta["data"]
             log.info("resumed from %s; continuing at step %d", latest, self.start_step)
         dtype = torch.float32 if self.tcfg.weights.dtype == "float32" else torch.bfloat16
-        self.publisher = FolderPublisher(self.run_dir, loaded.folder, loaded.hf_config, self.tcfg.weights.keep, dtype, d)
+        self.publisher = FolderPublisher(self.run_dir, loaded.folder, loaded.hf_config, self.tcfg.weights.keep, dtype, d,
+                                         loaded.source_config)
         self.model_folder = loaded.folder
         self.metrics = MetricsLogger(self.run_dir, cfg.wandb, msgspec.to_builtins(cfg), d.is_main, job=job)
         self.peak = peak_flops(d.device)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from primerl_models import save_hf
+from primerl_models import carried_tensors, save_hf
 from primerl_protocol import PolicyReady, rundir
 from primerl_protocol.weights import write_marker
 
@@ -40,9 +40,11 @@ class WeightPublisher(Protocol):
 
 
 class FolderPublisher:
-    def __init__(self, run_dir: str | Path, source: Path, hf_config: dict, keep: int, dtype: torch.dtype, d: Dist):
+    def __init__(self, run_dir: str | Path, source: Path, hf_config: dict, keep: int, dtype: torch.dtype, d: Dist,
+                 source_config: dict | None = None):
         self.root = Path(run_dir) / rundir.WEIGHTS
         self.source, self.hf_config, self.keep, self.dtype, self.d = source, hf_config, keep, dtype, d
+        self.source_config = source_config or hf_config
         self.last_timing: dict[str, float] = {}
         self.last: PolicyReady | None = None
         """The last weights this publisher wrote (on rank 0; None on the others)."""
@@ -53,12 +55,14 @@ class FolderPublisher:
 
     def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Full tensors on rank 0's CPU (empty elsewhere): each parameter is all-gathered on
-        the device, cast there to the published dtype, then copied (half the bytes of fp32)."""
+        the device, cast there to the published dtype, then copied (half the bytes of fp32).
+        Buffers keep their dtype (router correction biases stay fp32 in bf16 weights)."""
         out = {}
+        buffers = {name for name, _ in model.named_buffers()}
         for name, tensor in model.state_dict().items():
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             if self.d.is_main:
-                out[name] = full.detach().to(self.dtype).cpu()
+                out[name] = full.detach().to(full.dtype if name in buffers else self.dtype).cpu()
             del full
         return out
 
@@ -72,7 +76,10 @@ class FolderPublisher:
         final, tmp = rundir.step_folder(self.root, step), rundir.staging_folder(self.root, step)
         shutil.rmtree(tmp, ignore_errors=True)
         config = dict(self.hf_config, torch_dtype=str(self.dtype).removeprefix("torch."))
-        files = [p.name for p in save_hf(state, config, tmp)]
+        # tensors the family carries untrained (GLM-4.5's MTP layer) come from the source folder
+        carried = carried_tensors(self.source, self.source_config, self.dtype)
+        files = [p.name for p in save_hf(state, config, tmp, carried=carried)]
+        del carried
         t2 = time.monotonic()
         for name in SIDE_FILES:
             if (self.source / name).exists():

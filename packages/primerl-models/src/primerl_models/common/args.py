@@ -1,66 +1,191 @@
-"""ModelArgs: the one description of a decoder-only transformer that every family fills in."""
+"""ModelArgs: a decoder-only model described layer by layer, which every family fills in.
+
+A model is an embedding, `layers`, a final RMSNorm and the output projection (tied or not).
+Each layer is a mixer (today: softmax attention, with its own heads, RoPE and norms) and an
+MLP (dense SwiGLU, or a mixture of experts with its own router), each with its settings. The
+common blocks (transformer.py, moe.py, rope.py) read their settings from here and nowhere
+else; a family file (families/) maps a config.json onto it. Layers whose settings are equal
+share one (frozen) spec object, so a uniform model costs one spec.
+
+    attn = Attention(num_heads=16, num_kv_heads=8, head_dim=128, rope=Rope(theta=1e6, rotary_dim=128))
+    args = ModelArgs("qwen3", vocab_size=151936, hidden_size=1024,
+                     layers=[Layer(attn, DenseMLP(3072))] * 28)
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+QKNorm = Literal["none", "head", "full"]
+Scoring = Literal["softmax", "sigmoid"]
 
 
-@dataclass
-class ModelArgs:
-    """Shapes and options of a model. Families build it from a Hugging Face config.json."""
+@dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding of one attention block."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
+    rotary_dim: int
+    """Dimensions of each head that rotate (the first ones); the rest pass unchanged
+    (partial RoPE: GLM-4, GLM-4.5, MiniMax-M2). Equal to head_dim for full RoPE."""
+    theta: float = 10000.0
+    scaling: dict | None = field(default=None, hash=False)
+    """Llama-3 style frequency scaling ({"rope_type": "llama3", "factor": ..., ...}) or None."""
+    interleaved: bool = False
+    """Rotate pairs (0, 1), (2, 3), ... (GLM-4) instead of the two halves (Llama, Qwen)."""
+
+    def __post_init__(self) -> None:
+        if self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be a positive even number, got {self.rotary_dim}")
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Softmax attention (grouped-query): q, k, v projections, optional norms, RoPE, o."""
+
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    """Llama-3 style scaling ({"rope_type": "llama3", "factor": ..., ...}) or None."""
-    tie_embeddings: bool = False
-    qk_norm: bool = False
-    """RMSNorm over each head of q and k before RoPE (Qwen3)."""
-    attention_bias: bool = False
-    max_position_embeddings: int = 32768
-    # Mixture of experts (num_experts == 0: dense).
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    moe_layers: list[bool] = field(default_factory=list)
-    """Per layer: True where the MLP is a mixture of experts."""
+    rope: Rope
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: QKNorm = "none"
+    """RMSNorm of q and k before RoPE: over each head ("head": Qwen3, GLM-4.5 with
+    use_qk_norm) or over the whole projection ("full": MiniMax-M2)."""
 
     def __post_init__(self) -> None:
-        if not self.moe_layers:
-            self.moe_layers = [self.num_experts > 0] * self.num_layers
-        if len(self.moe_layers) != self.num_layers:
-            raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
-        if self.num_heads % self.num_kv_heads:
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
-        if any(self.moe_layers) and not (0 < self.num_experts_per_tok <= self.num_experts):
-            raise ValueError(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
-            )
+        if self.rope.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim ({self.rope.rotary_dim}) is larger than head_dim ({self.head_dim})")
+        if self.qk_norm not in ("none", "head", "full"):
+            raise ValueError(f"qk_norm must be 'none', 'head' or 'full', got {self.qk_norm!r}")
+
+    def num_params(self, dim: int) -> int:
+        h, g, k = self.num_heads, self.num_kv_heads, self.head_dim
+        params = dim * h * k * 2 + dim * g * k * 2
+        params += (h + 2 * g) * k if self.qkv_bias else 0
+        params += dim if self.o_bias else 0
+        params += {"none": 0, "head": 2 * k, "full": (h + g) * k}[self.qk_norm]
+        return params
+
+
+@dataclass(frozen=True)
+class DenseMLP:
+    """SwiGLU feed-forward."""
+
+    intermediate_size: int
+
+    def num_params(self, dim: int) -> int:
+        return 3 * dim * self.intermediate_size
+
+    def num_active_params(self, dim: int) -> int:
+        return self.num_params(dim)
+
+
+@dataclass(frozen=True)
+class MoEMLP:
+    """Mixture of SwiGLU experts: an fp32 router picks top_k of num_experts for each token."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int
+    """Hidden size of each expert (moe_intermediate_size)."""
+    scoring: Scoring = "softmax"
+    """Router scores: softmax over the experts (Qwen3-MoE) or a sigmoid of each (GLM-4.5, MiniMax-M2)."""
+    norm_topk_prob: bool = False
+    """Renormalise the chosen experts' weights to sum to 1."""
+    correction_bias: bool = False
+    """A per-expert fp32 bias (`e_score_correction_bias`) added to the scores to choose the
+    experts only: the weights are the scores without it. Loaded, kept and published as is."""
+    n_group: int = 1
+    topk_group: int = 1
+    """Group-limited routing: the experts are split into n_group groups, each group scored by
+    the sum of its two best experts, and top_k is chosen within the topk_group best groups."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' weights (after any renormalisation)."""
+    shared_expert_size: int = 0
+    """Hidden size of a dense SwiGLU every token also goes through (0: none)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in 1..num_experts ({self.num_experts})")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide the number of experts ({self.num_experts})")
+        if self.n_group > 1:
+            per_group = self.num_experts // self.n_group
+            if per_group < 2:
+                raise ValueError(f"group-limited routing needs >= 2 experts per group, got {per_group}")
+            if not 0 < self.topk_group <= self.n_group:
+                raise ValueError(f"topk_group ({self.topk_group}) must be in 1..n_group ({self.n_group})")
+            if self.top_k > self.topk_group * per_group:
+                raise ValueError(
+                    f"num_experts_per_tok ({self.top_k}) is more than the {self.topk_group * per_group} experts "
+                    f"of topk_group ({self.topk_group}) groups"
+                )
+
+    def num_params(self, dim: int) -> int:
+        experts = self.num_experts * 3 * dim * self.expert_size
+        return experts + self.num_experts * dim + 3 * dim * self.shared_expert_size
+
+    def num_active_params(self, dim: int) -> int:
+        inactive = (self.num_experts - self.top_k) * 3 * dim * self.expert_size
+        return self.num_params(dim) - inactive
+
+
+MLPSpec = DenseMLP | MoEMLP
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer: pre-norm mixer and MLP, each added to the residual stream."""
+
+    mixer: Attention
+    mlp: MLPSpec
+    sandwich_norm: bool = False
+    """RMSNorm on the mixer's and the MLP's outputs too, before each residual add (GLM-4)."""
+
+    def num_params(self, dim: int) -> int:
+        return self.mixer.num_params(dim) + self.mlp.num_params(dim) + (4 if self.sandwich_norm else 2) * dim
+
+    def num_active_params(self, dim: int) -> int:
+        return self.num_params(dim) - self.mlp.num_params(dim) + self.mlp.num_active_params(dim)
+
+
+@dataclass
+class ModelArgs:
+    """A model: its vocabulary, width and layers. Families build it from a HF config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    layers: list[Layer]
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 32768
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a model needs at least one layer")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def moe_layers(self) -> list[bool]:
+        """Per layer: True where the MLP is a mixture of experts."""
+        return [isinstance(layer.mlp, MoEMLP) for layer in self.layers]
 
     def num_params(self, embeddings: bool = True) -> int:
         """Parameter count (without embeddings: the N of 6N FLOPs per token, lm_head kept)."""
-        d, h, g, k = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        attn = d * (h * k) * 2 + d * (g * k) * 2 + (2 * k if self.qk_norm else 0)
-        total = 0
-        for moe in self.moe_layers:
-            mlp = (
-                self.num_experts * 3 * d * self.moe_intermediate_size + self.num_experts * d
-                if moe
-                else 3 * d * self.intermediate_size
-            )
-            total += attn + mlp + 2 * d
+        d = self.hidden_size
+        total = sum(layer.num_params(d) for layer in self.layers)
         total += d + self.vocab_size * d  # final norm, lm_head (or the tied embedding)
         if embeddings and not self.tie_embeddings:
             total += self.vocab_size * d
@@ -68,7 +193,14 @@ class ModelArgs:
 
     def num_active_params(self) -> int:
         """Parameters each token goes through (MoE: only its top-k experts), embeddings excluded."""
-        if not any(self.moe_layers):
-            return self.num_params(embeddings=False)
-        inactive = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * self.moe_intermediate_size
-        return self.num_params(embeddings=False) - inactive * sum(self.moe_layers)
+        d = self.hidden_size
+        return sum(layer.num_active_params(d) for layer in self.layers) + d + self.vocab_size * d
+
+    def train_flops(self, doc_lengths) -> float:
+        """FLOPs of forward + backward over documents of these lengths (one packed row or many):
+        6 N_active per token, plus causal attention in each attention layer, 6 H K n^2 per
+        document of n tokens (QK^T and AV, half the square each, times 3 for the backward)."""
+        lengths = [float(n) for n in doc_lengths]
+        tokens, squares = sum(lengths), sum(n * n for n in lengths)
+        attention = sum(6 * layer.mixer.num_heads * layer.mixer.head_dim for layer in self.layers)
+        return 6 * self.num_active_params() * tokens + attention * squares

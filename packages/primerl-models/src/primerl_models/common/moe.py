@@ -1,4 +1,6 @@
-"""Mixture-of-experts MLP: fp32 router, top-k, experts stored stacked and run as grouped GEMMs.
+"""Mixture-of-experts MLP: fp32 router (softmax or sigmoid scores, optional correction bias and
+group-limited choice), top-k, experts stored stacked and run as grouped GEMMs, optional shared
+expert. The settings come from the layer's `MoEMLP` spec (args.py).
 
 The expert weights are single [E, ...] parameters, so expert parallelism can shard dim 0 from
 outside (the trainer's job; no process groups here). Tokens are sorted by expert and each
@@ -13,6 +15,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from primerl_models.common.args import MoEMLP
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). The dense MLP of every family so
+    far, and the shared expert of MoE layers."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -41,17 +59,62 @@ class GroupedExperts(nn.Module):
         return torch.cat(out) if out else x_AD.new_zeros(x_AD.shape)
 
 
-class MoE(nn.Module):
-    """Router + experts. `tokens_per_expert` holds the last forward's assignments per expert
-    (for load-balance metrics). It is overwritten, not accumulated, so that the recomputation
-    of activation checkpointing (same routing) does not count tokens twice."""
+class Router(nn.Module):
+    """Scores the experts for each token and picks its top_k, in fp32 (small logit differences
+    decide which experts run). `weight` [E, D]; with a correction bias, the fp32 buffer
+    `e_score_correction_bias` [E] (a buffer, not trained: it balances load in pre-training)."""
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, dim: int, spec: MoEMLP):
         super().__init__()
-        self.top_k, self.norm_topk_prob, self.num_experts = top_k, norm_topk_prob, num_experts
-        self.router = nn.Linear(dim, num_experts, bias=False)
-        self.experts = GroupedExperts(num_experts, dim, hidden)
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, dim))
+        if spec.correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, K] fp32, experts [N, K])."""
+        s = self.spec
+        logits_NE = F.linear(x_ND.float(), self.weight.float())
+        if s.scoring == "softmax":
+            scores_NE = logits_NE.softmax(dim=-1)
+        else:
+            scores_NE = logits_NE.sigmoid()
+        choice_NE = scores_NE
+        if self.e_score_correction_bias is not None:
+            choice_NE = scores_NE + self.e_score_correction_bias.float()
+        if s.n_group > 1:
+            n = choice_NE.shape[0]
+            grouped = choice_NE.view(n, s.n_group, -1)
+            best_groups_NG = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(s.topk_group, dim=-1).indices
+            keep = torch.zeros(n, s.n_group, dtype=torch.bool, device=x_ND.device).scatter_(1, best_groups_NG, True)
+            choice_NE = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)
+        if choice_NE is scores_NE:
+            weights_NK, experts_NK = scores_NE.topk(s.top_k, dim=-1)
+        else:
+            experts_NK = choice_NE.topk(s.top_k, dim=-1).indices
+            weights_NK = scores_NE.gather(1, experts_NK)
+        if s.norm_topk_prob:
+            weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + (1e-20 if s.scoring == "sigmoid" else 0.0))
+        if s.routed_scaling_factor != 1.0:
+            weights_NK = weights_NK * s.routed_scaling_factor
+        return weights_NK, experts_NK
+
+
+class MoE(nn.Module):
+    """Router + experts (+ a shared expert every token goes through, when the spec has one).
+    `tokens_per_expert` holds the last forward's assignments per expert (for load-balance
+    metrics). It is overwritten, not accumulated, so that the recomputation of activation
+    checkpointing (same routing) does not count tokens twice."""
+
+    def __init__(self, dim: int, spec: MoEMLP):
+        super().__init__()
+        self.top_k, self.num_experts = spec.top_k, spec.num_experts
+        self.router = Router(dim, spec)
+        self.experts = GroupedExperts(spec.num_experts, dim, spec.expert_size)
+        self.shared_experts = SwiGLU(dim, spec.shared_expert_size) if spec.shared_expert_size else None
+        self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts), persistent=False)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         shape = x_BTD.shape
@@ -61,11 +124,7 @@ class MoE(nn.Module):
             # Autocast leaves the residual stream fp32; the experts run in the autocast dtype
             # (grouped GEMMs take bf16 only).
             x_ND = x_ND.to(torch.get_autocast_dtype(device_type))
-        # Router in fp32: small logit differences decide which experts run.
-        probs_NE = F.linear(x_ND.float(), self.router.weight.float()).softmax(dim=-1)
-        weights_NK, experts_NK = probs_NE.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+        weights_NK, experts_NK = self.router(x_ND)
         flat_experts_A = experts_NK.flatten()  # assignment a = token * top_k + slot
         order_A = flat_experts_A.argsort(stable=True)  # sorted position -> assignment
         # scatter_add, not bincount: a fixed output shape keeps torch.compile graphs whole.
@@ -76,7 +135,9 @@ class MoE(nn.Module):
         # its top_k expert outputs, accumulated in fp32.
         position_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(len(order_A), device=order_A.device))
         out_NKD = out_AD[position_A].view(x_ND.shape[0], self.top_k, -1)
-        out_ND = (out_NKD.float() * weights_NK[..., None]).sum(dim=1).to(x_BTD.dtype)
+        out_ND = (out_NKD.float() * weights_NK[..., None]).sum(dim=1)
+        if self.shared_experts is not None:
+            out_ND = out_ND + self.shared_experts(x_BTD).reshape(out_ND.shape).float()
         with torch.no_grad():
             self.tokens_per_expert.copy_(counts_E)
-        return out_ND.view(shape)
+        return out_ND.to(x_BTD.dtype).view(shape)

@@ -1,6 +1,10 @@
 """Rotary position embeddings, computed from position ids (so packed rows restart at 0).
 
-Legend: B batch, T tokens, H heads, K head_dim.
+Each attention block has its `Rope` (args.py): how many dimensions of a head rotate (partial
+RoPE leaves the rest unchanged), the base, Llama-3 scaling, and the layout: the two halves of
+the rotated part (Llama, Qwen: HF's `rotate_half`) or interleaved pairs (GLM-4).
+
+Legend: B batch, T tokens, H heads, K head_dim, R rotary dims.
 """
 
 from __future__ import annotations
@@ -9,16 +13,16 @@ import math
 
 import torch
 
-from primerl_models.common.args import ModelArgs
+from primerl_models.common.args import Rope
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
-def inv_freq(args: ModelArgs) -> torch.Tensor:
-    """[K/2] float32 inverse frequencies, with Llama-3 scaling when configured."""
-    k = args.head_dim
-    freq = 1.0 / (args.rope_theta ** (torch.arange(0, k, 2, dtype=torch.float64) / k))
-    scaling = args.rope_scaling or {}
+def inv_freq(rope: Rope) -> torch.Tensor:
+    """[R/2] float32 inverse frequencies, with Llama-3 scaling when configured."""
+    r = rope.rotary_dim
+    freq = 1.0 / (rope.theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
+    scaling = rope.scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return freq.float()
@@ -36,16 +40,29 @@ def inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled).float()
 
 
-def rope_cos_sin(position_ids_BT: torch.Tensor, inv_freq_K2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, T, K] float32 (each half repeated, the non-interleaved layout of HF)."""
-    freqs_BTK2 = position_ids_BT[..., None].float() * inv_freq_K2.to(position_ids_BT.device)
-    emb_BTK = torch.cat([freqs_BTK2, freqs_BTK2], dim=-1)
-    return emb_BTK.cos(), emb_BTK.sin()
+def rope_cos_sin(
+    position_ids_BT: torch.Tensor, inv_freq_R2: torch.Tensor, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, R] float32: each frequency for both members of its pair (the halves
+    repeated, or each frequency twice in a row when interleaved)."""
+    freqs_BTR2 = position_ids_BT[..., None].float() * inv_freq_R2.to(position_ids_BT.device)
+    if interleaved:
+        emb_BTR = freqs_BTR2.repeat_interleave(2, dim=-1)
+    else:
+        emb_BTR = torch.cat([freqs_BTR2, freqs_BTR2], dim=-1)
+    return emb_BTR.cos(), emb_BTR.sin()
 
 
-def apply_rope(x_BTHK: torch.Tensor, cos_BTK: torch.Tensor, sin_BTK: torch.Tensor) -> torch.Tensor:
-    half = x_BTHK.shape[-1] // 2
-    x1, x2 = x_BTHK[..., :half], x_BTHK[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos_BTK[:, :, None, :], sin_BTK[:, :, None, :]
-    return (x_BTHK.float() * cos + rotated.float() * sin).to(x_BTHK.dtype)
+def apply_rope(x_BTHK: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first R dimensions of each head (R = cos.shape[-1]); the rest pass unchanged."""
+    r = cos_BTR.shape[-1]
+    x_rot, x_pass = (x_BTHK, None) if r == x_BTHK.shape[-1] else (x_BTHK[..., :r], x_BTHK[..., r:])
+    if interleaved:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        rotated = torch.stack([-x2, x1], dim=-1).flatten(-2)
+    else:
+        x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
+        rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos_BTR[:, :, None, :], sin_BTR[:, :, None, :]
+    out = (x_rot.float() * cos + rotated.float() * sin).to(x_BTHK.dtype)
+    return out if x_pass is None else torch.cat([out, x_pass], dim=-1)

@@ -1,4 +1,6 @@
-"""The decoder-only transformer every family is made of (Llama, Qwen3, Qwen3-MoE, ...).
+"""The decoder-only transformer every family is made of, built layer by layer from ModelArgs
+(args.py): each layer's attention, RoPE, norms and MLP (dense or MoE) as its spec says. No
+family names here: families/ turn a config.json into the specs.
 
 Single-device code: parallelism (FSDP2, expert and context parallel), activation
 checkpointing and compilation are applied from outside, layer by layer. Parameter names follow
@@ -9,7 +11,7 @@ small (families/).
 logits are left to the caller (see logprobs.py for the chunked path that never holds
 [tokens x vocab] in fp32).
 
-Legend: B batch, T tokens, D hidden, H heads, G kv heads, K head_dim, V vocab.
+Legend: B batch, T tokens, D hidden, H heads, G kv heads, K head_dim, R rotary dims, V vocab.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primerl_models.common.args import ModelArgs
+from primerl_models.common.args import Attention as AttentionSpec
+from primerl_models.common.args import Layer, ModelArgs, MoEMLP, Rope
 from primerl_models.common.attention import Backend, PackedSeqs, attention
 from primerl_models.common.logprobs import chunked_logprobs
-from primerl_models.common.moe import MoE
+from primerl_models.common.moe import MoE, SwiGLU
 from primerl_models.common.rope import apply_rope, inv_freq, rope_cos_sin
 
 
@@ -38,57 +41,65 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, spec: AttentionSpec, dim: int, eps: float):
         super().__init__()
-        d, h, g, k = args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim
+        h, g, k = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.spec = spec
         self.num_heads, self.num_kv_heads, self.head_dim = h, g, k
-        self.q_proj = nn.Linear(d, h * k, bias=args.attention_bias)
-        self.k_proj = nn.Linear(d, g * k, bias=args.attention_bias)
-        self.v_proj = nn.Linear(d, g * k, bias=args.attention_bias)
-        self.o_proj = nn.Linear(h * k, d, bias=args.attention_bias)
-        self.q_norm = RMSNorm(k, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(k, args.rms_norm_eps) if args.qk_norm else None
+        self.q_proj = nn.Linear(dim, h * k, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(dim, g * k, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(dim, g * k, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(h * k, dim, bias=spec.o_bias)
+        norm_q, norm_k = {"none": (0, 0), "head": (k, k), "full": (h * k, g * k)}[spec.qk_norm]
+        self.q_norm = RMSNorm(norm_q, eps) if norm_q else None
+        self.k_norm = RMSNorm(norm_k, eps) if norm_k else None
 
-    def forward(self, x_BTD, cos_BTK, sin_BTK, seqs: PackedSeqs, backend: Backend) -> torch.Tensor:
+    def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend: Backend) -> torch.Tensor:
         b, t, _ = x_BTD.shape
-        q_BTHK = self.q_proj(x_BTD).view(b, t, self.num_heads, self.head_dim)
-        k_BTGK = self.k_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
-        v_BTGK = self.v_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        if self.spec.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BTHK = q.view(b, t, self.num_heads, self.head_dim)
+        k_BTGK = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v_BTGK = v.view(b, t, self.num_kv_heads, self.head_dim)
+        if self.spec.qk_norm == "head":
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
-        q_BTHK, k_BTGK = apply_rope(q_BTHK, cos_BTK, sin_BTK), apply_rope(k_BTGK, cos_BTK, sin_BTK)
+        interleaved = self.spec.rope.interleaved
+        q_BTHK = apply_rope(q_BTHK, cos_BTR, sin_BTR, interleaved)
+        k_BTGK = apply_rope(k_BTGK, cos_BTR, sin_BTR, interleaved)
         out_BTHK = attention(q_BTHK, k_BTGK, v_BTGK, seqs, backend)
         return self.o_proj(out_BTHK.reshape(b, t, -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+MLP = SwiGLU  # the dense MLP
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, moe: bool):
-        super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp: nn.Module = (
-            MoE(args.hidden_size, args.moe_intermediate_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob)
-            if moe
-            else MLP(args.hidden_size, args.intermediate_size)
-        )
+    """Pre-norm mixer and MLP as its `Layer` spec says (args.py); with sandwich norms, their
+    outputs are normalised again before the residual adds (GLM-4's post_*_layernorm)."""
 
-    def forward(self, x_BTD, cos_BTK, sin_BTK, seqs: PackedSeqs, backend: Backend) -> torch.Tensor:
-        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_BTK, sin_BTK, seqs, backend)
-        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+    def __init__(self, spec: Layer, dim: int, eps: float):
+        super().__init__()
+        self.spec = spec
+        self.input_layernorm = RMSNorm(dim, eps)
+        self.self_attn = Attention(spec.mixer, dim, eps)
+        self.post_attention_layernorm = RMSNorm(dim, eps)
+        self.mlp: nn.Module = (
+            MoE(dim, spec.mlp) if isinstance(spec.mlp, MoEMLP) else MLP(dim, spec.mlp.intermediate_size)
+        )
+        if spec.sandwich_norm:
+            self.post_self_attn_layernorm = RMSNorm(dim, eps)
+            self.post_mlp_layernorm = RMSNorm(dim, eps)
+
+    def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend: Backend) -> torch.Tensor:
+        mixed = self.self_attn(self.input_layernorm(x_BTD), cos_BTR, sin_BTR, seqs, backend)
+        if self.spec.sandwich_norm:
+            mixed = self.post_self_attn_layernorm(mixed)
+        x_BTD = x_BTD + mixed
+        out = self.mlp(self.post_attention_layernorm(x_BTD))
+        if self.spec.sandwich_norm:
+            out = self.post_mlp_layernorm(out)
+        return x_BTD + out
 
 
 class Transformer(nn.Module):
@@ -99,21 +110,25 @@ class Transformer(nn.Module):
         self.args = args
         self.attn_backend: Backend = attn_backend
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, moe) for moe in args.moe_layers)
+        self.layers = nn.ModuleList(DecoderLayer(spec, args.hidden_size, args.rms_norm_eps) for spec in args.layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._inv_freq: dict[tuple[Rope, torch.device], torch.Tensor] = {}
 
     @property
     def output_weight(self) -> torch.Tensor:
         """[V, D]: the lm_head weight, or the embedding when they are tied."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def _rope(self, position_ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        device = position_ids_BT.device
-        if device not in self._inv_freq:
-            self._inv_freq[device] = inv_freq(self.args).to(device)
-        return rope_cos_sin(position_ids_BT, self._inv_freq[device])
+    def _ropes(self, position_ids_BT: torch.Tensor) -> dict[Rope, tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin of each distinct RoPE of the layers (most models have one)."""
+        out = {}
+        for spec in dict.fromkeys(layer.mixer.rope for layer in self.args.layers):
+            key = (spec, position_ids_BT.device)
+            if key not in self._inv_freq:
+                self._inv_freq[key] = inv_freq(spec).to(position_ids_BT.device)
+            out[spec] = rope_cos_sin(position_ids_BT, self._inv_freq[key], spec.interleaved)
+        return out
 
     def forward(
         self,
@@ -131,10 +146,10 @@ class Transformer(nn.Module):
         tokens <= t) at temperatures[b, t] (default 1).
         """
         seqs = PackedSeqs.from_position_ids(position_ids_BT)
-        cos_BTK, sin_BTK = self._rope(position_ids_BT)
+        ropes = self._ropes(position_ids_BT)
         x_BTD = self.embed_tokens(input_ids_BT)
         for layer in self.layers:
-            x_BTD = layer(x_BTD, cos_BTK, sin_BTK, seqs, self.attn_backend)
+            x_BTD = layer(x_BTD, *ropes[layer.spec.mixer.rope], seqs, self.attn_backend)
         hidden_BTD = self.norm(x_BTD)
         if targets_BT is None:
             return hidden_BTD
@@ -161,7 +176,16 @@ class Transformer(nn.Module):
                 p.zero_()
             else:
                 p.normal_(0.0, std, generator=generator)
+        for name, buf in self.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.zero_()
         self.reset_moe_stats()
+
+    def cast_parameters(self, dtype: torch.dtype) -> Transformer:
+        """Parameters to `dtype`; buffers keep theirs (router correction biases stay fp32)."""
+        for p in self.parameters():
+            p.data = p.data.to(dtype)
+        return self
 
     @torch.no_grad()
     def moe_stats(self) -> torch.Tensor | None:

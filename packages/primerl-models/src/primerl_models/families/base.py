@@ -1,15 +1,18 @@
-"""What a model family is: how to read its Hugging Face config.json and write one back.
+"""What a model family is: how to read its Hugging Face config.json into per-layer specs
+(args.py), its checkpoint's tensor names (checkpoint.py), and the config of a tiny model.
 
-Weight names and layouts are shared by every family so far (hf.py converts them); a family
-whose checkpoint differs overrides `Family.to_ours` / `Family.to_hf`.
+A family file is the only place that knows its config keys: it refuses the options it does not
+implement, naming them, and builds one `Layer` spec per layer. The helpers here read what most
+configs spell the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from primerl_models.common.args import ModelArgs
+from primerl_models.common.args import Attention, ModelArgs, Rope
+from primerl_models.families.checkpoint import Checkpoint
 
 
 def rope_settings(cfg: dict) -> tuple[float, dict | None]:
@@ -19,59 +22,55 @@ def rope_settings(cfg: dict) -> tuple[float, dict | None]:
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or params or None
     if scaling is not None:
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
         if scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
     return float(theta), scaling
 
 
-def dense_args(cfg: dict, **overrides) -> ModelArgs:
-    """The fields every decoder-only family shares, read from a HF config dict."""
+def head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def partial_rotary_factor(cfg: dict, default: float = 1.0) -> float:
+    """The share of each head that rotates, wherever the config keeps it (`rope_parameters`,
+    top level, or MiniMax's `rotary_dim`)."""
+    params = cfg.get("rope_parameters") or {}
+    if "partial_rotary_factor" in params:
+        return float(params["partial_rotary_factor"])
+    if cfg.get("partial_rotary_factor") is not None:
+        return float(cfg["partial_rotary_factor"])
+    if cfg.get("rotary_dim"):
+        return cfg["rotary_dim"] / head_dim(cfg)
+    return default
+
+
+def attention_from_hf(cfg: dict, *, partial_default: float = 1.0, interleaved: bool = False, **options) -> Attention:
+    """The attention spec most configs describe: heads, kv heads, head_dim, RoPE (partial when
+    the config says so), plus the family's `options` (qkv_bias, o_bias, qk_norm)."""
+    heads, k = cfg["num_attention_heads"], head_dim(cfg)
     theta, scaling = rope_settings(cfg)
-    heads = cfg["num_attention_heads"]
-    kwargs = dict(
+    rotary = int(k * partial_rotary_factor(cfg, partial_default))
+    rope = Rope(rotary_dim=rotary, theta=theta, scaling=scaling, interleaved=interleaved)
+    return Attention(num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=k, rope=rope,
+                     **options)
+
+
+def model_args(cfg: dict, layers: list) -> ModelArgs:
+    """The model-wide fields, read from a HF config dict, around the family's layers."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        unsupported(cfg, "hidden_act", "SwiGLU MLPs (silu) only")
+    if len(layers) != cfg["num_hidden_layers"]:
+        raise ValueError(f"{cfg.get('model_type')}: {len(layers)} layer specs for {cfg['num_hidden_layers']} layers")
+    return ModelArgs(
         model_type=cfg["model_type"],
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        intermediate_size=cfg["intermediate_size"],
+        layers=layers,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
     )
-    kwargs.update(overrides)
-    return ModelArgs(**kwargs)
-
-
-def dense_hf_config(args: ModelArgs, architecture: str, **extra) -> dict:
-    """A HF config.json dict for `args` (what the tiny-model builder writes)."""
-    cfg = {
-        "architectures": [architecture],
-        "model_type": args.model_type,
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.hidden_size,
-        "num_hidden_layers": args.num_layers,
-        "num_attention_heads": args.num_heads,
-        "num_key_value_heads": args.num_kv_heads,
-        "head_dim": args.head_dim,
-        "intermediate_size": args.intermediate_size,
-        "rms_norm_eps": args.rms_norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": args.rope_scaling,
-        "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": args.attention_bias,
-        "max_position_embeddings": args.max_position_embeddings,
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-    }
-    cfg.update(extra)
-    return cfg
 
 
 def unsupported(cfg: dict, key: str, why: str) -> None:
@@ -79,10 +78,55 @@ def unsupported(cfg: dict, key: str, why: str) -> None:
 
 
 @dataclass(frozen=True)
+class TinyShape:
+    """The sizes of a tiny random model (tiny.py); each family writes them in its own keys."""
+
+    vocab_size: int
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 4096
+
+
+def tiny_common(shape: TinyShape, model_type: str, architecture: str, **extra) -> dict:
+    """The config.json keys every family spells alike, for a tiny model."""
+    cfg = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "intermediate_size": shape.intermediate_size,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": shape.tie_embeddings,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    cfg.update(extra)
+    return cfg
+
+
+@dataclass(frozen=True)
 class Family:
-    """A model family: its HF model_type, architecture name and config readers/writers."""
+    """A model family: its HF model_type and architecture, its config reader, its checkpoint
+    names and what to write for a tiny model of it."""
 
     model_type: str
     architecture: str
     args_from_hf: Callable[[dict], ModelArgs]
-    hf_config: Callable[[ModelArgs], dict]
+    tiny_config: Callable[[TinyShape], dict]
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    moe: bool = False
+    """Whether the family has mixture-of-experts layers (tiny models get experts)."""

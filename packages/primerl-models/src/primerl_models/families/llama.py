@@ -1,22 +1,19 @@
 """Llama (3.x): GQA, SwiGLU, RoPE with optional Llama-3 frequency scaling."""
 
-from primerl_models.common.args import ModelArgs
-from primerl_models.families.base import (
-    Family,
-    dense_args,
-    dense_hf_config,
-    unsupported,
-)
+from primerl_models.common.args import DenseMLP, Layer, ModelArgs
+from primerl_models.families.base import Family, TinyShape, attention_from_hf, model_args, tiny_common, unsupported
 
 
 def args_from_hf(cfg: dict) -> ModelArgs:
     if cfg.get("mlp_bias"):
         unsupported(cfg, "mlp_bias", "Llama MLPs without bias only")
-    return dense_args(cfg)
+    bias = bool(cfg.get("attention_bias", False))
+    layer = Layer(attention_from_hf(cfg, qkv_bias=bias, o_bias=bias), DenseMLP(cfg["intermediate_size"]))
+    return model_args(cfg, [layer] * cfg["num_hidden_layers"])
 
 
-def hf_config(args: ModelArgs) -> dict:
-    return dense_hf_config(args, "LlamaForCausalLM", mlp_bias=False)
+def tiny_config(shape: TinyShape) -> dict:
+    return tiny_common(shape, "llama", "LlamaForCausalLM", mlp_bias=False, attention_bias=False, rope_scaling=None)
 
 
-LLAMA = Family("llama", "LlamaForCausalLM", args_from_hf, hf_config)
+LLAMA = Family("llama", "LlamaForCausalLM", args_from_hf, tiny_config)
