@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 import transformers
-from primerl_models import load_model, read_config, save_hf, to_hf, to_ours
+from primerl_models import carried_tensors, load_model, published_config, read_config, save_hf, to_hf, to_ours
 from primerl_models.families import family_for
 from safetensors.torch import load_file, save_file
 
@@ -130,4 +130,171 @@ def test_missing_expert_is_named(tmp_path):
     del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing tensors: model.layers.0.mlp.experts.3.up_proj.weight"):
+        load_model(tmp_path)
+
+
+# GLM-4.5 with its MTP layer (layer num_hidden_layers, as the released checkpoints store it),
+# MiniMax-M2 and GLM-4: their own names both ways, and what is not trained carried through.
+GLM_MOE = transformers.Glm4MoeConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+    n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, use_qk_norm=True, attention_bias=True,
+    num_nextn_predict_layers=1, pad_token_id=0,
+)
+MINIMAX = transformers.MiniMaxM2Config(
+    vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, rotary_dim=4,
+    bos_token_id=0, eos_token_id=1,
+)
+GLM4 = transformers.Glm4Config(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=1,
+)
+
+
+def add_tensors(folder, tensors: dict, file: str = "model-extra.safetensors"):
+    """Tensors written into their own shard of a checkpoint (and its index, when it has one)."""
+    save_file(tensors, folder / file)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name: file for name in tensors})
+        index.write_text(json.dumps(data))
+
+
+def mtp_layer(config) -> dict[str, torch.Tensor]:
+    """Some of the tensors of GLM-4.5's MTP layer, with their real names."""
+    n, d = config.num_hidden_layers, config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    return {
+        f"model.layers.{n}.eh_proj.weight": torch.randn(d, 2 * d, generator=g),
+        f"model.layers.{n}.enorm.weight": torch.randn(d, generator=g),
+        f"model.layers.{n}.shared_head.norm.weight": torch.randn(d, generator=g),
+        f"model.layers.{n}.self_attn.q_proj.weight": torch.randn(32, d, generator=g),
+        f"model.layers.{n}.mlp.gate.e_score_correction_bias": torch.randn(4, generator=g),
+    }
+
+
+def save_with_biases(config, folder, shard=None):
+    """transformers' checkpoint, the routers' correction biases drawn non-zero first."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.1)
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+@pytest.mark.parametrize("config", [GLM_MOE, MINIMAX, GLM4], ids=["glm4_moe-mtp", "minimax_m2", "glm4"])
+def test_new_families_round_trip_exactly_and_carry_what_is_not_trained(config, tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    save_with_biases(config, src, shard="20KB")
+    extra = mtp_layer(config) if config.model_type == "glm4_moe" else {}
+    if extra:
+        add_tensors(src, extra)
+    cfg = read_config(src)
+    model = load_model(src)
+    assert not any(name.startswith(f"layers.{config.num_hidden_layers}.") for name in model.state_dict())
+    save_hf(model.state_dict(), cfg, dst, max_shard_bytes=30_000, carried=carried_tensors(src, cfg, torch.float32))
+    before, after = hf_tensors(src), hf_tensors(dst)
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
+    for name, tensor in extra.items():
+        assert torch.equal(after[name], tensor), name
+    biases = [n for n in before if n.endswith("e_score_correction_bias")]
+    assert bool(biases) == (config.model_type != "glm4"), biases
+    assert all(before[n].abs().sum() > 0 for n in biases)
+    # transformers loads what we wrote, with the same logits as the source
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a = transformers.AutoModelForCausalLM.from_pretrained(src).eval()(ids).logits
+        b = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()(ids).logits
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_router_correction_biases_stay_fp32_in_bf16_models(tmp_path):
+    save_with_biases(GLM_MOE, tmp_path)
+    source = hf_tensors(tmp_path)
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    buf = model.layers[1].mlp.router.e_score_correction_bias
+    assert buf.dtype == torch.float32 and model.layers[1].mlp.router.weight.dtype == torch.bfloat16
+    assert torch.equal(buf, source["model.layers.1.mlp.gate.e_score_correction_bias"])
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise e4m3 quantisation as DeepSeek-V3 / MiniMax-M2 checkpoints store it: per block,
+    scale = amax / 448 (e4m3's largest value), stored as weight_scale_inv."""
+    rows, cols = w.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    scale = torch.empty(grid)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            r, c = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
+            scale[i, j] = w[r, c].abs().max().clamp(min=1e-12) / 448.0
+            q[r, c] = (w[r, c] / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def test_fp8_block_quantised_checkpoint_is_dequantised_at_load(tmp_path):
+    """MiniMax-M2 is published in block-quantised fp8: each linear weight in e4m3 with one fp32
+    scale per 128 x 128 block. Here blocks of 16 x 12 (12 does not divide 32: partial blocks).
+    Expected: transformers on the dequantised weights (fp8 value x its block's scale)."""
+    hf = save_with_biases(MINIMAX, tmp_path / "plain").eval()
+    tensors = hf_tensors(tmp_path / "plain")
+    block = (16, 12)
+    quantised, dequantised = {}, {}
+    for name, w in tensors.items():
+        if w.ndim == 2 and ("self_attn" in name or ".experts." in name):
+            q, s = quantize_fp8(w, block)
+            quantised[name], quantised[name + "_scale_inv"] = q, s
+            full = s.repeat_interleave(block[0], 0)[: w.shape[0]].repeat_interleave(block[1], 1)[:, : w.shape[1]]
+            dequantised[name] = q.float() * full
+        else:
+            quantised[name] = w
+    folder = tmp_path / "fp8"
+    folder.mkdir()
+    save_file(quantised, folder / "model.safetensors")
+    cfg = read_config(tmp_path / "plain") | {"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ours = load_model(folder).eval()
+    # the reference: transformers on the dequantised weights (which differ from the originals)
+    assert max((dequantised[n] - tensors[n]).abs().max() for n in dequantised) > 1e-4
+    save_file(tensors | dequantised, tmp_path / "plain" / "model.safetensors")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()
+    assert set(reference.state_dict()) == set(hf.state_dict())
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.logits(ids, torch.arange(20).expand(2, 20)), reference(ids).logits,
+                                   atol=1e-4, rtol=0)
+    # what the trainer publishes is plain weights: no quantization_config
+    assert "quantization_config" not in published_config(cfg) and published_config(cfg)["model_type"] == "minimax_m2"
+
+
+def test_fp8_scale_of_the_wrong_shape_and_other_quantisations_are_named(tmp_path):
+    save_with_biases(MINIMAX, tmp_path)
+    tensors = hf_tensors(tmp_path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    q, s = quantize_fp8(tensors[name], (16, 16))
+    tensors[name], tensors[name + "_scale_inv"] = q, s[:1]
+    save_file(tensors, tmp_path / "model.safetensors")
+    write_config(tmp_path, quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
+    with pytest.raises(ValueError, match=r"q_proj.weight_scale_inv has shape \(1, 2\), expected \(2, 2\)"):
+        load_model(tmp_path)
+    write_config(tmp_path, quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(ValueError, match=r"quant_method: 'awq'.* is not supported"):
+        load_model(tmp_path)
+
+
+def test_unsupported_minimax_options_are_named(tmp_path):
+    save_with_biases(MINIMAX, tmp_path)
+    write_config(tmp_path, scoring_func="softmax")
+    with pytest.raises(ValueError, match="minimax_m2: `scoring_func` = 'softmax' is not supported"):
+        load_model(tmp_path)
+    write_config(tmp_path, scoring_func="sigmoid", attn_type_list=[0, 1])
+    with pytest.raises(ValueError, match="`attn_type_list`"):
         load_model(tmp_path)

@@ -124,13 +124,18 @@ def test_packed_row_equals_each_sequence_alone(case, tmp_path):
     assert (unpacked[:, lengths[0]:] - alone[:, lengths[0]:]).abs().max() > 1e-2
 
 
-def test_moe_counts_tokens_per_expert(tmp_path):
-    hf_checkpoint("qwen3moe-top2-norm", tmp_path)
+@pytest.mark.parametrize("case, experts, top_k, moe_layers", [
+    ("qwen3moe-top2-norm", 4, 2, 2),
+    ("glm4moe-groups-shared-qknorm-bias", 8, 2, 2),  # 3 layers, the first dense
+    ("minimax-m2-partial-rope", 4, 2, 2),
+])
+def test_moe_counts_tokens_per_expert(case, experts, top_k, moe_layers, tmp_path):
+    hf_checkpoint(case, tmp_path)
     ours = load_model(tmp_path).eval()
     with torch.no_grad():
         ours(torch.randint(0, 96, (1, 30)), torch.arange(30)[None])
     stats = ours.moe_stats()
-    assert stats.shape == (2, 4)
-    assert stats.sum(dim=1).tolist() == [60.0, 60.0]  # 30 tokens x top-2, in each MoE layer
+    assert stats.shape == (moe_layers, experts)
+    assert stats.sum(dim=1).tolist() == [30.0 * top_k] * moe_layers  # every token to top_k experts, per MoE layer
     ours.reset_moe_stats()
     assert ours.moe_stats().sum() == 0

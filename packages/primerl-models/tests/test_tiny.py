@@ -7,10 +7,11 @@ from primerl_models import load_model
 from primerl_models.tiny import SPECIAL_TOKENS, build_tiny_model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "glm4", "glm4_moe", "minimax_m2"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_tiny_model_loads_in_ours_and_transformers_alike(family, tie, tmp_path):
-    folder = build_tiny_model(tmp_path, family, tie_embeddings=tie, init_std=0.2, seed=3)
+    # non-zero router correction biases (GLM-4.5, MiniMax-M2): written and read by both
+    folder = build_tiny_model(tmp_path, family, tie_embeddings=tie, init_std=0.2, seed=3, router_bias_std=0.1)
     ours = load_model(folder).eval()
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     tok = transformers.AutoTokenizer.from_pretrained(folder)
