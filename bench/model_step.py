@@ -24,30 +24,40 @@ import time
 
 import torch
 from primerl_models import ModelArgs, Transformer, chunked_logprobs
-from primerl_trainer.placement import apply_activation_checkpointing
 
 PEAK_FLOPS = 989e12
 VOCAB = 151936
 
 SHAPES = {
-    # name: (HF config fields, seq_len, transformers needs activation checkpointing)
-    "qwen3-0.6b": (dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                        head_dim=128, intermediate_size=3072, tie_word_embeddings=True), 16384),
-    "qwen3-1.7b": (dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                        head_dim=128, intermediate_size=6144, tie_word_embeddings=True), 16384),
-    "qwen3-4b": (dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, intermediate_size=9728, tie_word_embeddings=True), 16384),
-    "qwen3-30b-a3b-6l": (dict(hidden_size=2048, num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4,
-                              head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                              num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False), 8192),
+    # name: (model_type, HF config fields, seq_len)
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                 head_dim=128, intermediate_size=3072, tie_word_embeddings=True), 16384),
+    "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                 head_dim=128, intermediate_size=6144, tie_word_embeddings=True), 16384),
+    "qwen3-4b": ("qwen3", dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                               head_dim=128, intermediate_size=9728, tie_word_embeddings=True), 16384),
+    "qwen3-30b-a3b-6l": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=6, num_attention_heads=32,
+                                           num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                           moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                           norm_topk_prob=True, tie_word_embeddings=False), 8192),
+    # GLM-4.5-Air's shape (zai-org/GLM-4.5-Air config.json) cut to 3 layers: the dense first
+    # layer and 2 MoE layers (128 experts top-8, sigmoid router with correction bias, one
+    # shared expert), partial RoPE, q/k/v bias; no MTP layer (it is not trained).
+    "glm-4.5-air-3l": ("glm4_moe", dict(vocab_size=151552, hidden_size=4096, num_hidden_layers=3,
+                                        num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                                        intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=128,
+                                        num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1,
+                                        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                                        use_qk_norm=False, attention_bias=True, partial_rotary_factor=0.5,
+                                        rms_norm_eps=1e-5, num_nextn_predict_layers=0,
+                                        tie_word_embeddings=False), 8192),
 }
 
 
 def hf_dict(name: str) -> dict:
-    fields, _ = SHAPES[name]
-    model_type = "qwen3_moe" if "num_experts" in fields else "qwen3"
+    model_type, fields, _ = SHAPES[name]
     return dict(model_type=model_type, vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=1e6,
-                max_position_embeddings=40960, **fields)
+                max_position_embeddings=40960) | fields
 
 
 def our_args(name: str) -> ModelArgs:
@@ -65,8 +75,7 @@ def build_transformers(name: str, ac: bool):
     import transformers
 
     cfg = hf_dict(name)
-    config_cls = transformers.Qwen3MoeConfig if cfg["model_type"] == "qwen3_moe" else transformers.Qwen3Config
-    config = config_cls(**{k: v for k, v in cfg.items() if k != "model_type"})
+    config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.config.use_cache = False
@@ -86,7 +95,9 @@ def build_ours(name: str, ac: bool, compile_layers: bool, attn: str = "auto"):
     with torch.device("cuda"):
         model = Transformer(args, attn_backend=attn)
     model.init_weights()
-    if ac:
+    if ac:  # the trainer's own wrapper (needs primerl-trainer's dependencies: msgspec)
+        from primerl_trainer.placement import apply_activation_checkpointing
+
         apply_activation_checkpointing(model)
     if compile_layers:
         for layer in model.layers:
@@ -115,10 +126,10 @@ def profile_step(run_step) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
 
 
-def measure(model, step, seq: int, steps: int, docs: int = 1) -> dict:
+def measure(model, step, seq: int, steps: int, docs: int = 1, vocab: int = VOCAB) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, VOCAB, (1, seq), device="cuda", generator=g)
+    ids = torch.randint(0, vocab, (1, seq), device="cuda", generator=g)
     bounds = torch.linspace(0, seq, docs + 1).long().tolist()
     pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None].cuda()
     torch.cuda.reset_peak_memory_stats()
@@ -150,8 +161,9 @@ def measure(model, step, seq: int, steps: int, docs: int = 1) -> dict:
     }
 
 
-def run(name: str, impl: str, steps: int, ac: bool, compile_layers: bool, docs: int = 1, cudnn: bool = False) -> dict:
-    _, seq = SHAPES[name]
+def run(name: str, impl: str, steps: int, ac: bool, compile_layers: bool, docs: int = 1, cudnn: bool = False,
+        seq: int | None = None) -> dict:
+    seq = seq or SHAPES[name][2]
     model = step = None
     # cudnn: SDPA may not pick flash or memory-efficient kernels, which leaves cuDNN's.
     torch.backends.cuda.enable_flash_sdp(not cudnn)
@@ -161,7 +173,7 @@ def run(name: str, impl: str, steps: int, ac: bool, compile_layers: bool, docs: 
             model, step = build_transformers(name, ac)
         else:
             model, step = build_ours(name, ac, compile_layers)
-        result = measure(model, step, seq, steps, docs)
+        result = measure(model, step, seq, steps, docs, hf_dict(name)["vocab_size"])
     except torch.OutOfMemoryError:
         result = {"oom": True}
     finally:
@@ -181,6 +193,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one step")
+    parser.add_argument("--seq", type=int, default=None, help="tokens in the row (default: the shape's)")
     parser.add_argument("--runs", default="transformers,ours",
                         help="comma list of impl[:ac][:eager][:cudnn][:docsN], e.g. transformers:ac,ours,ours:docs8")
     args = parser.parse_args()
@@ -192,7 +205,7 @@ def main() -> None:
             impl, *flags = spec.split(":")
             docs = next((int(f[4:]) for f in flags if f.startswith("docs")), 1)
             row = run(name, impl, args.steps, ac="ac" in flags, compile_layers=impl == "ours" and "eager" not in flags,
-                      docs=docs, cudnn="cudnn" in flags)
+                      docs=docs, cudnn="cudnn" in flags, seq=args.seq)
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()

@@ -81,6 +81,9 @@ class Router(nn.Module):
             scores_NE = logits_NE.softmax(dim=-1)
         else:
             scores_NE = logits_NE.sigmoid()
+        if self.e_score_correction_bias is None and s.n_group == 1:  # Qwen3-MoE: the scores choose
+            weights_NK, experts_NK = scores_NE.topk(s.top_k, dim=-1)
+            return self._finish(weights_NK), experts_NK
         choice_NE = scores_NE
         if self.e_score_correction_bias is not None:
             choice_NE = scores_NE + self.e_score_correction_bias.float()
@@ -90,16 +93,17 @@ class Router(nn.Module):
             best_groups_NG = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(s.topk_group, dim=-1).indices
             keep = torch.zeros(n, s.n_group, dtype=torch.bool, device=x_ND.device).scatter_(1, best_groups_NG, True)
             choice_NE = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)
-        if choice_NE is scores_NE:
-            weights_NK, experts_NK = scores_NE.topk(s.top_k, dim=-1)
-        else:
-            experts_NK = choice_NE.topk(s.top_k, dim=-1).indices
-            weights_NK = scores_NE.gather(1, experts_NK)
+        experts_NK = choice_NE.topk(s.top_k, dim=-1).indices
+        return self._finish(scores_NE.gather(1, experts_NK)), experts_NK
+
+    def _finish(self, weights_NK: torch.Tensor) -> torch.Tensor:
+        """Renormalisation and scaling of the chosen experts' weights."""
+        s = self.spec
         if s.norm_topk_prob:
             weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + (1e-20 if s.scoring == "sigmoid" else 0.0))
         if s.routed_scaling_factor != 1.0:
             weights_NK = weights_NK * s.routed_scaling_factor
-        return weights_NK, experts_NK
+        return weights_NK
 
 
 class MoE(nn.Module):
