@@ -7,6 +7,7 @@ import torch
 import transformers
 from primerl_models import carried_tensors, load_model, published_config, read_config, save_hf, to_hf, to_ours
 from primerl_models.families import family_for
+from primerl_models.testing import save_transformers
 from safetensors.torch import load_file, save_file
 
 MOE = transformers.Qwen3MoeConfig(
@@ -18,12 +19,6 @@ DENSE = transformers.Qwen3Config(
     vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
 )
-
-
-def save_transformers(config, folder, shard=None):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
 
 
 def hf_tensors(folder) -> dict[str, torch.Tensor]:
@@ -177,14 +172,7 @@ def mtp_layer(config) -> dict[str, torch.Tensor]:
 
 def save_with_biases(config, folder, shard=None):
     """transformers' checkpoint, the routers' correction biases drawn non-zero first."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0.0, 0.1)
-    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
-    return model
+    return save_transformers(config, folder, shard, router_bias_std=0.1)
 
 
 @pytest.mark.parametrize("config", [GLM_MOE, MINIMAX, GLM4], ids=["glm4_moe-mtp", "minimax_m2", "glm4"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 from primerl_models import load_model
+from primerl_models.testing import save_transformers
 
 COMMON = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -81,15 +82,7 @@ CASES = {
 
 def hf_checkpoint(case: str, folder, shard: str | None = None):
     config_cls, extra = CASES[case]
-    config = config_cls(**{**COMMON, **extra})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0.0, 0.1)
-    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
-    return model
+    return save_transformers(config_cls(**{**COMMON, **extra}), folder, shard, router_bias_std=0.1)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,0 +1,26 @@
+"""Test helpers: Hugging Face checkpoints written by transformers itself (the reference of every
+parity test). Needs transformers, which primerl-models does not depend on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def save_transformers(config, folder: str | Path, shard: str | None = None, router_bias_std: float = 0.0, seed: int = 0):
+    """transformers' model of `config` (seeded random weights) saved by its own save_pretrained,
+    in shards of `shard` (e.g. "30KB") when given; routers' correction biases drawn
+    normal(0, router_bias_std) first when > 0 (transformers initialises them to zero).
+    Returns the model (eval mode, eager attention)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    if router_bias_std:
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.normal_(0.0, router_bias_std)
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    return model
