@@ -17,11 +17,11 @@ from primerl.torchrun import run_and_exit
 def full_disk_at(write: int):
     real, calls = publish.save_hf, [0]
 
-    def save_hf(state, config, folder):  # only rank 0 writes
+    def save_hf(state, config, folder, **kwargs):  # only rank 0 writes
         calls[0] += 1
         if calls[0] == write:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
-        return real(state, config, folder)
+        return real(state, config, folder, **kwargs)
 
     return save_hf
 
