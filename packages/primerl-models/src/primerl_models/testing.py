@@ -13,7 +13,10 @@ def save_transformers(config, folder: str | Path, shard: str | None = None, rout
     in shards of `shard` (e.g. "30KB") when given; routers' correction biases drawn
     normal(0, router_bias_std) first when > 0 (transformers initialises them to zero).
     Returns the model (eval mode, eager attention)."""
-    import transformers
+    try:
+        import transformers
+    except ImportError as err:  # not a dependency of primerl-models: the workspace's dev group has it
+        raise ImportError("primerl_models.testing.save_transformers needs transformers (uv sync --group dev)") from err
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
