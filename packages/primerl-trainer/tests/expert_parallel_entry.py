@@ -1,0 +1,56 @@
+"""Run by test_expert_parallel.py under torchrun (gloo, CPU): each rank feeds its own tokens to
+one MoE layer with all experts (the reference) and to a copy whose experts are sharded over the
+ranks, and writes what both gave to OUT/rank_R.pt."""
+
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from primerl_models import MoEMLP
+from primerl_models.common.moe import MoE
+from primerl_trainer.expert_parallel import shard_experts
+
+SPECS = {
+    "qwen3_moe": MoEMLP(num_experts=4, top_k=2, expert_size=8, scoring="softmax", norm_topk_prob=True),
+    "glm4_moe": MoEMLP(num_experts=4, top_k=2, expert_size=8, scoring="sigmoid", norm_topk_prob=True,
+                       correction_bias=True, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                       shared_expert_size=8),
+}
+
+
+def main(out_dir: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = {}
+    for name, spec in SPECS.items():
+        torch.manual_seed(0)  # the same weights on every rank
+        moe = MoE(16, spec)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.normal_(0.0, 0.3)
+            if moe.router.e_score_correction_bias is not None:
+                moe.router.e_score_correction_bias.normal_(0.0, 0.1)
+        sharded = copy.deepcopy(moe)
+        assert shard_experts(sharded) == 1
+        g = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens (and routing)
+        tokens = 5 + 4 * rank
+        x = torch.randn(1, tokens, 16, generator=g)
+        w = torch.randn(1, tokens, 16, generator=g)
+        row = {}
+        for tag, model in (("ref", moe), ("ep", sharded)):
+            xi = x.clone().requires_grad_()
+            out = model(xi)
+            (out * w).sum().backward()
+            row[tag] = {"out": out.detach(), "x_grad": xi.grad,
+                        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                        "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+                        "counts": model.tokens_per_expert.clone()}
+        results[name] = row
+    torch.save(results, os.path.join(out_dir, f"rank_{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
