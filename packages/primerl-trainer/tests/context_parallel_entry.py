@@ -1,6 +1,9 @@
-"""Run by test_context_parallel.py under torchrun (gloo, CPU): the same q, k, v of a packed row on
-every rank; the whole row's attention (the reference) and Ulysses attention over the ranks'
-chunks, with their gradients, saved to OUT/rank_R.pt."""
+"""Run by test_context_parallel.py under torchrun (gloo, CPU): the same q, k, v of packed rows on
+every rank; the whole rows' attention (the reference) and Ulysses attention over the ranks'
+chunks, with their gradients; then whole tiny models (Qwen3, GLM-4.5) on the whole row and with
+Ulysses over the ranks' chunks, their logprobs and parameter gradients. Saved to OUT/rank_R.pt."""
+
+import copy
 
 import os
 import sys
@@ -9,7 +12,36 @@ import torch
 import torch.distributed as dist
 from primerl_models import PackedSeqs
 from primerl_models.common.attention import attention
-from primerl_trainer.context_parallel import ulysses_attention
+from primerl_models.common.transformer import Transformer
+from primerl_models.families import FAMILIES, TinyShape
+from primerl_trainer.context_parallel import UlyssesAttention, chunk_of, ulysses_attention
+
+
+def whole_model(family: str) -> dict:
+    """logprobs and gradients of a tiny model on one packed row of 16 tokens (documents of 5, 7
+    and 4: the second crosses the split), whole and over the ranks' chunks."""
+    cfg = FAMILIES[family].tiny_config(TinyShape(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4,
+                                                 num_kv_heads=2, head_dim=8, moe_intermediate_size=16))
+    model = Transformer(FAMILIES[family].args_from_hf(cfg))
+    model.init_weights(std=0.3, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 40, (1, 16), generator=g)
+    pos = torch.cat([torch.arange(n) for n in (5, 7, 4)])[None]
+    targets, weights = torch.roll(ids, -1, dims=1), torch.randn(1, 16, generator=g)
+    split = copy.deepcopy(model)
+    lp_whole, _ = model(ids, pos, targets)
+    (lp_whole * weights).sum().backward()
+    split.attn_backend = UlyssesAttention()
+    seqs = PackedSeqs.from_position_ids(pos)  # the whole row's boundaries
+    lp, _ = split(chunk_of(ids), chunk_of(pos), chunk_of(targets), seqs=seqs)
+    (lp * chunk_of(weights)).sum().backward()
+    grads = {}
+    for name, param in split.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad)  # what data-parallel reduction over the CP group sums
+        grads[name] = grad
+    return {"logprobs": lp.detach(), "ref_logprobs": chunk_of(lp_whole.detach()), "grads": grads,
+            "ref_grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
 def main(out_dir: str) -> None:
@@ -36,6 +68,8 @@ def main(out_dir: str) -> None:
             "ref": ref.detach()[:, mine], "out": out.detach(),
             "ref_grads": [x.grad for x in full], "grads": [x.grad for x in local],
         }
+    for family in ("qwen3", "glm4_moe"):
+        results[family] = whole_model(family)
     torch.save(results, os.path.join(out_dir, f"rank_{rank}.pt"))
     dist.destroy_process_group()
 

@@ -16,15 +16,33 @@ pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or insta
 ENTRY = Path(__file__).with_name("context_parallel_entry.py")
 
 
-def test_ulysses_attention_equals_the_whole_row(tmp_path):
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           f"--master-port={free_port_block(1)}", str(ENTRY), str(tmp_path)],
+                           f"--master-port={free_port_block(1)}", str(ENTRY), str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out / f"rank_{r}.pt") for r in range(2)]
+
+
+def test_ulysses_attention_equals_the_whole_row(ranks):
     for rank in range(2):
-        row = torch.load(tmp_path / f"rank_{rank}.pt")["sdpa"]
+        row = ranks[rank]["sdpa"]
         torch.testing.assert_close(row["out"], row["ref"], atol=1e-5, rtol=0)
         mine = slice(6 * rank, 6 * rank + 6)
         for got, full in zip(row["grads"], row["ref_grads"]):
             torch.testing.assert_close(got, full[:, mine], atol=1e-5, rtol=0)
         assert row["grads"][1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "glm4_moe"])
+def test_a_whole_model_over_chunks_equals_the_whole_row(ranks, family):
+    """The model fed each rank's chunk (ids, positions, targets) with the whole row's document
+    boundaries and Ulysses as its attention: each rank's logprobs are the whole row's for its
+    tokens, and the parameter gradients summed over the ranks are the whole row's."""
+    for rank in range(2):
+        row = ranks[rank][family]
+        torch.testing.assert_close(row["logprobs"], row["ref_logprobs"], atol=1e-5, rtol=0)
+        for name, grad in row["grads"].items():
+            torch.testing.assert_close(grad, row["ref_grads"][name], atol=1e-5, rtol=1e-5, msg=name)

@@ -61,3 +61,24 @@ def ulysses_attention(
     if q.shape[1] != seqs.doc_ids_BT.shape[1]:
         raise ValueError(f"the chunks make rows of {q.shape[1]} tokens; the row's boundaries are for {seqs.doc_ids_BT.shape[1]}")
     return _heads_to_tokens(attention(q, k, v, seqs, backend), p, group)
+
+
+class UlyssesAttention:
+    """An attention back-end for `Transformer.attn_backend` (a callable the model's attention
+    calls): Ulysses over `group` around the `backend` named. Set it, then feed the model each
+    rank's chunk with `seqs=` the whole rows' boundaries (`chunk_of`)."""
+
+    def __init__(self, group=None, backend: Backend = "auto"):
+        self.group, self.backend = group, backend
+
+    def __call__(self, q, k, v, seqs: PackedSeqs):
+        return ulysses_attention(q, k, v, seqs, self.backend, self.group)
+
+
+def chunk_of(x_BT: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's contiguous chunk of packed rows [B, T] (T divisible by the group's size)."""
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    t = x_BT.shape[1]
+    if t % p:
+        raise ValueError(f"rows of {t} tokens cannot be split over a context-parallel group of {p}")
+    return x_BT[:, r * (t // p):(r + 1) * (t // p)]

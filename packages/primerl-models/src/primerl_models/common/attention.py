@@ -13,6 +13,9 @@ once per forward; `attention(q, k, v, seqs, backend)` runs one of:
   flex    flex attention with a document-causal block mask (CUDA, compiled).
   auto    sdpa on CPU or for single-document rows; varlen on CUDA when available, else flex.
 
+A callable `backend(q, k, v, seqs) -> out` is attention supplied from outside the model (the
+trainer's context parallelism exchanges tokens for heads around one of the above).
+
 Legend: B batch, T tokens per row, H query heads, G kv heads, K head_dim, N = B*T.
 """
 
@@ -86,6 +89,8 @@ def attention(
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Causal attention within documents; returns [B, T, H, K]."""
+    if callable(backend):
+        return backend(q_BTHK, k_BTGK, v_BTGK, seqs)
     if backend == "auto":
         if not q_BTHK.is_cuda or seqs.single_doc:
             backend = "sdpa"

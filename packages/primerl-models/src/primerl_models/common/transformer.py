@@ -109,6 +109,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.attn_backend: Backend = attn_backend
+        """A back-end name, or attention supplied from outside (a callable; see attention.py)."""
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, args.hidden_size, args.rms_norm_eps) for spec in args.layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -137,6 +138,7 @@ class Transformer(nn.Module):
         targets_BT: torch.Tensor | None = None,
         temperatures_BT: torch.Tensor | None = None,
         chunk_size: int = 4096,
+        seqs: PackedSeqs | None = None,
     ):
         """Final hidden states [B, T, D] of packed rows (positions restart at each document).
 
@@ -144,8 +146,13 @@ class Transformer(nn.Module):
         inside the forward by the chunked path (no full logits; and under FSDP the output
         weight is only gathered inside the forward): logprobs[b, t] = log p(targets[b, t] |
         tokens <= t) at temperatures[b, t] (default 1).
+
+        `seqs`: the document boundaries, when the rows given are chunks of longer rows (context
+        parallelism: the boundaries of the whole rows, and an attention back-end that sees them
+        whole); by default they come from `position_ids`.
         """
-        seqs = PackedSeqs.from_position_ids(position_ids_BT)
+        if seqs is None:
+            seqs = PackedSeqs.from_position_ids(position_ids_BT)
         ropes = self._ropes(position_ids_BT)
         x_BTD = self.embed_tokens(input_ids_BT)
         for layer in self.layers:
