@@ -56,11 +56,13 @@ CASES = {
              norm_topk_prob=False, use_qk_norm=False, attention_bias=False,
              rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)),
     ),
-    # MiniMax-M2: qk RMSNorm over the whole projection, partial rotary (rotary_dim), sigmoid
-    # router with correction bias.
+    # MiniMax-M2: qk RMSNorm over the whole projection, partial rotary, sigmoid router with
+    # correction bias. (Released configs say `rotary_dim`, which transformers reads only from
+    # 5.19 on: before, it rotated whole heads. The factor means the same to every version.)
     "minimax-m2-partial-rope": (
         transformers.MiniMaxM2Config,
-        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8),
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+             rope_parameters=dict(rope_type="default", rope_theta=5e6, partial_rotary_factor=0.5)),
     ),
     "minimax-m2-full-rope-mha-top3": (
         transformers.MiniMaxM2Config,
