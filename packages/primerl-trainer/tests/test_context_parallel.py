@@ -3,13 +3,11 @@ packed rows of 12 tokens (3 and 2 documents, one crossing the split between the 
 GQA (4 query heads, 2 kv heads). Each rank's attention output is the whole row's for its tokens, and the gradients of
 its q, k, v chunks are the whole row's (the loss over every rank's tokens reaches them)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from primerl_trainer.testing import free_port_block
+from primerl_trainer.testing import run_on_ranks
 
 pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"
 
@@ -18,12 +16,7 @@ ENTRY = Path(__file__).with_name("context_parallel_entry.py")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           f"--master-port={free_port_block(1)}", str(ENTRY), str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [torch.load(out / f"rank_{r}.pt") for r in range(2)]
+    return run_on_ranks(ENTRY, tmp_path_factory.mktemp("cp"))
 
 
 def test_ulysses_attention_equals_the_whole_row(ranks):

@@ -3,13 +3,11 @@ expert: each rank's outputs and input gradients are the reference's, router and 
 gradients too, and each rank's local expert gradients are the sum over ranks of the reference's
 gradients of those experts (every rank's tokens reach them through the all-to-all)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from primerl_trainer.testing import free_port_block
+from primerl_trainer.testing import run_on_ranks
 
 pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"
 
@@ -18,12 +16,7 @@ ENTRY = Path(__file__).with_name("expert_parallel_entry.py")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           f"--master-port={free_port_block(1)}", str(ENTRY), str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [torch.load(out / f"rank_{r}.pt") for r in range(2)]
+    return run_on_ranks(ENTRY, tmp_path_factory.mktemp("ep"))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
