@@ -25,6 +25,7 @@ from primerl_models.common.args import ModelArgs
 from primerl_models.common.attention import Backend
 from primerl_models.common.transformer import Transformer
 from primerl_models.families import FAMILIES, family_for
+from primerl_models.families.checkpoint import no_carried
 
 
 
@@ -137,12 +138,24 @@ def published_config(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k != "quantization_config"}
 
 
+def _carried(cfg: dict):
+    """Whether a HF tensor name (or the fp8 scale of one) is carried through by cfg's family;
+    None when the family carries nothing."""
+    checkpoint = family_for(cfg).checkpoint
+    if checkpoint.carried is no_carried:
+        return None
+    carried = checkpoint.carried(cfg)
+    return lambda name: carried(name.removesuffix("_scale_inv"))
+
+
 def carried_tensors(path: str | Path, cfg: dict, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint folder that its family carries through untrained (HF names),
-    dequantised when the checkpoint is fp8 (the published config says it is not)."""
-    carried = family_for(cfg).checkpoint.carried(cfg)
-    scales = lambda name: name.endswith(".weight_scale_inv") and carried(name.removesuffix("_scale_inv"))  # noqa: E731
-    tensors = read_tensors(path, keep=lambda name: carried(name) or scales(name))
+    dequantised when the checkpoint is fp8 (the published config says it is not). No file is
+    opened for families that carry nothing."""
+    carried = _carried(cfg)
+    if carried is None:
+        return {}
+    tensors = read_tensors(path, keep=carried)
     return dequantize_fp8(tensors, cfg, dtype, str(path)) if tensors else {}
 
 
@@ -184,8 +197,8 @@ def load_model(
     cfg = read_config(path)
     family = family_for(cfg, str(path / "config.json"))
     args = family.args_from_hf(cfg)
-    carried = family.checkpoint.carried(cfg)
-    tensors = read_tensors(path, keep=lambda name: not carried(name.removesuffix("_scale_inv")))
+    carried = _carried(cfg)
+    tensors = read_tensors(path, keep=None if carried is None else lambda name: not carried(name))
     state = to_ours(dequantize_fp8(tensors, cfg, dtype, str(path)), args)
     model = build_model(args, device, attn_backend).cast_parameters(dtype)
     check_state_dict(model.state_dict(), state, str(path))
@@ -204,8 +217,7 @@ def save_hf(
     with the `carried` tensors (HF names, see `carried_tensors`) beside it unchanged."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    args = family_for(hf_config).args_from_hf(hf_config)
-    tensors = {k: v.detach().cpu() for k, v in to_hf(state_dict, args).items()}
+    tensors = {k: v.detach().cpu() for k, v in family_for(hf_config).checkpoint.to_hf(state_dict).items()}
     tensors.update(carried or {})
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from primerl_models.common.attention import Backend, PackedSeqs, attention
 
-from primerl_trainer.expert_parallel import all_to_all
+from primerl_trainer.distributed import all_to_all
 
 
 def _tokens_to_heads(x_BCHK: torch.Tensor, p: int, group) -> torch.Tensor:

@@ -88,8 +88,7 @@ class Session:
             self.start_step, self.data_state = meta["step"] + 1, meta["data"]
             log.info("resumed from %s; continuing at step %d", latest, self.start_step)
         dtype = torch.float32 if self.tcfg.weights.dtype == "float32" else torch.bfloat16
-        self.publisher = FolderPublisher(self.run_dir, loaded.folder, loaded.hf_config, self.tcfg.weights.keep, dtype, d,
-                                         loaded.source_config)
+        self.publisher = FolderPublisher(self.run_dir, loaded.folder, loaded.hf_config, self.tcfg.weights.keep, dtype, d)
         self.model_folder = loaded.folder
         self.metrics = MetricsLogger(self.run_dir, cfg.wandb, msgspec.to_builtins(cfg), d.is_main, job=job)
         self.peak = peak_flops(d.device)

@@ -27,28 +27,7 @@ import torch.distributed as dist
 from primerl_models.common.moe import MoE
 from torch import nn
 
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; the backward sends the gradients back the other way."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        back = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
-        return back, None, None, None
-
-
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None) -> torch.Tensor:
-    """Rows of `x` (in_splits[r] of them for rank r, in rank order) to their ranks; returns the
-    rows received (out_splits[r] from rank r). Differentiable."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+from primerl_trainer.distributed import all_to_all
 
 
 def _dispatch(inner, group, size: int, local: int):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from primerl_models import Transformer, load_model, published_config, read_config, resolve_model_folder
+from primerl_models import Transformer, load_model, read_config, resolve_model_folder
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
@@ -36,10 +36,6 @@ class LoadedModel:
     folder: Path
     """The local HF folder the weights came from (its tokenizer files travel with published weights)."""
     hf_config: dict
-    """The config.json published weights get (the source's, unquantised: what was dequantised at
-    load is published plain)."""
-    source_config: dict
-    """The source folder's own config.json (what its carried tensors are read with)."""
 
 
 def load_for_training(cfg: TrainerRunConfig | SFTRunConfig, d: Dist) -> tuple[Transformer, LoadedModel]:
@@ -56,8 +52,7 @@ def load_for_training(cfg: TrainerRunConfig | SFTRunConfig, d: Dist) -> tuple[Tr
         bf16=tcfg.dtype == "bfloat16",
         cpu_offload=tcfg.optimizer.cpu_offload,
     )
-    source = read_config(folder)
-    return model, LoadedModel(folder, published_config(source), source)
+    return model, LoadedModel(folder, read_config(folder))
 
 
 def apply_activation_checkpointing(model: Transformer, every: int = 1) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from primerl_models import carried_tensors, save_hf
+from primerl_models import carried_tensors, published_config, save_hf
 from primerl_protocol import PolicyReady, rundir
 from primerl_protocol.weights import write_marker
 
@@ -40,11 +40,10 @@ class WeightPublisher(Protocol):
 
 
 class FolderPublisher:
-    def __init__(self, run_dir: str | Path, source: Path, hf_config: dict, keep: int, dtype: torch.dtype, d: Dist,
-                 source_config: dict | None = None):
+    def __init__(self, run_dir: str | Path, source: Path, hf_config: dict, keep: int, dtype: torch.dtype, d: Dist):
         self.root = Path(run_dir) / rundir.WEIGHTS
+        # hf_config: the source folder's config.json (published as published_config of it)
         self.source, self.hf_config, self.keep, self.dtype, self.d = source, hf_config, keep, dtype, d
-        self.source_config = source_config or hf_config
         self.last_timing: dict[str, float] = {}
         self.last: PolicyReady | None = None
         """The last weights this publisher wrote (on rank 0; None on the others)."""
@@ -75,9 +74,10 @@ class FolderPublisher:
         t1 = time.monotonic()
         final, tmp = rundir.step_folder(self.root, step), rundir.staging_folder(self.root, step)
         shutil.rmtree(tmp, ignore_errors=True)
-        config = dict(self.hf_config, torch_dtype=str(self.dtype).removeprefix("torch."))
+        # what was dequantised at load is published plain (no quantization_config)
+        config = dict(published_config(self.hf_config), torch_dtype=str(self.dtype).removeprefix("torch."))
         # tensors the family carries untrained (GLM-4.5's MTP layer) come from the source folder
-        carried = carried_tensors(self.source, self.source_config, self.dtype)
+        carried = carried_tensors(self.source, self.hf_config, self.dtype)
         files = [p.name for p in save_hf(state, config, tmp, carried=carried)]
         del carried
         t2 = time.monotonic()

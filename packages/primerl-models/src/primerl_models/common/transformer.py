@@ -114,6 +114,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, args.hidden_size, args.rms_norm_eps) for spec in args.layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self._rope_specs = list(dict.fromkeys(layer.mixer.rope for layer in args.layers))
         self._inv_freq: dict[tuple[Rope, torch.device], torch.Tensor] = {}
 
     @property
@@ -124,7 +125,7 @@ class Transformer(nn.Module):
     def _ropes(self, position_ids_BT: torch.Tensor) -> dict[Rope, tuple[torch.Tensor, torch.Tensor]]:
         """cos, sin of each distinct RoPE of the layers (most models have one)."""
         out = {}
-        for spec in dict.fromkeys(layer.mixer.rope for layer in self.args.layers):
+        for spec in self._rope_specs:
             key = (spec, position_ids_BT.device)
             if key not in self._inv_freq:
                 self._inv_freq[key] = inv_freq(spec).to(position_ids_BT.device)

@@ -128,5 +128,3 @@ class Family:
     args_from_hf: Callable[[dict], ModelArgs]
     tiny_config: Callable[[TinyShape], dict]
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
-    moe: bool = False
-    """Whether the family has mixture-of-experts layers (tiny models get experts)."""

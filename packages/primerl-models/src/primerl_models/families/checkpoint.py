@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 PROJS = ("gate", "up", "down")
+_OUR_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.w_(gate|up|down)$")
+_OUR_DENSE = re.compile(r"^layers\.(\d+)\.mlp\.(gate|up)_proj\.weight$")
 
 
 def no_carried(cfg: dict) -> Callable[[str], bool]:
@@ -84,10 +86,8 @@ class Checkpoint:
     def to_hf(self, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our names and layouts -> HF's (contiguous tensors, ready for safetensors)."""
         out: dict[str, torch.Tensor] = {}
-        expert = re.compile(r"^layers\.(\d+)\.mlp\.experts\.w_(gate|up|down)$")
-        dense_gate = re.compile(r"^layers\.(\d+)\.mlp\.gate_proj\.weight$")
         for name, tensor in ours.items():
-            if m := expert.match(name):
+            if m := _OUR_EXPERTS.match(name):
                 hf_proj = self.expert_projs[PROJS.index(m[2])]
                 for e, w in enumerate(tensor.unbind(0)):
                     out[f"model.layers.{m[1]}.{self.experts}.{e}.{hf_proj}.weight"] = w.T.contiguous()
@@ -95,12 +95,11 @@ class Checkpoint:
             if name == "lm_head.weight":
                 out[name] = tensor.contiguous()
                 continue
-            if self.fused_gate_up and (m := dense_gate.match(name)):
-                up = ours[f"layers.{m[1]}.mlp.up_proj.weight"]
-                out[f"model.layers.{m[1]}.mlp.gate_up_proj.weight"] = torch.cat([tensor, up]).contiguous()
+            if self.fused_gate_up and (m := _OUR_DENSE.match(name)):
+                if m[2] == "gate":  # up_proj joins it (gate rows first)
+                    up = ours[f"layers.{m[1]}.mlp.up_proj.weight"]
+                    out[f"model.layers.{m[1]}.mlp.gate_up_proj.weight"] = torch.cat([tensor, up]).contiguous()
                 continue
-            if self.fused_gate_up and re.match(r"^layers\.\d+\.mlp\.up_proj\.weight$", name):
-                continue  # fused with its gate_proj above
             theirs = name
             for hf_piece, mine in self.renames:
                 if mine in theirs:

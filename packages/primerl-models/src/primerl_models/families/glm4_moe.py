@@ -63,4 +63,4 @@ def tiny_config(shape: TinyShape) -> dict:
 
 
 GLM4_MOE = Family("glm4_moe", "Glm4MoeForCausalLM", args_from_hf, tiny_config,
-                  Checkpoint(carried=mtp_layers), moe=True)
+                  Checkpoint(carried=mtp_layers))

@@ -53,5 +53,4 @@ MINIMAX_M2 = Family(
         experts="block_sparse_moe.experts",
         expert_projs=("w1", "w3", "w2"),
     ),
-    moe=True,
 )

@@ -32,4 +32,4 @@ def tiny_config(shape: TinyShape) -> dict:
     )
 
 
-QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", args_from_hf, tiny_config, moe=True)
+QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", args_from_hf, tiny_config)
