@@ -263,7 +263,7 @@ def test_fp8_block_quantised_checkpoint_is_dequantised_at_load(tmp_path):
     assert "quantization_config" not in published_config(cfg) and published_config(cfg)["model_type"] == "minimax_m2"
 
 
-def test_fp8_scale_of_the_wrong_shape_and_other_quantisations_are_named(tmp_path):
+def test_fp8_scale_of_the_wrong_shape_missing_scales_and_other_quantisations_are_named(tmp_path):
     save_with_biases(MINIMAX, tmp_path)
     tensors = hf_tensors(tmp_path)
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -275,6 +275,18 @@ def test_fp8_scale_of_the_wrong_shape_and_other_quantisations_are_named(tmp_path
         load_model(tmp_path)
     write_config(tmp_path, quantization_config={"quant_method": "awq", "bits": 4})
     with pytest.raises(ValueError, match=r"quant_method: 'awq'.* is not supported"):
+        load_model(tmp_path)
+    # a scale whose weight is missing, an fp8 weight without its scale
+    write_config(tmp_path, quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
+    tensors[name + "_scale_inv"] = s
+    del tensors[name]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"q_proj.weight_scale_inv has no weight model.layers.0.self_attn.q_proj.weight"):
+        load_model(tmp_path)
+    tensors[name] = q
+    del tensors[name + "_scale_inv"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"fp8 tensors without a weight_scale_inv: model.layers.0.self_attn.q_proj.weight"):
         load_model(tmp_path)
 
 
