@@ -97,7 +97,13 @@ def test_batch_sizes_that_are_whole_groups_are_accepted(batch_size, group_size):
      "trainer.micro_batch_tokens = 1023 is below seq_len = 1024"),
     (["orchestrator.max_async_level=2", "trainer.weights.keep=2"],
      "trainer.weights.keep = 2 with orchestrator.max_async_level = 2: .* set trainer.weights.keep >= 3"),
-], ids=["advantage", "loss", "gpus", "rows-one-short", "keep-equal"])
+    (["transport.trainer_ranks=4", "trainer.parallel.cp=3"],
+     r"trainer.parallel.cp = 3 does not divide the trainer's 4 ranks \(transport.trainer_ranks\)"),
+    (["transport.trainer_ranks=4", "trainer.parallel.ep=8"],
+     r"trainer.parallel.ep = 8 does not divide the trainer's 4 ranks \(transport.trainer_ranks\)"),
+    (["transport.trainer_ranks=8", "trainer.parallel.cp=2", "trainer.parallel.dp=2"],
+     r"trainer.parallel.dp x trainer.parallel.cp = 2 x 2 = 4, but the trainer has 8 ranks \(transport.trainer_ranks\)"),
+], ids=["advantage", "loss", "gpus", "rows-one-short", "keep-equal", "cp-ranks", "ep-ranks", "dp-cp"])
 def test_cross_checks_refuse_naming_the_keys(overrides, message):
     with pytest.raises(ConfigError) as err:
         load(RLConfig, *overrides)
@@ -110,6 +116,7 @@ def test_cross_checks_refuse_naming_the_keys(overrides, message):
     ["orchestrator.max_async_level=0", "trainer.weights.keep=1"],  # on-policy keeps one
     ["inference.num_replicas=2", "inference.tensor_parallel_size=2", "inference.gpus=[4, 5, 6, 7]"],
     ["orchestrator.advantage.type=my_pkg.adv:fn", "trainer.loss.type=my_pkg.loss:fn"],  # plugins pass
-], ids=["rows-equal", "keep-one-more", "keep-on-policy", "gpus-exact", "plugins"])
+    ["transport.trainer_ranks=8", "trainer.parallel.dp=2", "trainer.parallel.cp=4", "trainer.parallel.ep=8"],
+], ids=["rows-equal", "keep-one-more", "keep-on-policy", "gpus-exact", "plugins", "mesh-8"])
 def test_cross_checks_accept_their_boundary(overrides):
     load(RLConfig, *overrides)

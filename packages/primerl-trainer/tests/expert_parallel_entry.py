@@ -11,6 +11,12 @@ import torch.distributed as dist
 from primerl_models import MoEMLP
 from primerl_models.common.moe import MoE
 from primerl_trainer.expert_parallel import shard_experts
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+
+def local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
 
 SPECS = {
     "qwen3_moe": MoEMLP(num_experts=4, top_k=2, expert_size=8, scoring="softmax", norm_topk_prob=True),
@@ -23,6 +29,7 @@ SPECS = {
 def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results = {}
     for name, spec in SPECS.items():
         torch.manual_seed(0)  # the same weights on every rank
@@ -33,7 +40,7 @@ def main(out_dir: str) -> None:
             if moe.router.e_score_correction_bias is not None:
                 moe.router.e_score_correction_bias.normal_(0.0, 0.1)
         sharded = copy.deepcopy(moe)
-        assert shard_experts(sharded) == 1
+        assert shard_experts(sharded, mesh) == 1
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens (and routing)
         tokens = 5 + 4 * rank
         x = torch.randn(1, tokens, 16, generator=g)
@@ -44,8 +51,8 @@ def main(out_dir: str) -> None:
             out = model(xi)
             (out * w).sum().backward()
             row[tag] = {"out": out.detach(), "x_grad": xi.grad,
-                        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                        "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+                        "grads": {n: local(p.grad).clone() for n, p in model.named_parameters()},
+                        "shapes": {n: tuple(local(p).shape) for n, p in model.named_parameters()},
                         "counts": model.tokens_per_expert.clone()}
         results[name] = row
     torch.save(results, os.path.join(out_dir, f"rank_{rank}.pt"))

@@ -50,10 +50,12 @@ def _set_rng_state(state: dict) -> None:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str | Path, keep: int, d: Dist):
+    def __init__(self, run_dir: str | Path, keep: int, d: Dist, layout: dict[str, int] | None = None):
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / rundir.CHECKPOINTS
         self.keep, self.d = keep, d
+        self.layout = layout or {}
+        """The trainer's mesh sizes (dp, cp, ep), recorded in meta.json; any layout resumes any other."""
 
     def latest(self) -> Path | None:
         """The checkpoint to resume from (the orchestrator's choice too), the same on every
@@ -82,7 +84,8 @@ class Checkpointer:
         torch.save({"rng": _rng_state()}, tmp / f"rank{self.d.rank}.pt")
         self.d.barrier()
         if self.d.is_main:
-            meta = {"step": step, "world_size": self.d.world_size, "scheduler": scheduler.state_dict(), "data": data}
+            meta = {"step": step, "world_size": self.d.world_size, "layout": self.layout,
+                    "scheduler": scheduler.state_dict(), "data": data}
             rundir.write_meta(tmp, meta)
             rundir.publish(tmp, final)
             self._drop_newer(step)
@@ -109,6 +112,9 @@ class Checkpointer:
                 "%s was written by %d ranks, resuming on %d: model and optimizer are resharded, "
                 "per-rank RNG states are not restored", path, meta["world_size"], self.d.world_size,
             )
+        if meta.get("layout", self.layout) != self.layout:
+            log.info("%s was written with the layout %s, resuming with %s: DCP reshards model and optimizer",
+                     path, meta.get("layout"), self.layout)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))

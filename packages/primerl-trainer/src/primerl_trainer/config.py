@@ -53,8 +53,40 @@ class WeightsConfig(Config):
     """Data type of the published weights."""
 
 
+class ParallelConfig(Config):
+    """How the trainer's ranks (transport.trainer_ranks of them) split the work: a mesh of dp
+    data-parallel groups of cp ranks each (dp x cp = the ranks), every parameter sharded over
+    all of them by FSDP2; MoE experts split over ep ranks besides. See docs/trainer.md."""
+
+    dp: Positive | None = None
+    """Data-parallel groups: each trains on its own packed rows (default: ranks / cp)."""
+    cp: Positive = 1
+    """Context parallelism: the ranks of a data-parallel group split each row between them
+    (Ulysses attention over heads); needs the attention heads divisible by it. For rows too
+    long for one rank's activations."""
+    ep: Positive = 1
+    """Expert parallelism: each MoE layer's experts are split over this many ranks (which must
+    divide the ranks and the experts), tokens travel to their experts by all-to-all."""
+
+    def layout(self, ranks: int, where: str = "trainer.parallel") -> tuple[int, int, int]:
+        """(dp, cp, ep) on `ranks` ranks; ValueError naming the keys when they do not fit."""
+        ranks_key = "transport.trainer_ranks"
+        if ranks % self.cp:
+            raise ValueError(f"{where}.cp = {self.cp} does not divide the trainer's {ranks} ranks ({ranks_key})")
+        dp = ranks // self.cp
+        if self.dp is not None and self.dp != dp:
+            raise ValueError(f"{where}.dp x {where}.cp = {self.dp} x {self.cp} = {self.dp * self.cp}, but the "
+                             f"trainer has {ranks} ranks ({ranks_key}); they must multiply to it")
+        if ranks % self.ep:
+            raise ValueError(f"{where}.ep = {self.ep} does not divide the trainer's {ranks} ranks ({ranks_key})")
+        return dp, self.cp, self.ep
+
+
 class TrainerConfig(Config):
     """The FSDP2 trainer."""
+
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    """The mesh: data-parallel groups, context and expert parallelism."""
 
     micro_batch_tokens: Positive | None = None
     """Tokens per micro-batch row (default: the shared seq_len)."""
@@ -101,6 +133,9 @@ class TrainerRunConfig(SharedConfig):
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     """The FSDP2 trainer: optimizer, schedule, loss, checkpoints, weight publishing."""
 
+    def __post_init__(self) -> None:
+        self.trainer.parallel.layout(self.transport.trainer_ranks)
+
 
 class SFTRunConfig(SharedConfig, kw_only=True):
     """The SFT trainer's root config (`primerl_trainer.sft.train`)."""
@@ -109,3 +144,6 @@ class SFTRunConfig(SharedConfig, kw_only=True):
     """Training data (JSONL/Parquet with prompt/completion or messages)."""
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     """The FSDP2 trainer (its loss section is not used)."""
+
+    def __post_init__(self) -> None:
+        self.trainer.parallel.layout(self.transport.trainer_ranks)

@@ -7,17 +7,24 @@ norms, RoPE at the row's own positions, MLP) is per token and runs on the local 
 
     out_local = ulysses_attention(q_local, k_local, v_local, seqs_whole_row, backend, group)
 
-Any attention back-end works unchanged (it sees whole rows). Needs H and G divisible by P.
+Any attention back-end works unchanged (it sees whole rows). Needs H divisible by P; with fewer
+kv heads than that allows (G not divisible by P), each kv head is repeated until it is.
 
-Status (issue 21): the attention exchange, proved against the whole row on gloo. Not yet: the
-model wiring (the forward's PackedSeqs from the whole row, positions per chunk), the loss and
-its normalisation over the row, the mesh from `trainer.parallel`.
+In the trainer (`row_logprobs`, used by engine.token_logprobs): each rank of the group runs
+its chunk of the row (padded to a multiple of P with a separate document that trains nothing)
+with the whole row's boundaries, then every rank gathers the whole row's logprobs, so the loss
+and its normalisation (per token, per sequence) are computed on whole rows, the same on every
+rank of the group. The gather's backward keeps this rank's chunk of the gradient (every rank
+holds the same gradient of the same loss), and the attention all-to-alls carry it to the other
+ranks' chunks: the group's parameter gradients sum to the whole row's.
 
 Legend: B batch, T tokens per row, C = T / P tokens per rank, H query heads, G kv heads,
 K head_dim, P ranks in the CP group.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -55,8 +62,11 @@ def ulysses_attention(
     [r C, (r + 1) C)); `seqs` are the boundaries of the whole row. Returns this rank's [B, C, H, K]."""
     p = dist.get_world_size(group)
     h, g = q_BCHK.shape[2], k_BCGK.shape[2]
-    if h % p or g % p:
-        raise ValueError(f"context parallelism over {p} ranks needs query heads ({h}) and kv heads ({g}) divisible by {p}")
+    if h % p:
+        raise ValueError(f"context parallelism over {p} ranks needs the query heads ({h}) divisible by {p}")
+    if g % p:  # fewer kv heads than ranks: repeat each (query head i still reads kv head i // (h / g))
+        r = p // math.gcd(g, p)
+        k_BCGK, v_BCGK = k_BCGK.repeat_interleave(r, dim=2), v_BCGK.repeat_interleave(r, dim=2)
     q, k, v = (_tokens_to_heads(x, p, group) for x in (q_BCHK, k_BCGK, v_BCGK))
     if q.shape[1] != seqs.doc_ids_BT.shape[1]:
         raise ValueError(f"the chunks make rows of {q.shape[1]} tokens; the row's boundaries are for {seqs.doc_ids_BT.shape[1]}")
@@ -82,3 +92,34 @@ def chunk_of(x_BT: torch.Tensor, group=None) -> torch.Tensor:
     if t % p:
         raise ValueError(f"rows of {t} tokens cannot be split over a context-parallel group of {p}")
     return x_BT[:, r * (t // p):(r + 1) * (t // p)]
+
+
+class _GatherRow(torch.autograd.Function):
+    """Every rank's chunk [B, C] -> the whole rows [B, P C]; the backward keeps this rank's chunk
+    of the gradient (the loss computed from the gathered rows is the same on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x_BC: torch.Tensor, group) -> torch.Tensor:
+        p, ctx.rank, ctx.c = dist.get_world_size(group), dist.get_rank(group), x_BC.shape[1]
+        parts = [torch.empty_like(x_BC) for _ in range(p)]
+        dist.all_gather(parts, x_BC.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_BT: torch.Tensor):
+        return grad_BT[:, ctx.rank * ctx.c:(ctx.rank + 1) * ctx.c], None
+
+
+def row_logprobs(model, ids_BT, pos_BT, targets_BT, temps_BT, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy) [B, T] of whole rows, the model (Ulysses as its attention back-end)
+    run over the ranks of `group`, each on its chunk; the same on every rank of the group."""
+    p = dist.get_world_size(group)
+    t = ids_BT.shape[1]
+    if pad := -t % p:  # a document of its own at the end, cut off again below
+        b = ids_BT.shape[0]
+        ids_BT, targets_BT = (torch.cat([x, x.new_zeros(b, pad)], dim=1) for x in (ids_BT, targets_BT))
+        pos_BT = torch.cat([pos_BT, torch.arange(pad, device=pos_BT.device).expand(b, pad)], dim=1)
+        temps_BT = torch.cat([temps_BT, temps_BT.new_ones(b, pad)], dim=1)
+    seqs = PackedSeqs.from_position_ids(pos_BT)
+    logprobs, entropy = model(*(chunk_of(x, group) for x in (ids_BT, pos_BT, targets_BT, temps_BT)), seqs=seqs)
+    return _GatherRow.apply(logprobs, group)[:, :t], _GatherRow.apply(entropy, group)[:, :t]

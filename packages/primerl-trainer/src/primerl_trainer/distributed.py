@@ -80,6 +80,13 @@ def all_reduce_max(value: float, d: Dist) -> float:
     return all_reduce_maxes([value], d)[0]
 
 
+def all_reduce_tensor_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    """The sum over all ranks of a tensor (a copy; `t` is unchanged)."""
+    out = t.detach().to(d.device, copy=True)
+    dist.all_reduce(out)
+    return out
+
+
 def all_gather_objects(value, d: Dist) -> list:
     """Every rank's `value` (picklable), in rank order, on every rank."""
     out = [None] * d.world_size

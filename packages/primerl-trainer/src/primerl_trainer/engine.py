@@ -26,10 +26,11 @@ from primerl_protocol import MicroBatch, PolicyReady
 
 from primerl_trainer.checkpoint import Checkpointer, SetupError
 from primerl_trainer.config import SFTRunConfig, TrainerRunConfig
-from primerl_trainer.distributed import all_reduce_sum, init_distributed, shutdown
+from primerl_trainer.context_parallel import row_logprobs
+from primerl_trainer.distributed import all_reduce_sum, all_reduce_tensor_sum, init_distributed, shutdown
 from primerl_trainer.metrics import MetricsLogger
 from primerl_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from primerl_trainer.placement import load_for_training
+from primerl_trainer.placement import build_mesh, load_for_training
 from primerl_trainer.publish import FolderPublisher
 
 log = logging.getLogger("primerl.trainer")
@@ -58,14 +59,26 @@ def model_inputs(mb: MicroBatch, device: torch.device) -> tuple[torch.Tensor, to
     return ids[None], pos[None], torch.roll(ids, -1)[None], torch.roll(temps, -1)[None]
 
 
-def token_logprobs(model, mb: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(model, mb: MicroBatch, device: torch.device, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(pi, entropy) [T]: pi[t] = log p(token t | tokens < t) at token t's temperature; 0 for t = 0.
 
-    Computed inside the model's forward by the chunked path (no full logits)."""
+    Computed inside the model's forward by the chunked path (no full logits). With a
+    context-parallel group, every rank of it runs its chunk of the row and gets the whole row's."""
     ids, pos, targets, temps = model_inputs(mb, device)
-    logprobs, entropy = model(ids, pos, targets, temps)
+    if cp_group is None:
+        logprobs, entropy = model(ids, pos, targets, temps)
+    else:
+        logprobs, entropy = row_logprobs(model, ids, pos, targets, temps, cp_group)
     zero = logprobs.new_zeros(1)
     return torch.cat([zero, logprobs[0, :-1]]), torch.cat([zero, entropy[0, :-1]])
+
+
+def expert_load(routed_LE: torch.Tensor) -> dict[str, float]:
+    """Load balance of the step's routing, [MoE layers, E] tokens per expert summed over every
+    rank's rows: the busiest expert's tokens over the mean (1 = perfectly balanced), the
+    largest over the layers and its mean over them."""
+    ratio_L = routed_LE.max(dim=1).values / routed_LE.mean(dim=1).clamp_min(1e-9)
+    return {"moe/max_load": float(ratio_L.max()), "moe/mean_max_load": float(ratio_L.mean())}
 
 
 class Session:
@@ -75,13 +88,19 @@ class Session:
         self.run_dir = Path(cfg.run_dir)
         torch.manual_seed(cfg.seed)
         try:
-            self.model, loaded = load_for_training(cfg, d)
+            self.mesh = build_mesh(self.tcfg.parallel, d)
+        except ValueError as err:
+            raise SetupError(f"cannot lay out the trainer's {d.world_size} ranks: {err}") from None
+        try:
+            self.model, loaded = load_for_training(cfg, d, self.mesh)
         except (FileNotFoundError, ValueError) as err:
             raise SetupError(f"cannot load model {cfg.model.name!r}: {err}") from None
+        self.cp_group = self.mesh.cp_group
+        """The context-parallel group whose ranks share each row (None without CP): loss functions take it."""
         self.args = self.model.args
         self.opt = build_optimizer(self.model, self.tcfg.optimizer, d.device)
         self.sched = build_scheduler(self.opt, self.tcfg.scheduler, cfg.max_steps)
-        self.ckpt = Checkpointer(self.run_dir, self.tcfg.checkpoint.keep, d)
+        self.ckpt = Checkpointer(self.run_dir, self.tcfg.checkpoint.keep, d, self.mesh.layout)
         self.start_step, self.data_state = 0, {}
         if (latest := self.ckpt.latest()) is not None:
             meta = self.ckpt.load(latest, self.model, self.opt, self.sched)
@@ -106,19 +125,25 @@ class Session:
         if d.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self.model.train()
-        sums = []
-        for mb in micro_batches:
+        rows = self.mesh.group_rows(micro_batches)
+        sums, routed = [], None
+        for mb in rows:
             loss, m = loss_fn(self.model, mb)
             # FSDP averages gradients over ranks; each loss is already its share of the global
             # batch's loss, so scale by the world size to make that average a sum.
             (loss * d.world_size).backward()
             sums.append({"loss": loss.detach(), **m})
+            if (stats := self.model.moe_stats()) is not None:
+                routed = stats if routed is None else routed + stats
         t1 = time.monotonic()
         grad_norm = clip_grad_norm(self.model, self.tcfg.optimizer.max_grad_norm)
         keys = sorted(sums[0])
+        # A row's loss, metrics, tokens and FLOPs are counted once: by the first rank of its
+        # context-parallel group (the others computed the same whole-row values).
+        count = 1.0 if self.mesh.cp_rank == 0 else 0.0
         # Summed on the device, copied to the host once (not one sync per metric and micro-batch).
-        local = torch.stack([sum(s[k] for s in sums).float() for k in keys]).tolist()
-        local += [float(sum(mb.num_tokens for mb in micro_batches)), float(sum(train_flops(self.args, mb.seq_lens) for mb in micro_batches))]
+        local = (torch.stack([sum(s[k] for s in sums).float() for k in keys]) * count).tolist()
+        local += [count * sum(mb.num_tokens for mb in rows), count * sum(train_flops(self.args, mb.seq_lens) for mb in rows)]
         *totals, tokens, flops = all_reduce_sum(local, d)  # every rank sees the same sums
         total = dict(zip(keys, totals))
         loss_value = total.pop("loss")
@@ -147,6 +172,7 @@ class Session:
             "step_skipped": float(skipped),
             "step_empty": float(empty),
             "steps_skipped": float(self.steps_skipped),
+            **({} if routed is None else expert_load(all_reduce_tensor_sum(routed, d))),
             "tokens_per_s": tokens / max(t2 - t0, 1e-9),
             "mfu": flops / max(t2 - t0, 1e-9) / (self.peak * d.world_size) if self.peak else None,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from primerl_trainer.config import OptimizerConfig, SchedulerConfig
 
@@ -40,10 +41,27 @@ def build_scheduler(opt: torch.optim.Optimizer, cfg: SchedulerConfig, max_steps:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg, max_steps))
 
 
+@torch.no_grad()
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm (over all ranks' shards); returns the norm before clipping."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
-        norm = norm.full_tensor()
-    return float(norm)
+    """Clip the global gradient norm (over all ranks' shards, the dense and the expert-parallel
+    ones alike); returns the norm before clipping.
+
+    Gradients sharded on different meshes (FSDP2 over all ranks; experts over their EP and
+    replica ranks) cannot enter one norm: each mesh's norm is computed whole (`full_tensor`),
+    then they are combined, and every gradient is scaled by the one clip factor."""
+    by_mesh: dict = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(mesh, []).append(p.grad)
+    if not by_mesh:
+        return 0.0
+    norms = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    local = [g.to_local() if isinstance(g, DTensor) else g for grads in by_mesh.values() for g in grads]
+    torch._foreach_mul_(local, coef.to(local[0].device))
+    return float(total)

@@ -1,10 +1,22 @@
-"""Placing the model for training: loading it, then, in torchtitan's order, activation
-checkpointing, torch.compile and FSDP2 (each decoder layer, then the root); expert and context
-parallelism join them here. All of it is applied from outside primerl-models' code, which stays
-plain modules.
+"""Placing the model for training: the mesh of ranks, loading the model, then, in torchtitan's
+order, expert parallelism, activation checkpointing, torch.compile and FSDP2 (each MoE layer's
+experts, each decoder layer, then the root), and context parallelism as the attention back-end.
+All of it is applied from outside primerl-models' code, which stays plain modules.
 
-    model, loaded = load_for_training(cfg, d)   # what the trainer does, from its config
-    parallelize(model, device, activation_checkpointing=True, compile_layers=True)  # the steps
+    mesh = build_mesh(cfg.trainer.parallel, d)          # dp x cp ranks, ep groups
+    model, loaded = load_for_training(cfg, d, mesh)     # what the trainer does, from its config
+    parallelize(model, device, mesh, activation_checkpointing=True, compile_layers=True)  # the steps
+
+The mesh (one code path for any sizes, 1 included): rank = g * cp + c is rank c of data-parallel
+group g; a group's cp ranks split each of its rows (context_parallel.py). Expert-parallel
+groups are ep consecutive ranks (expert_parallel.py). FSDP2 shards every dense parameter over
+all ranks, and each expert weight over the world / ep ranks that hold the same experts.
+
+Gradients: each rank's loss is its share of the global batch's, and the trainer back-propagates
+world x that, so FSDP2's average over all ranks of a dense gradient is the sum over every rank's
+tokens. A rank's expert gradients already hold every token of its EP group (the all-to-all's
+backward brought them), so their reduction over the world / ep ranks holding the same experts
+divides by the world size instead of the group's: the same sum over every token.
 
 Activation checkpointing wraps each chosen decoder layer's forward in `torch.utils.checkpoint`
 (non-reentrant): its activations are recomputed in the backward pass instead of being kept.
@@ -23,12 +35,82 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from primerl_models import Transformer, load_model, read_config, resolve_model_folder
+import torch.distributed as dist
+from primerl_models import Attention, ModelArgs, MoEMLP, Transformer, load_model, read_config, resolve_model_folder
+from primerl_models.common.moe import MoE
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from primerl_trainer.config import SFTRunConfig, TrainerRunConfig
+from primerl_trainer.config import ParallelConfig, SFTRunConfig, TrainerRunConfig
+from primerl_trainer.context_parallel import UlyssesAttention
 from primerl_trainer.distributed import Dist
+from primerl_trainer.expert_parallel import shard_experts
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's place among the trainer's ranks (see the module's docstring)."""
+
+    world: int
+    dp: int
+    cp: int
+    ep: int
+    rank: int
+    dense: DeviceMesh
+    """All ranks, 1-D: FSDP2 of every parameter but the sharded experts."""
+    cp_group: dist.ProcessGroup | None = None
+    """This rank's context-parallel group (None when cp == 1)."""
+    experts: DeviceMesh | None = None
+    """(efsdp, ep) when ep > 1: "ep" shards the experts, "efsdp" (world / ep ranks, the same
+    experts) is FSDP2's mesh for them."""
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp
+
+    @property
+    def layout(self) -> dict[str, int]:
+        return {"dp": self.dp, "cp": self.cp, "ep": self.ep}
+
+    def group_rows(self, rows: list) -> list:
+        """The rows a rank trains on: its own, or with context parallelism those of every rank
+        of its group (in rank order: each row is split over the group, so all of them run every
+        row). The orchestrator packs per rank; a group trains on what its ranks were sent."""
+        if self.cp == 1:
+            return rows
+        parts = [None] * self.cp
+        dist.all_gather_object(parts, rows, group=self.cp_group)
+        return [row for part in parts for row in part]
+
+
+def build_mesh(parallel: ParallelConfig, d: Dist) -> Mesh:
+    """The mesh of `parallel` over this job's ranks (ValueError naming the keys if it does not fit)."""
+    dp, cp, ep = parallel.layout(d.world_size)
+    kind = d.device.type
+    dense = init_device_mesh(kind, (d.world_size,), mesh_dim_names=("fsdp",))
+    cp_group = init_device_mesh(kind, (dp, cp), mesh_dim_names=("dp", "cp")).get_group("cp") if cp > 1 else None
+    experts = init_device_mesh(kind, (d.world_size // ep, ep), mesh_dim_names=("efsdp", "ep")) if ep > 1 else None
+    return Mesh(d.world_size, dp, cp, ep, d.rank, dense, cp_group, experts)
+
+
+def check_fits(args: ModelArgs, ep: int, cp: int) -> None:
+    """ValueError naming the key when the model of `args` cannot be split over ep and cp ranks."""
+    layers = args.layers
+    if ep > 1:
+        moe = sorted({layer.mlp.num_experts for layer in layers if isinstance(layer.mlp, MoEMLP)})
+        if not moe:
+            raise ValueError(f"trainer.parallel.ep = {ep}, but the model has no MoE layer (no experts to split)")
+        if bad := [n for n in moe if n % ep]:
+            raise ValueError(f"trainer.parallel.ep = {ep} does not divide the model's {bad[0]} experts per MoE layer")
+    if cp > 1:
+        for i, layer in enumerate(layers):
+            if not isinstance(layer.mixer, Attention):
+                raise ValueError(f"trainer.parallel.cp = {cp}: layer {i}'s mixer "
+                                 f"({type(layer.mixer).__name__}) has no context parallelism yet")
+            if layer.mixer.num_heads % cp:
+                raise ValueError(f"trainer.parallel.cp = {cp} does not divide layer {i}'s "
+                                 f"{layer.mixer.num_heads} attention heads (num_attention_heads)")
 
 
 @dataclass
@@ -38,15 +120,18 @@ class LoadedModel:
     hf_config: dict
 
 
-def load_for_training(cfg: TrainerRunConfig | SFTRunConfig, d: Dist) -> tuple[Transformer, LoadedModel]:
-    """Every rank loads the HF checkpoint (CPU), then FSDP2 shards it onto its device."""
+def load_for_training(cfg: TrainerRunConfig | SFTRunConfig, d: Dist, mesh: Mesh) -> tuple[Transformer, LoadedModel]:
+    """Every rank loads the HF checkpoint (CPU), then it is placed on the mesh (FSDP2 shards it
+    onto the rank's device). ValueError when the model does not fit the mesh."""
     folder = resolve_model_folder(cfg.model.name, cfg.model.revision)
     tcfg = cfg.trainer
     model = load_model(folder, device="cpu", attn_backend=tcfg.attention)
     model.train()
+    check_fits(model.args, mesh.ep, mesh.cp)
     parallelize(
         model,
         d.device,
+        mesh,
         activation_checkpointing=tcfg.activation_checkpointing,
         compile_layers=tcfg.compile,
         bf16=tcfg.dtype == "bfloat16",
@@ -79,17 +164,23 @@ def apply_activation_checkpointing(model: Transformer, every: int = 1) -> int:
 def parallelize(
     model: Transformer,
     device: torch.device,
+    mesh: Mesh | None = None,
     *,
     activation_checkpointing: bool = False,
     compile_layers: bool = False,
     bf16: bool = True,
     cpu_offload: bool = False,
 ) -> Transformer:
+    """Place `model` on `mesh` (default: FSDP2 over all ranks, nothing else), in place."""
+    if mesh is not None and mesh.ep > 1:
+        shard_experts(model, mesh.experts["ep"])
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_layers:
         for layer in model.layers:
             layer.compile()
+    if mesh is not None and mesh.cp > 1:
+        model.attn_backend = UlyssesAttention(mesh.cp_group, model.attn_backend)
     use_bf16 = bf16 and device.type == "cuda"
     policy = dict(
         mp_policy=MixedPrecisionPolicy(
@@ -98,7 +189,16 @@ def parallelize(
     )
     if cpu_offload:
         policy["offload_policy"] = CPUOffloadPolicy()
+    dense = None if mesh is None else mesh.dense
+    if mesh is not None and mesh.ep > 1:
+        for module in model.modules():
+            if isinstance(module, MoE):
+                fully_shard(module.experts, mesh=mesh.experts["efsdp"], **policy)
+                # a sum over the efsdp ranks of gradients that already hold their EP group's
+                # tokens, divided by the world size (not the group's): see the module docstring
+                module.experts.set_gradient_divide_factor(float(mesh.world))
+                module.experts.set_force_sum_reduction_for_comms(True)
     for layer in model.layers:
-        fully_shard(layer, **policy)
-    fully_shard(model, **policy)
+        fully_shard(layer, mesh=dense, **policy)
+    fully_shard(model, mesh=dense, **policy)
     return model

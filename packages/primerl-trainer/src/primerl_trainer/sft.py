@@ -29,11 +29,11 @@ from primerl_trainer.sft_data import load_samples
 log = logging.getLogger("primerl.trainer")
 
 
-def nll_loss(num_tokens: int, device: torch.device):
+def nll_loss(num_tokens: int, device: torch.device, cp_group=None):
     """Summed NLL of the masked tokens over `num_tokens` (all ranks' loss tokens of the step)."""
 
     def loss_fn(model, mb):
-        pi, _ = token_logprobs(model, mb, device)
+        pi, _ = token_logprobs(model, mb, device, cp_group)
         mask = torch.from_numpy(mb.loss_mask.copy()).to(device)
         return -torch.where(mask, pi, 0.0).sum() / max(num_tokens, 1), {"loss_tokens": mask.sum().float()}
 
@@ -81,12 +81,13 @@ def evaluate(session: Session, samples: list[Sample], row_tokens: int) -> float:
     session.model.eval()
     rows, _ = my_rows(samples, row_tokens, d.rank, d.world_size)
     total = count = 0.0
-    for mb in rows:
-        pi, _ = token_logprobs(session.model, mb, d.device)
+    for mb in session.mesh.group_rows(rows):
+        pi, _ = token_logprobs(session.model, mb, d.device, session.cp_group)
         mask = torch.from_numpy(mb.loss_mask.copy()).to(d.device)
         total += float(-torch.where(mask, pi, 0.0).sum())
         count += float(mask.sum())
-    total, count = all_reduce_sum([total, count], d)
+    share = 1.0 if session.mesh.cp_rank == 0 else 0.0  # a context-parallel group's rows count once
+    total, count = all_reduce_sum([share * total, share * count], d)
     return total / max(count, 1.0)
 
 
@@ -110,7 +111,7 @@ def train(cfg: SFTRunConfig) -> None:
             t0 = time.monotonic()
             rows, loss_tokens = my_rows(batches.next(), row_tokens, d.rank, d.world_size)
             t_data = time.monotonic() - t0
-            stats = session.train_step(rows, nll_loss(loss_tokens, d.device))
+            stats = session.train_step(rows, nll_loss(loss_tokens, d.device, session.cp_group))
             last = step + 1 == max_steps
             checkpointed = session.maybe_checkpoint(step, batches.state, final=last)
             publish_s = session.publish(step)[1] if (checkpointed or last) else 0.0

@@ -150,13 +150,13 @@ def launch_trainer(config: Path, num_ranks: int, log_file: Path, entry: tuple[st
     return subprocess.Popen(cmd, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def run_on_ranks(entry: Path, out: Path, num_ranks: int = 2, timeout_s: float = 600) -> list:
-    """Run the script `entry OUT` under torchrun on `num_ranks` CPU ranks and return what each
-    rank saved to OUT/rank_R.pt (torch.save); AssertionError with the output if it fails."""
+def run_on_ranks(entry: Path, out: Path, num_ranks: int = 2, timeout_s: float = 600, args: tuple[str, ...] = ()) -> list:
+    """Run the script `entry OUT *args` under torchrun on `num_ranks` CPU ranks and return what
+    each rank saved to OUT/rank_R.pt (torch.save); AssertionError with the output if it fails."""
     import torch
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={num_ranks}",
-                           f"--master-port={free_port_block(1)}", str(entry), str(out)],
+                           f"--master-port={free_port_block(1)}", str(entry), str(out), *args],
                           capture_output=True, text=True, timeout=timeout_s,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

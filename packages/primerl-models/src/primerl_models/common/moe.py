@@ -48,7 +48,13 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Rows of x sorted by expert, counts_E rows for each expert -> [A, D]."""
-        w_gate, w_up, w_down = (w.to(x_AD.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        return self.run(x_AD, counts_E, self.w_gate, self.w_up, self.w_down)
+
+    @staticmethod
+    def run(x_AD: torch.Tensor, counts_E: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+            w_down: torch.Tensor) -> torch.Tensor:
+        """The experts' math on the weights given (expert parallelism passes its local shards)."""
+        w_gate, w_up, w_down = (w.to(x_AD.dtype) for w in (w_gate, w_up, w_down))
         if _use_grouped_mm(x_AD):
             offs = counts_E.cumsum(0).to(torch.int32)
             h_AF = F.silu(torch._grouped_mm(x_AD, w_gate, offs=offs)) * torch._grouped_mm(x_AD, w_up, offs=offs)
