@@ -40,6 +40,12 @@ SHAPES = {
                                            num_key_value_heads=4, head_dim=128, intermediate_size=6144,
                                            moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                                            norm_topk_prob=True, tie_word_embeddings=False), 8192),
+    # Qwen/Qwen3-30B-A3B's config.json whole (48 layers): for several GPUs (trainer_step.py
+    # --ep/--cp) and the memory table of docs/trainer.md (memory_layouts.py)
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                        norm_topk_prob=True, tie_word_embeddings=False), 16384),
     # GLM-4.5-Air's shape (zai-org/GLM-4.5-Air config.json) cut to 3 layers: the dense first
     # layer and 2 MoE layers (128 experts top-8, sigmoid router with correction bias, one
     # shared expert), partial RoPE, q/k/v bias; no MTP layer (it is not trained).
@@ -54,16 +60,18 @@ SHAPES = {
 }
 
 
-def hf_dict(name: str) -> dict:
+def hf_dict(name: str, layers: int | None = None) -> dict:
+    """The shape's config.json; `layers` cuts (or extends) it to that many decoder layers."""
     model_type, fields, _ = SHAPES[name]
-    return dict(model_type=model_type, vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=1e6,
-                max_position_embeddings=40960) | fields
+    cfg = dict(model_type=model_type, vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=1e6,
+               max_position_embeddings=40960) | fields
+    return cfg | ({"num_hidden_layers": layers} if layers else {})
 
 
-def our_args(name: str) -> ModelArgs:
+def our_args(name: str, layers: int | None = None) -> ModelArgs:
     from primerl_models.families import family_for
 
-    cfg = hf_dict(name)
+    cfg = hf_dict(name, layers)
     return family_for(cfg).args_from_hf(cfg)
 
 
@@ -189,7 +197,7 @@ def run(name: str, impl: str, steps: int, ac: bool, compile_layers: bool, docs: 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--models", default=",".join(n for n in SHAPES if n != "qwen3-30b-a3b"))  # 48 layers: several GPUs
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one step")

@@ -5,6 +5,10 @@ scaling), so tokens/s per GPU at N GPUs over that at 1 GPU is the scaling effici
 
     torchrun --nproc-per-node 1 bench/trainer_step.py --model qwen3-1.7b
     torchrun --nproc-per-node 2 bench/trainer_step.py --model qwen3-1.7b
+    torchrun --nproc-per-node 8 bench/trainer_step.py --model qwen3-30b-a3b --ep 8 --cp 2 --seq 65536 --ac
+
+With --cp, the ranks of a context-parallel group share their rows (each runs its chunk of
+every row of the group): tokens/s per GPU counts each row's tokens once over the group.
 
 Uses primerl_trainer's own pieces (parallelize, optimizer, the RL loss through the model's
 chunked logprob path, FolderPublisher); random weights, random tokens, 16,384-token rows of
@@ -30,11 +34,11 @@ from primerl_algos.config import LossConfig
 from primerl_algos.losses import LossScale
 from primerl_models import Transformer
 from primerl_protocol import MicroBatch
-from primerl_trainer.config import OptimizerConfig
+from primerl_trainer.config import OptimizerConfig, ParallelConfig
 from primerl_trainer.distributed import all_reduce_sum, init_distributed, shutdown
 from primerl_trainer.engine import peak_flops, train_flops
 from primerl_trainer.optim import build_optimizer, clip_grad_norm
-from primerl_trainer.placement import parallelize
+from primerl_trainer.placement import build_mesh, check_fits, parallelize
 from primerl_trainer.publish import FolderPublisher
 from primerl_trainer.rl import rl_loss
 
@@ -60,21 +64,28 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2, help="micro-batches per GPU per step")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--ac", action="store_true")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (trainer.parallel.ep)")
+    p.add_argument("--cp", type=int, default=1, help="context parallelism (trainer.parallel.cp)")
     p.add_argument("--publish-dir", default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args()
     d = init_distributed()
-    args = our_args(a.model)
+    args = our_args(a.model, a.layers)
+    mesh = build_mesh(ParallelConfig(ep=a.ep, cp=a.cp), d)
+    check_fits(args, mesh.ep, mesh.cp)
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize(model, d.device, activation_checkpointing=a.ac, compile_layers=True, bf16=True)
+    parallelize(model, d.device, mesh, activation_checkpointing=a.ac, compile_layers=True, bf16=True)
     model.to_empty(device=d.device)
     model.init_weights()
     opt = build_optimizer(model, OptimizerConfig(lr=1e-6), d.device)
-    rows = [row(args.vocab_size, a.seq, a.docs, seed=d.rank * 100 + i) for i in range(a.rows)]
-    loss_tokens = int(sum(mb.loss_mask.sum() for mb in rows)) * d.world_size
-    loss_fn = rl_loss(LossConfig(type="aipo"), LossScale(tokens=loss_tokens, sequences=a.docs * a.rows * d.world_size), d.device)
-    flops = sum(train_flops(args, mb.seq_lens) for mb in rows)
+    # this rank's rows, and with CP its group's (each rank runs its chunk of all of them)
+    rows = mesh.group_rows([row(args.vocab_size, a.seq, a.docs, seed=d.rank * 100 + i) for i in range(a.rows)])
+    loss_tokens = int(sum(mb.loss_mask.sum() for mb in rows)) * mesh.dp
+    loss_fn = rl_loss(LossConfig(type="aipo"), LossScale(tokens=loss_tokens, sequences=a.docs * len(rows) * mesh.dp),
+                      d.device, mesh.cp_group)
+    flops = sum(train_flops(args, mb.seq_lens) for mb in rows) / mesh.cp  # this rank's share
     times = []
     for i in range(a.steps + 2):
         torch.cuda.synchronize()
@@ -91,11 +102,11 @@ def main() -> None:
         if i >= 2:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    tokens_per_gpu = a.rows * a.seq / step_s
+    tokens_per_gpu = len(rows) * a.seq / step_s / mesh.cp
     mfu = flops / step_s / peak_flops(d.device)
     publish_s = None
     if a.publish_dir:
-        hf = hf_dict(a.model)
+        hf = hf_dict(a.model, a.layers)
         pub = FolderPublisher(a.publish_dir, Path(tempfile.mkdtemp()), hf, keep=1, dtype=torch.bfloat16, d=d)
         pub.publish(model, 0)  # warm-up (allocations, first write)
         t0 = time.perf_counter()
@@ -104,8 +115,8 @@ def main() -> None:
     peak = torch.cuda.max_memory_allocated() / 2**30
     tokens_per_gpu, mfu, peak = (v / d.world_size for v in all_reduce_sum([tokens_per_gpu, mfu, peak], d))
     if d.is_main:
-        result = {"model": a.model, "gpus": d.world_size, "seq": a.seq, "docs": a.docs, "rows_per_gpu": a.rows,
-                  "ac": a.ac, "s_per_step": step_s, "tokens_per_s_per_gpu": tokens_per_gpu, "mfu": mfu,
+        result = {"model": a.model, "layers": args.num_layers, "gpus": d.world_size, **mesh.layout, "seq": a.seq, "docs": a.docs,
+                  "rows_per_gpu": a.rows, "ac": a.ac, "s_per_step": step_s, "tokens_per_s_per_gpu": tokens_per_gpu, "mfu": mfu,
                   "peak_gib": peak, "publish_s": publish_s, "publish_phases_s": pub.last_timing if a.publish_dir else None}
         print(json.dumps(result))
         if a.out:
