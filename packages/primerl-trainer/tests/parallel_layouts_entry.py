@@ -111,13 +111,16 @@ def main(out: Path, models: dict[str, Path]) -> None:
     results = {}
     for family, folder in models.items():
         rows = batches(load_model(folder, device="cpu").args.vocab_size)
-        row = {"ref": reference(folder, rows) if rank == 0 else None}
+        row = {"ref": reference(folder, rows) if rank == 0 else None,
+               "checkpoint": load_model(folder, device="cpu").state_dict() if rank == 0 else None}
         for name, (ep, cp) in LAYOUTS.items():
             s = session(folder, out / f"{family}-{name}", ep, cp)
+            loaded = s.publisher.gather(s.model)  # before any step: what a publish would write
             norms = []
             losses = train(s, rows, range(STEPS), norms)
             weights = s.publisher.gather(s.model)  # full tensors on rank 0 (what publishing writes)
             row[name] = {"losses": losses, "grad_norms": norms, "weights": {k: v.float() for k, v in weights.items()},
+                         "loaded": loaded,
                          "mesh": (s.mesh.dp, s.mesh.cp, s.mesh.ep)}
         results[family] = row
     # Resume across layouts: 2 steps at one layout (checkpointed), the 3rd at another.

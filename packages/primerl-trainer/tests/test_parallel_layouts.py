@@ -3,8 +3,9 @@ whole model: expert parallelism (EP=2), context parallelism (CP=2, and CP=4 with
 than ranks) and both (EP=2 x CP=2) give the same losses and the same updated weights as one
 rank within 1e-5 over 3 optimizer steps on the same packed batch (documents crossing the CP
 split; rows of odd length, padded), for a tiny Qwen3-MoE and a tiny GLM-4.5 (grouped sigmoid
-routing, a correction bias, shared experts, a dense first layer). Checkpoints resume across
-layouts (EP=2 -> CP=2, CP=2 -> EP=2 x CP=2) with the uninterrupted run's losses."""
+routing, a correction bias, shared experts, a dense first layer). The weights gathered for
+publishing are the checkpoint's bit for bit at every layout. Checkpoints resume across layouts
+(EP=2 -> CP=2, CP=2 -> EP=2 x CP=2) with the uninterrupted run's losses."""
 
 from pathlib import Path
 
@@ -48,6 +49,17 @@ def test_a_layout_trains_as_one_rank(ranks, family, layout):
         torch.testing.assert_close(weights[name], full, atol=1e-5, rtol=0, msg=name)
     dp, cp, ep = ranks[0][family][layout]["mesh"]
     assert dp * cp == 4 and (ep, cp) == {"ep2": (2, 1), "cp2": (1, 2), "ep2_cp2": (2, 2), "cp4": (1, 4)}[layout]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+def test_the_weights_gathered_for_publishing_do_not_depend_on_the_layout(ranks, family, layout):
+    """Sharded at any layout and gathered back (FolderPublisher.gather, what each publish
+    writes), the loaded weights are the checkpoint's, bit for bit."""
+    got, checkpoint = ranks[0][family][layout]["loaded"], ranks[0][family]["checkpoint"]
+    assert got.keys() == checkpoint.keys()
+    for name, tensor in checkpoint.items():
+        assert torch.equal(got[name], tensor), name
 
 
 @pytest.mark.parametrize("run", ["resume ep2 -> cp2", "resume cp2 -> ep2_cp2"])
