@@ -56,3 +56,62 @@ def test_packed_attention_equals_each_document_alone(rows, padded):
         assert e.abs().max() > 0.1, name
         torch.testing.assert_close(a, e, atol=1e-12, rtol=0, msg=lambda m, n=name: f"d{n}: {m}")
     assert (seqs.padded is not None) is padded  # the layout that was checked is the one chosen
+
+
+def by_the_formula(q, k, v, pos, window, sinks):
+    """[B, T, H, K] from the definitions, one document and one head at a time: query i of a
+    document sees keys j <= i with i - j < window; its weights are the softmax over those
+    scores and the head's sink logit, whose weight is dropped (it has no value)."""
+    out = torch.zeros_like(q)
+    for r in range(q.shape[0]):
+        starts = (pos[r] == 0).nonzero().flatten().tolist() + [q.shape[1]]
+        for a, e in zip(starts, starts[1:]):
+            n = e - a
+            i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+            seen = (j <= i) & ((i - j < window) if window else True)
+            for hd in range(H):
+                kh, vh = k[r, a:e, hd // (H // G)], v[r, a:e, hd // (H // G)]
+                scores = (q[r, a:e, hd] @ kh.T / K**0.5).masked_fill(~seen, float("-inf"))
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[hd].expand(n, 1)], dim=1)
+                out[r, a:e, hd] = scores.softmax(dim=1)[:, :n] @ vh
+    return out
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["window", "window+sinks"])
+@pytest.mark.parametrize("rows, layout", [
+    ([[5, 9, 3, 7, 4], [12, 6, 2], [10, 8]], "padded"),
+    ([[30, 2], [28, 3, 1]], "dense"),
+    ([[20], [20]], "single"),
+])
+def test_sliding_windows_and_sinks_follow_the_formula(rows, layout, with_sinks):
+    """Windows shorter than the documents (4 tokens), non-zero sinks, GQA: outputs and the
+    gradients of q, k, v and the sinks equal the formula's, in each of sdpa's layouts; without
+    sinks (and with no window) the output is plain attention's."""
+    q, k, v, pos = packed(rows, seed=1)
+    sinks = (torch.randn(H, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 2).requires_grad_() \
+        if with_sinks else None
+    seqs = PackedSeqs.from_position_ids(pos)
+    assert {"padded": seqs.padded_cheaper() and not seqs.single_doc, "dense": not seqs.padded_cheaper(),
+            "single": seqs.single_doc}[layout]
+    got = attention(q, k, v, seqs, "sdpa", window=4, sinks_H=sinks)
+    ref = by_the_formula(q, k, v, pos, 4, sinks)
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
+    assert (got - attention(q, k, v, seqs, "sdpa")).abs().max() > 1e-3  # the window (and sinks) mattered
+    inputs = (q, k, v) + ((sinks,) if with_sinks else ())
+    up = torch.randn_like(ref)
+    grads = torch.autograd.grad((got * up).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * up).sum(), inputs)
+    for name, a, e in zip(["q", "k", "v", "sinks"], grads, ref_grads):
+        assert e.abs().max() > 1e-3, name
+        torch.testing.assert_close(a, e, atol=1e-12, rtol=0, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_sinks_without_a_window_and_a_window_longer_than_the_documents():
+    q, k, v, pos = packed([[5, 9, 3, 7, 4], [12, 6, 2]], seed=3)
+    seqs = PackedSeqs.from_position_ids(pos)
+    sinks = torch.linspace(-2, 2, H, dtype=torch.float64)
+    torch.testing.assert_close(attention(q, k, v, seqs, "sdpa", sinks_H=sinks), by_the_formula(q, k, v, pos, None, sinks),
+                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(attention(q, k, v, seqs, "sdpa", window=50), attention(q, k, v, seqs, "sdpa"),
+                               atol=1e-12, rtol=0)

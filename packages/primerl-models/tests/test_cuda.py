@@ -75,6 +75,55 @@ def test_attention_backends_agree_on_packed_rows(backend):
     check_every_element(f"attention[{backend}]", got, ref, 2 * U * (ref.abs() + mass))
 
 
+@pytest.mark.parametrize("backend, with_sinks", [
+    ("varlen", False), ("flex", False), ("flex", True), ("sdpa", False), ("sdpa", True), ("auto", True),
+])
+def test_windows_and_sinks_agree_across_backends_on_packed_rows(backend, with_sinks):
+    """A 128-token sliding window over packed documents longer and shorter than it, with
+    non-zero sinks: every element of the output within bf16's bound of the fp32 sdpa path
+    (proved against the formula on CPU: test_attention.py), on the same bf16 inputs; then the
+    gradients of q, k, v (and of the sinks: flex differentiates its log-sum-exp) within 3% of
+    the fp32 ones' largest magnitude."""
+    from primerl_models.common.attention import _VARLEN_PARAMS
+
+    if backend == "varlen" and "window_size" not in _VARLEN_PARAMS:
+        pytest.skip(f"torch {torch.__version__}'s varlen attention takes no window (window_size: torch 2.13)")
+    torch.manual_seed(0)
+    lengths, window = [300, 17, 1000, 731], 128
+    t, h, g, k = sum(lengths), 8, 2, 128
+    q, kk, v = (torch.randn(1, t, n, k, device=CUDA, dtype=torch.bfloat16) for n in (h, g, g))
+    sinks = (torch.randn(h, device=CUDA) * 2) if with_sinks else None
+    seqs = PackedSeqs.from_position_ids(packed_positions(lengths))
+    if with_sinks:
+        sinks.requires_grad_()
+    inputs = [x.clone().requires_grad_() for x in (q, kk, v)]
+    got = attention(*inputs, seqs, backend, window=window, sinks_H=sinks)
+    ref_inputs = [x.float().requires_grad_() for x in (q, kk, v)]
+    ref_sinks = sinks.detach().clone().requires_grad_() if with_sinks else None
+    ref_seqs = PackedSeqs.from_position_ids(packed_positions(lengths))
+    ref = attention(*ref_inputs, ref_seqs, "sdpa", window=window, sinks_H=ref_sinks)
+    mass = attention(ref_inputs[0].detach(), ref_inputs[1].detach(), ref_inputs[2].detach().abs(), ref_seqs, "sdpa",
+                     window=window, sinks_H=None if ref_sinks is None else ref_sinks.detach())
+    check_every_element(f"window{'+sinks' if with_sinks else ''}[{backend}]", got.float(), ref,
+                        2 * U * (ref.abs() + mass))
+    up = torch.randn_like(ref)
+    params = inputs + ([sinks] if with_sinks else [])
+    ref_params = ref_inputs + ([ref_sinks] if with_sinks else [])
+    grads = torch.autograd.grad((got.float() * up).sum(), params)
+    ref_grads = torch.autograd.grad((ref * up).sum(), ref_params)
+    for name, a, e in zip(["q", "k", "v", "sinks"], grads, ref_grads):
+        worst = float((a.float() - e).abs().max() / e.abs().max())
+        print(f"d{name}[{backend}] max err / max|ref| {worst:.4f}")
+        assert worst < 0.03, (name, worst)
+
+
+def test_varlen_refuses_sinks_by_name():
+    q = torch.randn(1, 8, 2, 64, device=CUDA, dtype=torch.bfloat16)
+    seqs = PackedSeqs.from_position_ids(packed_positions([8]))
+    with pytest.raises(ValueError, match="'varlen' cannot train attention sinks"):
+        attention(q, q, q, seqs, "varlen", sinks_H=torch.zeros(2, device=CUDA))
+
+
 def test_grouped_mm_experts_match_the_loop():
     torch.manual_seed(0)
     e, d, f = 8, 256, 128

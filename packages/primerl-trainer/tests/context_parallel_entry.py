@@ -56,18 +56,25 @@ def main(out_dir: str) -> None:
     c = 12 // p
     mine = slice(rank * c, (rank + 1) * c)
     results = {}
-    for backend in ("sdpa",):
+    sinks = torch.randn(4, generator=g)
+    for case, window, with_sinks in (("sdpa", None, False), ("window+sinks", 3, True)):
         full = [x.clone().requires_grad_() for x in (q, k, v)]
-        ref = attention(*full, seqs, backend)
+        s_full = sinks.clone().requires_grad_() if with_sinks else None
+        ref = attention(*full, seqs, "sdpa", window=window, sinks_H=s_full)
         (ref * w).sum().backward()
         local = [x[:, mine].clone().requires_grad_() for x in (q, k, v)]
-        out = ulysses_attention(*local, seqs, backend)
+        s_local = sinks.clone().requires_grad_() if with_sinks else None
+        out = ulysses_attention(*local, seqs, "sdpa", window=window, sinks_H=s_local)
         (out * w[:, mine]).sum().backward()
         # the whole row's gradient of each chunk: this rank's loss reaches every rank's chunk
-        results[backend] = {
+        results[case] = {
             "ref": ref.detach()[:, mine], "out": out.detach(),
             "ref_grads": [x.grad for x in full], "grads": [x.grad for x in local],
         }
+        if with_sinks:  # each rank's sink gradient covers its heads; summed over ranks, the whole
+            grad = s_local.grad.clone()
+            dist.all_reduce(grad)
+            results[case].update(sinks_grad=grad, ref_sinks_grad=s_full.grad)
     for family in ("qwen3", "glm4_moe"):
         results[family] = whole_model(family)
     torch.save(results, os.path.join(out_dir, f"rank_{rank}.pt"))

@@ -19,14 +19,20 @@ def ranks(tmp_path_factory):
     return run_on_ranks(ENTRY, tmp_path_factory.mktemp("cp"))
 
 
-def test_ulysses_attention_equals_the_whole_row(ranks):
+@pytest.mark.parametrize("case", ["sdpa", "window+sinks"])
+def test_ulysses_attention_equals_the_whole_row(ranks, case):
+    """Plain, and with a 3-token sliding window and sinks (each rank holds half the heads, so
+    half the sinks: their gradients summed over the ranks are the whole row's)."""
     for rank in range(2):
-        row = ranks[rank]["sdpa"]
+        row = ranks[rank][case]
         torch.testing.assert_close(row["out"], row["ref"], atol=1e-5, rtol=0)
         mine = slice(6 * rank, 6 * rank + 6)
         for got, full in zip(row["grads"], row["ref_grads"]):
             torch.testing.assert_close(got, full[:, mine], atol=1e-5, rtol=0)
         assert row["grads"][1].abs().sum() > 0
+        if case == "window+sinks":
+            torch.testing.assert_close(row["sinks_grad"], row["ref_sinks_grad"], atol=1e-5, rtol=0)
+            assert row["ref_sinks_grad"].abs().min() > 0
 
 
 @pytest.mark.parametrize("family", ["qwen3", "glm4_moe"])

@@ -57,9 +57,12 @@ def ulysses_attention(
     seqs: PackedSeqs,
     backend: Backend = "auto",
     group=None,
+    window: int | None = None,
+    sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention within documents over a row split across `group` (rank r holds tokens
-    [r C, (r + 1) C)); `seqs` are the boundaries of the whole row. Returns this rank's [B, C, H, K]."""
+    [r C, (r + 1) C)); `seqs` are the boundaries of the whole row. Returns this rank's [B, C, H, K].
+    A sliding window applies to the whole row; each rank takes the sinks of its heads."""
     p = dist.get_world_size(group)
     h, g = q_BCHK.shape[2], k_BCGK.shape[2]
     if h % p:
@@ -70,7 +73,10 @@ def ulysses_attention(
     q, k, v = (_tokens_to_heads(x, p, group) for x in (q_BCHK, k_BCGK, v_BCGK))
     if q.shape[1] != seqs.doc_ids_BT.shape[1]:
         raise ValueError(f"the chunks make rows of {q.shape[1]} tokens; the row's boundaries are for {seqs.doc_ids_BT.shape[1]}")
-    return _heads_to_tokens(attention(q, k, v, seqs, backend), p, group)
+    if sinks_H is not None:
+        hp, r = h // p, dist.get_rank(group)
+        sinks_H = sinks_H[r * hp:(r + 1) * hp]
+    return _heads_to_tokens(attention(q, k, v, seqs, backend, window=window, sinks_H=sinks_H), p, group)
 
 
 class UlyssesAttention:
@@ -81,8 +87,8 @@ class UlyssesAttention:
     def __init__(self, group=None, backend: Backend = "auto"):
         self.group, self.backend = group, backend
 
-    def __call__(self, q, k, v, seqs: PackedSeqs):
-        return ulysses_attention(q, k, v, seqs, self.backend, self.group)
+    def __call__(self, q, k, v, seqs: PackedSeqs, window: int | None = None, sinks_H=None):
+        return ulysses_attention(q, k, v, seqs, self.backend, self.group, window, sinks_H)
 
 
 def chunk_of(x_BT: torch.Tensor, group=None) -> torch.Tensor:

@@ -52,6 +52,12 @@ class Attention:
     qk_norm: QKNorm = "none"
     """RMSNorm of q and k before RoPE: over each head ("head": Qwen3, GLM-4.5 with
     use_qk_norm) or over the whole projection ("full": MiniMax-M2)."""
+    window: int | None = None
+    """Sliding window: each query sees itself and the window - 1 tokens before it, within its
+    document (HF's `sliding_window` on a "sliding_attention" layer); None: the whole document."""
+    sinks: bool = False
+    """A learned logit per head that joins every query's softmax and carries no value
+    (GPT-OSS's attention sinks): the weights of the real keys sum to less than 1."""
 
     def __post_init__(self) -> None:
         if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
@@ -63,6 +69,8 @@ class Attention:
             raise ValueError(f"rotary_dim ({self.rope.rotary_dim}) is larger than head_dim ({self.head_dim})")
         if self.qk_norm not in ("none", "head", "full"):
             raise ValueError(f"qk_norm must be 'none', 'head' or 'full', got {self.qk_norm!r}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {self.window}")
 
     def num_params(self, dim: int) -> int:
         h, g, k = self.num_heads, self.num_kv_heads, self.head_dim
@@ -70,6 +78,7 @@ class Attention:
         params += (h + 2 * g) * k if self.qkv_bias else 0
         params += dim if self.o_bias else 0
         params += {"none": 0, "head": 2 * k, "full": (h + g) * k}[self.qk_norm]
+        params += h if self.sinks else 0
         return params
 
 
@@ -199,8 +208,15 @@ class ModelArgs:
     def train_flops(self, doc_lengths) -> float:
         """FLOPs of forward + backward over documents of these lengths (one packed row or many):
         6 N_active per token, plus causal attention in each attention layer, 6 H K n^2 per
-        document of n tokens (QK^T and AV, half the square each, times 3 for the backward)."""
+        document of n tokens (QK^T and AV, half the square each, times 3 for the backward);
+        with a sliding window of w, 12 H K times the keys the queries see (w (n - w) + w^2 / 2
+        once n > w)."""
         lengths = [float(n) for n in doc_lengths]
-        tokens, squares = sum(lengths), sum(n * n for n in lengths)
-        attention = sum(6 * layer.mixer.num_heads * layer.mixer.head_dim for layer in self.layers)
-        return 6 * self.num_active_params() * tokens + attention * squares
+        tokens = sum(lengths)
+
+        def pairs(w: int | None) -> float:  # half the square, or the window's band
+            return sum(n * n / 2 if w is None or n <= w else w * (n - w) + w * w / 2 for n in lengths)
+
+        attention = sum(12 * layer.mixer.num_heads * layer.mixer.head_dim * pairs(layer.mixer.window)
+                        for layer in self.layers)
+        return 6 * self.num_active_params() * tokens + attention

@@ -11,7 +11,15 @@ once per forward; `attention(q, k, v, seqs, backend)` runs one of:
           tokens). Short documents in long rows, as in RL on CPU, take the padded layout.
   varlen  torch.nn.attention.varlen (flash varlen kernels, CUDA): packed rows at full speed.
   flex    flex attention with a document-causal block mask (CUDA, compiled).
-  auto    sdpa on CPU or for single-document rows; varlen on CUDA when available, else flex.
+  auto    sdpa on CPU or for single-document rows; varlen on CUDA when available, else flex;
+          flex for attention sinks on CUDA (their gradient needs the log-sum-exp's).
+
+Sliding windows (`window`: a query sees itself and the window - 1 tokens before it, within its
+document) and attention sinks (`sinks_H`: one learned logit per head in every query's softmax,
+with no value) work in every back-end: sdpa adds the window to its mask and computes sinks
+exactly (the scores with the sink column, softmax, then the values: CPU, tiny models), varlen
+passes the window to the kernel (window_size), flex adds it to the block mask and scales the
+output by sigmoid(lse - sink), differentiable through flex's log-sum-exp.
 
 A callable `backend(q, k, v, seqs) -> out` is attention supplied from outside the model (the
 trainer's context parallelism exchanges tokens for heads around one of the above).
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -44,8 +52,9 @@ class PackedSeqs:
     max_seqlen: int
     single_doc: bool
     """Every row is one document (so plain causal attention is exact)."""
-    block_mask: object = None
-    """flex attention's block mask, built by the first layer that needs it."""
+    block_masks: dict = field(default_factory=dict)
+    """flex attention's block masks by window (None: whole documents), each built by the first
+    layer that needs it."""
     padded: torch.Tensor | None = None
     """The padded layout's indices (see `padded_layout`), built by the first layer that needs it."""
 
@@ -87,22 +96,40 @@ def attention(
     v_BTGK: torch.Tensor,
     seqs: PackedSeqs,
     backend: Backend = "auto",
+    *,
+    window: int | None = None,
+    sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention within documents; returns [B, T, H, K]."""
+    """Causal attention within documents (and a sliding `window`, with `sinks_H` per head
+    when given); returns [B, T, H, K]."""
     if callable(backend):
-        return backend(q_BTHK, k_BTGK, v_BTGK, seqs)
+        return backend(q_BTHK, k_BTGK, v_BTGK, seqs, window=window, sinks_H=sinks_H)
     if backend == "auto":
-        if not q_BTHK.is_cuda or seqs.single_doc:
-            backend = "sdpa"
-        else:
-            backend = "varlen" if _varlen_fn() is not None else "flex"
+        backend = _auto(q_BTHK, seqs, window, sinks_H)
     if backend == "sdpa":
-        return _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs)
+        if window is None and sinks_H is None:
+            return _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs)
+        return _sdpa_masked(q_BTHK, k_BTGK, v_BTGK, seqs, window, sinks_H)
     if backend == "varlen":
-        return _varlen(q_BTHK, k_BTGK, v_BTGK, seqs)
+        if sinks_H is not None:
+            raise ValueError("attention backend 'varlen' cannot train attention sinks (flash kernels do not "
+                             "differentiate their log-sum-exp); use 'flex' or 'auto'")
+        return _varlen(q_BTHK, k_BTGK, v_BTGK, seqs, window)
     if backend == "flex":
-        return _flex(q_BTHK, k_BTGK, v_BTGK, seqs)
+        return _flex(q_BTHK, k_BTGK, v_BTGK, seqs, window, sinks_H)
     raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
+
+
+def _auto(q_BTHK, seqs: PackedSeqs, window, sinks_H) -> str:
+    if not q_BTHK.is_cuda:
+        return "sdpa"
+    if sinks_H is not None:
+        return "flex"
+    if window is None and seqs.single_doc:
+        return "sdpa"
+    if _varlen_fn() is not None and (window is None or "window_size" in _VARLEN_PARAMS):
+        return "varlen"
+    return "flex"
 
 
 def _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs) -> torch.Tensor:
@@ -119,6 +146,49 @@ def _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs) -> torch.Tensor:
         mask_B1TT = (doc[:, :, None] == doc[:, None, :]) & causal_TT
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TT[:, None], enable_gqa=gqa)
     return out.transpose(1, 2)
+
+
+def _band(t: int, window: int | None, device) -> torch.Tensor:
+    """bool [T, T]: key j is causal for query i, and inside the window."""
+    i, j = torch.arange(t, device=device)[:, None], torch.arange(t, device=device)[None, :]
+    keep = j <= i
+    return keep & (i - j < window) if window is not None else keep
+
+
+def _masked(q, k, v, mask, sinks_H) -> torch.Tensor:
+    """Attention of [X, H|G, Q|Kv, K] under a bool mask broadcast to [X, H, Q, Kv]; with sinks,
+    exact: each query's softmax over its scores and its head's sink, the sink's weight dropped."""
+    gqa = q.shape[1] != k.shape[1]
+    if sinks_H is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if gqa:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    dt = torch.promote_types(q.dtype, torch.float32)  # scores and softmax in fp32 at least
+    scores = (q.to(dt) @ k.to(dt).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks_H.to(dt).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return (probs.to(v.dtype) @ v)
+
+
+def _sdpa_masked(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window, sinks_H) -> torch.Tensor:
+    """sdpa with a sliding window and/or sinks: in the padded layout (one row per document)
+    when that multiplies fewer scores, else on the packed rows with a document mask."""
+    b, t, h, kd = q_BTHK.shape
+    if seqs.padded_cheaper() or seqs.single_doc:
+        at_N = seqs.padded_layout()
+        s_, m = seqs.num_docs, seqs.max_seqlen
+
+        def pad(x_BTXK):
+            x = x_BTXK.reshape(b * t, x_BTXK.shape[2], kd)
+            return x.new_zeros(s_ * m, x.shape[1], kd).index_copy(0, at_N, x).view(s_, m, x.shape[1], kd).transpose(1, 2)
+
+        out = _masked(pad(q_BTHK), pad(k_BTGK), pad(v_BTGK), _band(m, window, q_BTHK.device), sinks_H)
+        return out.transpose(1, 2).reshape(s_ * m, h, kd).index_select(0, at_N).view(b, t, h, kd)
+    doc = seqs.doc_ids_BT
+    mask_B1TT = ((doc[:, :, None] == doc[:, None, :]) & _band(t, window, q_BTHK.device))[:, None]
+    q, k, v = (x.transpose(1, 2) for x in (q_BTHK, k_BTGK, v_BTGK))
+    return _masked(q, k, v, mask_B1TT, sinks_H).transpose(1, 2)
 
 
 def _sdpa_padded(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, gqa: bool) -> torch.Tensor:
@@ -165,13 +235,18 @@ def _varlen_fn():
     return _VARLEN
 
 
-def _varlen(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs) -> torch.Tensor:
+def _varlen(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window: int | None = None) -> torch.Tensor:
     fn = _varlen_fn()
     if fn is None:
         raise ValueError("attention backend 'varlen' needs CUDA and torch.nn.attention.varlen (torch >= 2.10)")
     b, t, h, kd = q_BTHK.shape
     q_NHK, k_NGK, v_NGK = (x.reshape(b * t, x.shape[2], kd) for x in (q_BTHK, k_BTGK, v_BTGK))
     kwargs = dict(_VARLEN_CAUSAL)
+    if window is not None:
+        if "window_size" not in _VARLEN_PARAMS:
+            raise ValueError("attention backend 'varlen' takes sliding windows from torch 2.13 (window_size); "
+                             "use 'flex' or 'auto'")
+        kwargs["window_size"] = (window - 1, 0)  # the window - 1 tokens before, and the token itself
     if k_NGK.shape[1] != h:
         if "enable_gqa" in _VARLEN_PARAMS:
             kwargs["enable_gqa"] = True
@@ -189,17 +264,24 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs) -> torch.Tensor:
+def _flex(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window: int | None = None, sinks_H=None) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask
 
-    if seqs.block_mask is None:
+    if window not in seqs.block_masks:
         doc = seqs.doc_ids_BT
         b, t = doc.shape
 
         def document_causal(b_idx, h_idx, q_idx, kv_idx):
-            return (doc[b_idx, q_idx] == doc[b_idx, kv_idx]) & (q_idx >= kv_idx)
+            keep = (doc[b_idx, q_idx] == doc[b_idx, kv_idx]) & (q_idx >= kv_idx)
+            return keep & (q_idx - kv_idx < window) if window is not None else keep
 
-        seqs.block_mask = create_block_mask(document_causal, b, None, t, t, device=q_BTHK.device)
+        seqs.block_masks[window] = create_block_mask(document_causal, b, None, t, t, device=q_BTHK.device)
     q, k, v = (x.transpose(1, 2) for x in (q_BTHK, k_BTGK, v_BTGK))
-    out = _compiled_flex()(q, k, v, block_mask=seqs.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    if sinks_H is None:
+        out = _compiled_flex()(q, k, v, block_mask=seqs.block_masks[window], enable_gqa=gqa)
+    else:
+        # softmax over the scores and the sink = the scores' softmax x sigmoid(lse - sink)
+        out, lse_BHT = _compiled_flex()(q, k, v, block_mask=seqs.block_masks[window], enable_gqa=gqa, return_lse=True)
+        out = out * torch.sigmoid(lse_BHT - sinks_H.float()[None, :, None])[..., None].to(out.dtype)
     return out.transpose(1, 2)

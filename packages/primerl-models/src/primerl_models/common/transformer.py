@@ -53,6 +53,7 @@ class Attention(nn.Module):
         norm_q, norm_k = {"none": (0, 0), "head": (k, k), "full": (h * k, g * k)}[spec.qk_norm]
         self.q_norm = RMSNorm(norm_q, eps) if norm_q else None
         self.k_norm = RMSNorm(norm_k, eps) if norm_k else None
+        self.sinks = nn.Parameter(torch.zeros(h)) if spec.sinks else None
 
     def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend: Backend) -> torch.Tensor:
         b, t, _ = x_BTD.shape
@@ -67,7 +68,7 @@ class Attention(nn.Module):
         interleaved = self.spec.rope.interleaved
         q_BTHK = apply_rope(q_BTHK, cos_BTR, sin_BTR, interleaved)
         k_BTGK = apply_rope(k_BTGK, cos_BTR, sin_BTR, interleaved)
-        out_BTHK = attention(q_BTHK, k_BTGK, v_BTGK, seqs, backend)
+        out_BTHK = attention(q_BTHK, k_BTGK, v_BTGK, seqs, backend, window=self.spec.window, sinks_H=self.sinks)
         return self.o_proj(out_BTHK.reshape(b, t, -1))
 
 
