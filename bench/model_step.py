@@ -46,6 +46,17 @@ SHAPES = {
                                         num_key_value_heads=4, head_dim=128, intermediate_size=6144,
                                         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                                         norm_topk_prob=True, tie_word_embeddings=False), 16384),
+    # openai/gpt-oss-20b's config.json cut to 4 layers (sliding, full, sliding, full): sinks,
+    # 128-token windows, YaRN, biases, 32 experts top-4 with the clamped SwiGLU
+    "gpt-oss-20b-4l": ("gpt_oss", dict(vocab_size=201088, hidden_size=2880, num_hidden_layers=4,
+                                       num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                       intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                                       sliding_window=128, attention_bias=True, swiglu_limit=7.0, rms_norm_eps=1e-5,
+                                       layer_types=["sliding_attention", "full_attention"] * 2,
+                                       rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
+                                                            beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                            original_max_position_embeddings=4096),
+                                       tie_word_embeddings=False), 8192),
     # GLM-4.5-Air's shape (zai-org/GLM-4.5-Air config.json) cut to 3 layers: the dense first
     # layer and 2 MoE layers (128 experts top-8, sigmoid router with correction bias, one
     # shared expert), partial RoPE, q/k/v bias; no MTP layer (it is not trained).
@@ -85,7 +96,9 @@ def build_transformers(name: str, ac: bool):
     cfg = hf_dict(name)
     config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        # GPT-OSS's sinks are not in transformers' sdpa path; its flex path has them
+        attn = "flex_attention" if cfg["model_type"] == "gpt_oss" else "sdpa"
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     model.config.use_cache = False
     if ac:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -155,7 +155,8 @@ def test_a_server_that_fails_to_start_stops_the_trainer_and_orchestrator_started
     ("glm4", []),
     ("glm4_moe", ["transport.trainer_ranks=2", "trainer.parallel.ep=2", "trainer.parallel.cp=2"]),
     ("qwen3_moe", ["transport.trainer_ranks=2", "trainer.parallel.ep=2"]),
-], ids=["glm4", "glm4_moe-ep2-cp2", "qwen3_moe-ep2"])
+    ("gpt_oss", []),
+], ids=["glm4", "glm4_moe-ep2-cp2", "qwen3_moe-ep2", "gpt_oss"])
 def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, tmp_path):
     """GLM-4 (interleaved partial RoPE, sandwich norms, fused gate/up in the checkpoint) and
     GLM-4.5 (sigmoid router with non-zero correction biases, 2 expert groups, a shared

@@ -18,8 +18,9 @@ def test_parameter_counts_are_those_of_the_built_model(family, tie):
     assert args.num_params() == sum(p.numel() for p in model.parameters())
     embedding = model.embed_tokens.weight.numel()
     assert args.num_params(embeddings=False) == sum(p.numel() for p in model.parameters()) - (0 if tie else embedding)
-    # active: all but the (E - top_k) experts each token skips in every MoE layer
-    skipped = sum((m.num_experts - m.top_k) * m.experts.w_gate[0].numel() * 3
+    # active: all but the (E - top_k) experts each token skips in every MoE layer (one expert:
+    # its slice of every stacked parameter, biases included)
+    skipped = sum((m.num_experts - m.top_k) * sum(p[0].numel() for p in m.experts.parameters())
                   for m in model.modules() if hasattr(m, "tokens_per_expert"))
     assert args.num_active_params() == args.num_params(embeddings=False) - skipped
 

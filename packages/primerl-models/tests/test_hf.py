@@ -20,6 +20,11 @@ DENSE = transformers.Qwen3Config(
     num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
 )
 
+GPT_OSS = transformers.GptOssConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+)
+
 
 def hf_tensors(folder) -> dict[str, torch.Tensor]:
     out = {}
@@ -28,10 +33,11 @@ def hf_tensors(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("config", [MOE, DENSE], ids=["moe", "dense-tied"])
+@pytest.mark.parametrize("config", [MOE, DENSE, GPT_OSS], ids=["moe", "dense-tied", "gpt_oss"])
 def test_round_trip_gives_identical_tensors(config, tmp_path):
+    """GPT-OSS: its stacked experts with gate and up interleaved, their biases, sinks, router bias."""
     src, dst = tmp_path / "src", tmp_path / "dst"
-    save_transformers(config, src, shard="30KB")  # transformers' own small shards + index
+    save_transformers(config, src, shard="30KB", bias_std=0.1)  # transformers' own small shards + index
     assert (src / "model.safetensors.index.json").exists()
     model = load_model(src)
     save_hf(model.state_dict(), read_config(src), dst, max_shard_bytes=40_000)
@@ -68,7 +74,7 @@ def write_config(folder, **changes):
 def test_unsupported_model_type_lists_supported(tmp_path):
     save_transformers(DENSE, tmp_path)
     write_config(tmp_path, model_type="gpt2")
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not implemented .*supported: glm4, glm4_moe, llama, minimax_m2, qwen3, qwen3_moe"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not implemented .*supported: glm4, glm4_moe, gpt_oss, llama, minimax_m2, qwen3, qwen3_moe"):
         load_model(tmp_path)
 
 
@@ -298,3 +304,64 @@ def test_unsupported_minimax_options_are_named(tmp_path):
     write_config(tmp_path, scoring_func="sigmoid", attn_type_list=[0, 1])
     with pytest.raises(ValueError, match="`attn_type_list`"):
         load_model(tmp_path)
+
+
+FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # e2m1's magnitudes; bit 3 is the sign
+
+
+def quantize_mxfp4(w_t):
+    """[E, R, C] (C divisible by 32) -> MXFP4 blocks uint8 [E, R, C/32, 16], scales uint8
+    [E, R, C/32], and the values they stand for: each group of 32 scaled by the power of two
+    that maps its largest magnitude to at most 6, each value rounded to the nearest e2m1."""
+    e, r, c = w_t.shape
+    groups = w_t.reshape(e, r, c // 32, 32)
+    exponent = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-100) / 6.0)) + 1
+    scaled = groups / torch.pow(2.0, exponent)[..., None]
+    magnitudes = torch.tensor(FP4)
+    index = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)
+    nibbles = index + 8 * (scaled < 0).long()
+    values = magnitudes[index] * torch.where(scaled < 0, -1.0, 1.0) * torch.pow(2.0, exponent)[..., None]
+    blocks = (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8), values.reshape(e, r, c)
+
+
+GPT_OSS_MX = transformers.GptOssConfig(
+    vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+)
+
+
+def test_mxfp4_experts_are_dequantised_at_load(tmp_path):
+    """GPT-OSS is released with its experts' matrices in MXFP4 (`*_blocks`, `*_scales`, stored
+    as [E, out, in / 32, 16] of the [E, in, out] matrices). Expected: transformers on the
+    values the blocks stand for (computed here from the nibbles' definition)."""
+    save_transformers(GPT_OSS_MX, tmp_path / "plain", bias_std=0.1)
+    tensors = hf_tensors(tmp_path / "plain")
+    quantised, dequantised = {}, {}
+    for name, w in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales, values = quantize_mxfp4(w.transpose(1, 2))
+            quantised[name + "_blocks"], quantised[name + "_scales"] = blocks, scales
+            dequantised[name] = values.transpose(1, 2).contiguous()
+        else:
+            quantised[name] = w
+    folder = tmp_path / "mxfp4"
+    folder.mkdir()
+    save_file(quantised, folder / "model.safetensors")
+    cfg = read_config(tmp_path / "plain") | {"quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"]}}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ours = load_model(folder).eval()
+    assert max((dequantised[n] - tensors[n]).abs().max() for n in dequantised) > 1e-3  # FP4 is coarse
+    save_file(tensors | dequantised, tmp_path / "plain" / "model.safetensors")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.logits(ids, torch.arange(20).expand(2, 20)), reference(ids).logits,
+                                   atol=1e-4, rtol=0)
+    assert "quantization_config" not in published_config(cfg)
+    # blocks without their scales are named
+    del quantised["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(quantised, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.down_proj_blocks has no scales"):
+        load_model(folder)

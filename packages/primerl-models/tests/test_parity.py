@@ -79,12 +79,30 @@ CASES = {
         dict(num_key_value_heads=1, attention_bias=False, tie_word_embeddings=True, pad_token_id=0,
              rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)),
     ),
+    # GPT-OSS: sinks, 4-token sliding windows on alternate layers (the documents are 40 long),
+    # YaRN over an original context of 16 positions, biases everywhere (drawn non-zero), a
+    # clamp low enough to cut the experts' pre-activations.
+    "gptoss-sliding-full-yarn-sinks": (
+        transformers.GptOssConfig,
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+             layer_types=["sliding_attention", "full_attention"], attention_bias=True, swiglu_limit=0.3,
+             rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                  truncate=False, original_max_position_embeddings=16)),
+    ),
+    # ... and all-sliding 6-token windows, one kv head, no attention bias, plain RoPE, top-3.
+    "gptoss-all-sliding-mqa-nobias-top3": (
+        transformers.GptOssConfig,
+        dict(num_hidden_layers=3, num_key_value_heads=1, num_local_experts=6, num_experts_per_tok=3,
+             sliding_window=6, layer_types=["sliding_attention"] * 3, attention_bias=False, swiglu_limit=7.0,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    ),
 }
 
 
 def hf_checkpoint(case: str, folder, shard: str | None = None):
     config_cls, extra = CASES[case]
-    return save_transformers(config_cls(**{**COMMON, **extra}), folder, shard, router_bias_std=0.1)
+    return save_transformers(config_cls(**{**COMMON, **extra}), folder, shard, router_bias_std=0.1,
+                             bias_std=0.2 if case.startswith("gptoss") else 0.0)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -101,7 +119,7 @@ def test_logits_match_transformers(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["qwen3-gqa-tied", "qwen3moe-top2-norm", "glm4moe-groups-shared-qknorm-bias",
-                                  "minimax-m2-partial-rope", "glm4-half-rope-bias"])
+                                  "minimax-m2-partial-rope", "glm4-half-rope-bias", "gptoss-sliding-full-yarn-sinks"])
 def test_packed_row_equals_each_sequence_alone(case, tmp_path):
     hf_checkpoint(case, tmp_path)
     ours = load_model(tmp_path).eval()
@@ -123,6 +141,7 @@ def test_packed_row_equals_each_sequence_alone(case, tmp_path):
     ("qwen3moe-top2-norm", 4, 2, 2),
     ("glm4moe-groups-shared-qknorm-bias", 8, 2, 2),  # 3 layers, the first dense
     ("minimax-m2-partial-rope", 4, 2, 2),
+    ("gptoss-all-sliding-mqa-nobias-top3", 6, 3, 3),
 ])
 def test_moe_counts_tokens_per_expert(case, experts, top_k, moe_layers, tmp_path):
     hf_checkpoint(case, tmp_path)

@@ -23,6 +23,8 @@ SPECS = {
     "glm4_moe": MoEMLP(num_experts=4, top_k=2, expert_size=8, scoring="sigmoid", norm_topk_prob=True,
                        correction_bias=True, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                        shared_expert_size=8),
+    "gpt_oss": MoEMLP(num_experts=4, top_k=2, expert_size=8, scoring="softmax_topk", router_bias=True,
+                      expert_bias=True, activation="clamped", limit=0.5),
 }
 
 

@@ -19,7 +19,7 @@ def ranks(tmp_path_factory):
     return run_on_ranks(ENTRY, tmp_path_factory.mktemp("ep"))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "gpt_oss"])
 def test_expert_parallel_equals_one_rank_with_every_expert(ranks, family):
     rows = [r[family] for r in ranks]
     for rank, row in enumerate(rows):

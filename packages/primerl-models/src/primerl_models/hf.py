@@ -5,7 +5,8 @@ exactly. Tensors a family carries (GLM-4.5's MTP layer) are not loaded into the 
 publisher copies them from the source folder into every published folder (`carried_tensors`).
 Checkpoints stored block-quantised in FP8 (`quantization_config` with quant_method "fp8" and
 `weight_block_size`, MiniMax-M2's) are dequantised at load with their stored scales
-(`weight_scale_inv`), and what is published is plain weights (`published_config`).
+(`weight_scale_inv`), and so are MXFP4 ones (quant_method "mxfp4", GPT-OSS's experts:
+`X_blocks` and `X_scales`); what is published is plain weights (`published_config`).
 
 Everything a user can get wrong fails here, naming it: an unsupported model_type, a missing
 config.json or safetensors file, a corrupt file, a missing or unexpected tensor, a tensor of
@@ -101,6 +102,48 @@ def read_tensors(path: str | Path, keep=None) -> dict[str, torch.Tensor]:
     return out
 
 
+# The 16 values of an FP4 (e2m1) nibble: sign bit, 2 exponent bits, 1 mantissa bit.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 (OCP microscaling): `blocks` uint8 [..., R, G, 16] hold 32 FP4 values per group
+    (two per byte, the low nibble first), `scales` uint8 [..., R, G] each group's power of two
+    (biased by 127). Returns [..., G * 32, R]: the rows' values, transposed as the BF16
+    checkpoints store these matrices (GPT-OSS's experts: [E, in, out])."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape \
+            or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+                         f"{scales.dtype} do not pair (uint8 [..., R, G, 16] and uint8 [..., R, G])")
+    if blocks.dim() > 3:  # one expert at a time: the int and float temporaries stay small
+        return torch.stack([dequantize_mxfp4(b, sc, dtype) for b, sc in zip(blocks, scales)])
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    low, high = (blocks & 0x0F).int(), (blocks >> 4).int()
+    values = torch.stack([lut[low], lut[high]], dim=-1).flatten(-2)  # [R, G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).transpose(-1, -2).to(dtype).contiguous()
+
+
+def dequantize(tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dtype, where: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors with what its `quantization_config` quantised made plain
+    `dtype` (block-quantised FP8, MXFP4); a checkpoint without one is returned as is."""
+    quant = cfg.get("quantization_config")
+    if quant and quant.get("quant_method") == "mxfp4":
+        out = dict(tensors)
+        for blocks_name in [n for n in tensors if n.endswith("_blocks")]:
+            name = blocks_name.removesuffix("_blocks")
+            if name + "_scales" not in out:
+                raise ValueError(f"{where}: {blocks_name} has no scales {name}_scales")
+            try:
+                out[name] = dequantize_mxfp4(out.pop(blocks_name), out.pop(name + "_scales"), dtype)
+            except ValueError as err:
+                raise ValueError(f"{where}: {name}: {err}") from None
+        if stray := sorted(n for n in out if n.endswith("_scales")):
+            raise ValueError(f"{where}: MXFP4 scales without their blocks: {', '.join(stray[:5])}")
+        return out
+    return dequantize_fp8(tensors, cfg, dtype, where)
+
+
 def dequantize_fp8(tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dtype, where: str) -> dict[str, torch.Tensor]:
     """Block-quantised FP8 weights (`X.weight` float8 with `X.weight_scale_inv` [ceil(out/bo),
     ceil(in/bi)] fp32, bo x bi = weight_block_size) -> `X.weight` = fp8 x scale in `dtype`.
@@ -112,7 +155,7 @@ def dequantize_fp8(tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dty
     if method != "fp8" or not block or len(block) != 2:
         raise ValueError(
             f"{where}: quantization_config {{quant_method: {method!r}, weight_block_size: {block!r}}} is not "
-            "supported; block-quantised fp8 checkpoints are dequantised at load, other quantised ones are not"
+            "supported; block-quantised fp8 and mxfp4 checkpoints are dequantised at load, other quantised ones are not"
         )
     out = dict(tensors)
     for scale_name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
@@ -156,7 +199,7 @@ def carried_tensors(path: str | Path, cfg: dict, dtype: torch.dtype = torch.bflo
     if carried is None:
         return {}
     tensors = read_tensors(path, keep=carried)
-    return dequantize_fp8(tensors, cfg, dtype, str(path)) if tensors else {}
+    return dequantize(tensors, cfg, dtype, str(path)) if tensors else {}
 
 
 def check_state_dict(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], where: str) -> None:
@@ -199,7 +242,7 @@ def load_model(
     args = family.args_from_hf(cfg)
     carried = _carried(cfg)
     tensors = read_tensors(path, keep=None if carried is None else lambda name: not carried(name))
-    state = to_ours(dequantize_fp8(tensors, cfg, dtype, str(path)), args)
+    state = to_ours(dequantize(tensors, cfg, dtype, str(path)), args)
     model = build_model(args, device, attn_backend).cast_parameters(dtype)
     check_state_dict(model.state_dict(), state, str(path))
     model.load_state_dict(state)

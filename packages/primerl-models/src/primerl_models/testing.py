@@ -8,10 +8,12 @@ from pathlib import Path
 import torch
 
 
-def save_transformers(config, folder: str | Path, shard: str | None = None, router_bias_std: float = 0.0, seed: int = 0):
+def save_transformers(config, folder: str | Path, shard: str | None = None, router_bias_std: float = 0.0, seed: int = 0,
+                      bias_std: float = 0.0):
     """transformers' model of `config` (seeded random weights) saved by its own save_pretrained,
     in shards of `shard` (e.g. "30KB") when given; routers' correction biases drawn
-    normal(0, router_bias_std) first when > 0 (transformers initialises them to zero).
+    normal(0, router_bias_std) first when > 0 (transformers initialises them to zero), and
+    every parameter named `*bias` normal(0, bias_std) when > 0 (likewise).
     Returns the model (eval mode, eager attention)."""
     try:
         import transformers
@@ -25,5 +27,10 @@ def save_transformers(config, folder: str | Path, shard: str | None = None, rout
             for name, buf in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.normal_(0.0, router_bias_std)
+    if bias_std:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0.0, bias_std)
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     return model

@@ -12,7 +12,7 @@ across layouts, and `full_tensor()` publishes the whole weight.
 The model code stays free of torch.distributed: `MoE.forward` sorts its assignments by expert
 and calls `experts(x_AD, counts_E)` with the counts over all E experts, as on one rank; the
 wrapper installed here sends each rank its experts' rows (counts first, then rows), regroups the
-rows it receives by local expert, runs `GroupedExperts.run` on the local shards, and sends the
+rows it receives by local expert, runs `GroupedExperts.run` on the local shards (biases too), and sends the
 outputs back into the caller's order. The router, the shared experts and the weighting of the
 outputs stay on each rank, unchanged. Each rank's local expert gradients then hold the
 contributions of every rank's tokens of its EP group (the all-to-all's backward carries them);
@@ -52,8 +52,8 @@ def _dispatch(experts: GroupedExperts, group, size: int, local: int):
         # 3. regroup by local expert (stable: within an expert, source rank order)
         expert_R = torch.repeat_interleave(torch.arange(local, device=x_AD.device).repeat(size), recv_PL.flatten())
         order_R = expert_R.argsort(stable=True)
-        weights = (_local(experts.w_gate), _local(experts.w_up), _local(experts.w_down))
-        out_RD = GroupedExperts.run(rows_RD[order_R], recv_PL.sum(0), *weights)
+        weights = {name: _local(p) for name, p in experts.named_parameters(recurse=False)}
+        out_RD = experts.run(rows_RD[order_R], recv_PL.sum(0), weights)
         # 4. back to source-rank order, then to the ranks the rows came from
         return all_to_all(out_RD[order_R.argsort()], send, recv, group)
 

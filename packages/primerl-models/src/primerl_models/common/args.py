@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 QKNorm = Literal["none", "head", "full"]
-Scoring = Literal["softmax", "sigmoid"]
+Scoring = Literal["softmax", "sigmoid", "softmax_topk"]
+Activation = Literal["silu", "clamped"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ class MoEMLP:
     expert_size: int
     """Hidden size of each expert (moe_intermediate_size)."""
     scoring: Scoring = "softmax"
-    """Router scores: softmax over the experts (Qwen3-MoE) or a sigmoid of each (GLM-4.5, MiniMax-M2)."""
+    """Router scores: softmax over the experts (Qwen3-MoE), a sigmoid of each (GLM-4.5,
+    MiniMax-M2), or top-k of the logits, then a softmax over those k (GPT-OSS)."""
     norm_topk_prob: bool = False
     """Renormalise the chosen experts' weights to sum to 1."""
     correction_bias: bool = False
@@ -118,12 +120,23 @@ class MoEMLP:
     """Multiplies the routed experts' weights (after any renormalisation)."""
     shared_expert_size: int = 0
     """Hidden size of a dense SwiGLU every token also goes through (0: none)."""
+    router_bias: bool = False
+    """The router's linear layer has a bias (GPT-OSS); it chooses and weights, unlike correction_bias."""
+    expert_bias: bool = False
+    """Each expert's gate, up and down projections have biases (GPT-OSS)."""
+    activation: Activation = "silu"
+    """silu: down(silu(gate) * up). clamped (GPT-OSS): gate clamped above at `limit`, up to
+    [-limit, limit], then down((up + 1) * gate * sigmoid(alpha * gate))."""
+    limit: float = 7.0
+    alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in 1..num_experts ({self.num_experts})")
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"router scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.scoring not in ("softmax", "sigmoid", "softmax_topk"):
+            raise ValueError(f"router scoring must be 'softmax', 'sigmoid' or 'softmax_topk', got {self.scoring!r}")
+        if self.activation not in ("silu", "clamped"):
+            raise ValueError(f"expert activation must be 'silu' or 'clamped', got {self.activation!r}")
         if self.n_group < 1 or self.num_experts % self.n_group:
             raise ValueError(f"n_group ({self.n_group}) must divide the number of experts ({self.num_experts})")
         if self.n_group > 1:
@@ -138,13 +151,16 @@ class MoEMLP:
                     f"of topk_group ({self.topk_group}) groups"
                 )
 
+    def expert_params(self, dim: int) -> int:
+        """Parameters of one routed expert."""
+        return 3 * dim * self.expert_size + ((2 * self.expert_size + dim) if self.expert_bias else 0)
+
     def num_params(self, dim: int) -> int:
-        experts = self.num_experts * 3 * dim * self.expert_size
-        return experts + self.num_experts * dim + 3 * dim * self.shared_expert_size
+        router = self.num_experts * dim + (self.num_experts if self.router_bias else 0)
+        return self.num_experts * self.expert_params(dim) + router + 3 * dim * self.shared_expert_size
 
     def num_active_params(self, dim: int) -> int:
-        inactive = (self.num_experts - self.top_k) * 3 * dim * self.expert_size
-        return self.num_params(dim) - inactive
+        return self.num_params(dim) - (self.num_experts - self.top_k) * self.expert_params(dim)
 
 
 MLPSpec = DenseMLP | MoEMLP

@@ -38,30 +38,53 @@ def _use_grouped_mm(x: torch.Tensor) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts: w_gate, w_up [E, D, F]; w_down [E, F, D]."""
+    """E SwiGLU experts: w_gate, w_up [E, D, F]; w_down [E, F, D]; with expert_bias, b_gate,
+    b_up [E, F] and b_down [E, D]. Every parameter is stacked on dim 0 (expert parallelism
+    shards them all there)."""
 
-    def __init__(self, num_experts: int, dim: int, hidden: int):
+    def __init__(self, num_experts: int, dim: int, hidden: int, spec: MoEMLP | None = None):
         super().__init__()
+        self.activation = spec.activation if spec is not None else "silu"
+        self.limit, self.alpha = (spec.limit, spec.alpha) if spec is not None else (7.0, 1.702)
         self.w_gate = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w_up = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        if spec is not None and spec.expert_bias:
+            self.b_gate = nn.Parameter(torch.zeros(num_experts, hidden))
+            self.b_up = nn.Parameter(torch.zeros(num_experts, hidden))
+            self.b_down = nn.Parameter(torch.zeros(num_experts, dim))
 
     def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Rows of x sorted by expert, counts_E rows for each expert -> [A, D]."""
-        return self.run(x_AD, counts_E, self.w_gate, self.w_up, self.w_down)
+        return self.run(x_AD, counts_E, dict(self.named_parameters(recurse=False)))
 
-    @staticmethod
-    def run(x_AD: torch.Tensor, counts_E: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-            w_down: torch.Tensor) -> torch.Tensor:
-        """The experts' math on the weights given (expert parallelism passes its local shards)."""
-        w_gate, w_up, w_down = (w.to(x_AD.dtype) for w in (w_gate, w_up, w_down))
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu":
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    def run(self, x_AD: torch.Tensor, counts_E: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The experts' math on the weights given by name (expert parallelism passes its local
+        shards: the E here is the experts those weights hold)."""
+        w = {name: t.to(x_AD.dtype) for name, t in weights.items()}
+        biased = "b_gate" in w
         if _use_grouped_mm(x_AD):
             offs = counts_E.cumsum(0).to(torch.int32)
-            h_AF = F.silu(torch._grouped_mm(x_AD, w_gate, offs=offs)) * torch._grouped_mm(x_AD, w_up, offs=offs)
-            return torch._grouped_mm(h_AF, w_down, offs=offs)
+            gate, up = (torch._grouped_mm(x_AD, w[n], offs=offs) for n in ("w_gate", "w_up"))
+            if biased:  # each row's expert's bias, gathered (no loop over experts)
+                expert_A = torch.repeat_interleave(torch.arange(len(counts_E), device=x_AD.device), counts_E,
+                                                   output_size=x_AD.shape[0])
+                gate, up = gate + w["b_gate"][expert_A], up + w["b_up"][expert_A]
+            out = torch._grouped_mm(self._act(gate, up), w["w_down"], offs=offs)
+            return out + w["b_down"][expert_A] if biased else out
         out = []
         for e, x_e in enumerate(torch.split(x_AD, counts_E.tolist())):
-            out.append((F.silu(x_e @ w_gate[e]) * (x_e @ w_up[e])) @ w_down[e])
+            gate, up = x_e @ w["w_gate"][e], x_e @ w["w_up"][e]
+            if biased:
+                gate, up = gate + w["b_gate"][e], up + w["b_up"][e]
+            y = self._act(gate, up) @ w["w_down"][e]
+            out.append(y + w["b_down"][e] if biased else y)
         return torch.cat(out) if out else x_AD.new_zeros(x_AD.shape)
 
 
@@ -74,6 +97,7 @@ class Router(nn.Module):
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, dim))
+        self.bias = nn.Parameter(torch.zeros(spec.num_experts)) if spec.router_bias else None
         if spec.correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
         else:
@@ -82,7 +106,10 @@ class Router(nn.Module):
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, K] fp32, experts [N, K])."""
         s = self.spec
-        logits_NE = F.linear(x_ND.float(), self.weight.float())
+        logits_NE = F.linear(x_ND.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        if s.scoring == "softmax_topk":  # GPT-OSS: the top-k logits, then their softmax
+            top_NK, experts_NK = logits_NE.topk(s.top_k, dim=-1)
+            return self._finish(top_NK.softmax(dim=-1)), experts_NK
         if s.scoring == "softmax":
             scores_NE = logits_NE.softmax(dim=-1)
         else:
@@ -122,7 +149,7 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.num_experts = spec.top_k, spec.num_experts
         self.router = Router(dim, spec)
-        self.experts = GroupedExperts(spec.num_experts, dim, spec.expert_size)
+        self.experts = GroupedExperts(spec.num_experts, dim, spec.expert_size, spec)
         self.shared_experts = SwiGLU(dim, spec.shared_expert_size) if spec.shared_expert_size else None
         self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts), persistent=False)
 

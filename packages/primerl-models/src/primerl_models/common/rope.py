@@ -1,7 +1,7 @@
 """Rotary position embeddings, computed from position ids (so packed rows restart at 0).
 
 Each attention block has its `Rope` (args.py): how many dimensions of a head rotate (partial
-RoPE leaves the rest unchanged), the base, Llama-3 scaling, and the layout: the two halves of
+RoPE leaves the rest unchanged), the base, Llama-3 or YaRN scaling, and the layout: the two halves of
 the rotated part (Llama, Qwen: HF's `rotate_half`) or interleaved pairs (GLM-4).
 
 Legend: B batch, T tokens, H heads, K head_dim, R rotary dims.
@@ -15,17 +15,63 @@ import torch
 
 from primerl_models.common.args import Rope
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
+
+
+def _rope_type(rope: Rope) -> str:
+    scaling = rope.scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def _yarn_factor(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(rope: Rope) -> float:
+    """The factor cos and sin are multiplied by (YaRN's attention temperature; 1 otherwise)."""
+    if _rope_type(rope) != "yarn":
+        return 1.0
+    s = rope.scaling
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return _yarn_factor(s["factor"], s["mscale"]) / _yarn_factor(s["factor"], s["mscale_all_dim"])
+    return _yarn_factor(s["factor"])
+
+
+def _yarn(freq: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """YaRN (arXiv:2309.00071): frequencies that turn fewer than beta_slow times over the
+    original context are interpolated (divided by factor), those that turn more than beta_fast
+    times are kept, with a linear ramp between the two dimensions in between."""
+    s, r = rope.scaling, rope.rotary_dim
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def dim_of(turns: float) -> float:  # the dimension whose frequency turns `turns` times
+        return r * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, r - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(r // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the frequency as is), 0: interpolate
+    freq = freq.float()
+    return (freq / factor) * (1 - keep) + freq * keep
 
 
 def inv_freq(rope: Rope) -> torch.Tensor:
-    """[R/2] float32 inverse frequencies, with Llama-3 scaling when configured."""
+    """[R/2] float32 inverse frequencies, with Llama-3 or YaRN scaling when configured."""
     r = rope.rotary_dim
     freq = 1.0 / (rope.theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
     scaling = rope.scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = _rope_type(rope)
     if rope_type == "default":
         return freq.float()
+    if rope_type == "yarn":
+        return _yarn(freq, rope)
     if rope_type != "llama3":
         raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
     factor = scaling["factor"]
@@ -41,15 +87,17 @@ def inv_freq(rope: Rope) -> torch.Tensor:
 
 
 def rope_cos_sin(
-    position_ids_BT: torch.Tensor, inv_freq_R2: torch.Tensor, interleaved: bool = False
+    position_ids_BT: torch.Tensor, inv_freq_R2: torch.Tensor, interleaved: bool = False, factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, T, R] float32: each frequency for both members of its pair (the halves
-    repeated, or each frequency twice in a row when interleaved)."""
+    """cos, sin [B, T, R] float32 (times `factor`): each frequency for both members of its
+    pair (the halves repeated, or each frequency twice in a row when interleaved)."""
     freqs_BTR2 = position_ids_BT[..., None].float() * inv_freq_R2.to(position_ids_BT.device)
     if interleaved:
         emb_BTR = freqs_BTR2.repeat_interleave(2, dim=-1)
     else:
         emb_BTR = torch.cat([freqs_BTR2, freqs_BTR2], dim=-1)
+    if factor != 1.0:
+        return emb_BTR.cos() * factor, emb_BTR.sin() * factor
     return emb_BTR.cos(), emb_BTR.sin()
 
 

@@ -25,7 +25,7 @@ from primerl_models.common.args import Layer, ModelArgs, MoEMLP, Rope
 from primerl_models.common.attention import Backend, PackedSeqs, attention
 from primerl_models.common.logprobs import chunked_logprobs
 from primerl_models.common.moe import MoE, SwiGLU
-from primerl_models.common.rope import apply_rope, inv_freq, rope_cos_sin
+from primerl_models.common.rope import apply_rope, attention_factor, inv_freq, rope_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -130,7 +130,7 @@ class Transformer(nn.Module):
             key = (spec, position_ids_BT.device)
             if key not in self._inv_freq:
                 self._inv_freq[key] = inv_freq(spec).to(position_ids_BT.device)
-            out[spec] = rope_cos_sin(position_ids_BT, self._inv_freq[key], spec.interleaved)
+            out[spec] = rope_cos_sin(position_ids_BT, self._inv_freq[key], spec.interleaved, attention_factor(spec))
         return out
 
     def forward(
