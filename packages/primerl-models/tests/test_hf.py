@@ -233,6 +233,16 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor,
     return q, scale
 
 
+def quantised_checkpoint(tmp_path, tensors: dict, quantization_config: dict):
+    """tmp_path/<quant_method>: `tensors` with tmp_path/plain's config and `quantization_config`."""
+    folder = tmp_path / quantization_config["quant_method"]
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    cfg = read_config(tmp_path / "plain") | {"quantization_config": quantization_config}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder, cfg
+
+
 def test_fp8_block_quantised_checkpoint_is_dequantised_at_load(tmp_path):
     """MiniMax-M2 is published in block-quantised fp8: each linear weight in e4m3 with one fp32
     scale per 128 x 128 block. Here blocks of 16 x 12 (12 does not divide 32: partial blocks).
@@ -249,12 +259,8 @@ def test_fp8_block_quantised_checkpoint_is_dequantised_at_load(tmp_path):
             dequantised[name] = q.float() * full
         else:
             quantised[name] = w
-    folder = tmp_path / "fp8"
-    folder.mkdir()
-    save_file(quantised, folder / "model.safetensors")
-    cfg = read_config(tmp_path / "plain") | {"quantization_config": {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}}
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder, cfg = quantised_checkpoint(tmp_path, quantised, {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)})
     ours = load_model(folder).eval()
     # the reference: transformers on the dequantised weights (which differ from the originals)
     assert max((dequantised[n] - tensors[n]).abs().max() for n in dequantised) > 1e-4
@@ -345,12 +351,8 @@ def test_mxfp4_experts_are_dequantised_at_load(tmp_path):
             dequantised[name] = values.transpose(1, 2).contiguous()
         else:
             quantised[name] = w
-    folder = tmp_path / "mxfp4"
-    folder.mkdir()
-    save_file(quantised, folder / "model.safetensors")
-    cfg = read_config(tmp_path / "plain") | {"quantization_config": {
-        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"]}}
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder, cfg = quantised_checkpoint(tmp_path, quantised, {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"]})
     ours = load_model(folder).eval()
     assert max((dequantised[n] - tensors[n]).abs().max() for n in dequantised) > 1e-3  # FP4 is coarse
     save_file(tensors | dequantised, tmp_path / "plain" / "model.safetensors")
