@@ -96,7 +96,7 @@ def session(folder: Path, run_dir: Path, ep: int, cp: int) -> Session:
 def train(s: Session, rows: list[list[MicroBatch]], steps: range, norms: list | None = None) -> list[float]:
     losses = []
     for step in steps:
-        stats = s.train_step(rows[s.d.rank], rl_loss(LOSS, scale_of(rows), s.d.device, s.cp_group))
+        stats = s.train_step(rows[s.d.rank], rl_loss(LOSS, scale_of(rows), s.d.device, s.mesh.cp_group))
         losses.append(stats["loss"])
         if norms is not None:
             norms.append(stats["grad_norm"])

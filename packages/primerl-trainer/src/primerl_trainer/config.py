@@ -68,9 +68,9 @@ class ParallelConfig(Config):
     """Expert parallelism: each MoE layer's experts are split over this many ranks (which must
     divide the ranks and the experts), tokens travel to their experts by all-to-all."""
 
-    def layout(self, ranks: int, where: str = "trainer.parallel") -> tuple[int, int, int]:
+    def layout(self, ranks: int) -> tuple[int, int, int]:
         """(dp, cp, ep) on `ranks` ranks; ValueError naming the keys when they do not fit."""
-        ranks_key = "transport.trainer_ranks"
+        where, ranks_key = "trainer.parallel", "transport.trainer_ranks"
         if ranks % self.cp:
             raise ValueError(f"{where}.cp = {self.cp} does not divide the trainer's {ranks} ranks ({ranks_key})")
         dp = ranks // self.cp

@@ -95,8 +95,6 @@ class Session:
             self.model, loaded = load_for_training(cfg, d, self.mesh)
         except (FileNotFoundError, ValueError) as err:
             raise SetupError(f"cannot load model {cfg.model.name!r}: {err}") from None
-        self.cp_group = self.mesh.cp_group
-        """The context-parallel group whose ranks share each row (None without CP): loss functions take it."""
         self.args = self.model.args
         self.opt = build_optimizer(self.model, self.tcfg.optimizer, d.device)
         self.sched = build_scheduler(self.opt, self.tcfg.scheduler, cfg.max_steps)
@@ -138,9 +136,7 @@ class Session:
         t1 = time.monotonic()
         grad_norm = clip_grad_norm(self.model, self.tcfg.optimizer.max_grad_norm)
         keys = sorted(sums[0])
-        # A row's loss, metrics, tokens and FLOPs are counted once: by the first rank of its
-        # context-parallel group (the others computed the same whole-row values).
-        count = 1.0 if self.mesh.cp_rank == 0 else 0.0
+        count = self.mesh.row_share  # a row's loss, metrics, tokens and FLOPs count once per CP group
         # Summed on the device, copied to the host once (not one sync per metric and micro-batch).
         local = (torch.stack([sum(s[k] for s in sums).float() for k in keys]) * count).tolist()
         local += [count * sum(mb.num_tokens for mb in rows), count * sum(train_flops(self.args, mb.seq_lens) for mb in rows)]

@@ -70,6 +70,13 @@ class Mesh:
         return self.rank % self.cp
 
     @property
+    def row_share(self) -> float:
+        """What this rank counts of its rows' sums (loss, metrics, tokens, FLOPs) so that a sum
+        over all ranks counts each row once: 1 on the first rank of a context-parallel group,
+        0 on the others (they computed the same whole-row values)."""
+        return 1.0 if self.cp_rank == 0 else 0.0
+
+    @property
     def layout(self) -> dict[str, int]:
         return {"dp": self.dp, "cp": self.cp, "ep": self.ep}
 

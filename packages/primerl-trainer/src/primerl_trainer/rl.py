@@ -266,7 +266,7 @@ def train(cfg: TrainerRunConfig) -> None:
                 break
             batch = data.batch
             scale = LossScale(tokens=batch.num_loss_tokens, sequences=batch.num_sequences)
-            stats = session.train_step(batch.micro_batches, rl_loss(cfg.trainer.loss, scale, d.device, session.cp_group),
+            stats = session.train_step(batch.micro_batches, rl_loss(cfg.trainer.loss, scale, d.device, session.mesh.cp_group),
                                        empty=batch.num_loss_tokens == 0)
             ready, publish_s = session.publish(step, unchanged=bool(stats["step_skipped"] or stats["step_empty"]))
             if ready is not None:

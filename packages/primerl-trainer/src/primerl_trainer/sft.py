@@ -82,11 +82,11 @@ def evaluate(session: Session, samples: list[Sample], row_tokens: int) -> float:
     rows, _ = my_rows(samples, row_tokens, d.rank, d.world_size)
     total = count = 0.0
     for mb in session.mesh.group_rows(rows):
-        pi, _ = token_logprobs(session.model, mb, d.device, session.cp_group)
+        pi, _ = token_logprobs(session.model, mb, d.device, session.mesh.cp_group)
         mask = torch.from_numpy(mb.loss_mask.copy()).to(d.device)
         total += float(-torch.where(mask, pi, 0.0).sum())
         count += float(mask.sum())
-    share = 1.0 if session.mesh.cp_rank == 0 else 0.0  # a context-parallel group's rows count once
+    share = session.mesh.row_share
     total, count = all_reduce_sum([share * total, share * count], d)
     return total / max(count, 1.0)
 
@@ -111,7 +111,7 @@ def train(cfg: SFTRunConfig) -> None:
             t0 = time.monotonic()
             rows, loss_tokens = my_rows(batches.next(), row_tokens, d.rank, d.world_size)
             t_data = time.monotonic() - t0
-            stats = session.train_step(rows, nll_loss(loss_tokens, d.device, session.cp_group))
+            stats = session.train_step(rows, nll_loss(loss_tokens, d.device, session.mesh.cp_group))
             last = step + 1 == max_steps
             checkpointed = session.maybe_checkpoint(step, batches.state, final=last)
             publish_s = session.publish(step)[1] if (checkpointed or last) else 0.0

@@ -107,9 +107,7 @@ def attention(
     if backend == "auto":
         backend = _auto(q_BTHK, seqs, window, sinks_H)
     if backend == "sdpa":
-        if window is None and sinks_H is None:
-            return _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs)
-        return _sdpa_masked(q_BTHK, k_BTGK, v_BTGK, seqs, window, sinks_H)
+        return _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs, window, sinks_H)
     if backend == "varlen":
         if sinks_H is not None:
             raise ValueError("attention backend 'varlen' cannot train attention sinks (flash kernels do not "
@@ -132,19 +130,19 @@ def _auto(q_BTHK, seqs: PackedSeqs, window, sinks_H) -> str:
     return "flex"
 
 
-def _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs) -> torch.Tensor:
+def _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window: int | None = None, sinks_H=None) -> torch.Tensor:
+    """sdpa in the cheaper layout: one row per document (padded) or the packed rows under a
+    document mask; plain causal attention for single-document rows without window or sinks."""
+    plain = window is None and sinks_H is None
+    if seqs.padded_cheaper() and not seqs.single_doc:
+        return _sdpa_padded(q_BTHK, k_BTGK, v_BTGK, seqs, window, sinks_H)
     q, k, v = (x.transpose(1, 2) for x in (q_BTHK, k_BTGK, v_BTGK))  # [B, H|G, T, K]
-    gqa = q.shape[1] != k.shape[1]
-    if seqs.single_doc:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    elif seqs.padded_cheaper():
-        return _sdpa_padded(q_BTHK, k_BTGK, v_BTGK, seqs, gqa)
+    if seqs.single_doc and plain:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     else:
-        t = q.shape[2]
         doc = seqs.doc_ids_BT
-        causal_TT = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        mask_B1TT = (doc[:, :, None] == doc[:, None, :]) & causal_TT
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TT[:, None], enable_gqa=gqa)
+        mask_B1TT = ((doc[:, :, None] == doc[:, None, :]) & _band(q.shape[2], window, q.device))[:, None]
+        out = _masked(q, k, v, mask_B1TT, sinks_H)
     return out.transpose(1, 2)
 
 
@@ -168,34 +166,15 @@ def _masked(q, k, v, mask, sinks_H) -> torch.Tensor:
     scores = scores.masked_fill(~mask, float("-inf"))
     sink = sinks_H.to(dt).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    return (probs.to(v.dtype) @ v)
+    return probs.to(v.dtype) @ v
 
 
-def _sdpa_masked(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window, sinks_H) -> torch.Tensor:
-    """sdpa with a sliding window and/or sinks: in the padded layout (one row per document)
-    when that multiplies fewer scores, else on the packed rows with a document mask."""
-    b, t, h, kd = q_BTHK.shape
-    if seqs.padded_cheaper() or seqs.single_doc:
-        at_N = seqs.padded_layout()
-        s_, m = seqs.num_docs, seqs.max_seqlen
-
-        def pad(x_BTXK):
-            x = x_BTXK.reshape(b * t, x_BTXK.shape[2], kd)
-            return x.new_zeros(s_ * m, x.shape[1], kd).index_copy(0, at_N, x).view(s_, m, x.shape[1], kd).transpose(1, 2)
-
-        out = _masked(pad(q_BTHK), pad(k_BTGK), pad(v_BTGK), _band(m, window, q_BTHK.device), sinks_H)
-        return out.transpose(1, 2).reshape(s_ * m, h, kd).index_select(0, at_N).view(b, t, h, kd)
-    doc = seqs.doc_ids_BT
-    mask_B1TT = ((doc[:, :, None] == doc[:, None, :]) & _band(t, window, q_BTHK.device))[:, None]
-    q, k, v = (x.transpose(1, 2) for x in (q_BTHK, k_BTGK, v_BTGK))
-    return _masked(q, k, v, mask_B1TT, sinks_H).transpose(1, 2)
-
-
-def _sdpa_padded(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, gqa: bool) -> torch.Tensor:
+def _sdpa_padded(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window: int | None, sinks_H) -> torch.Tensor:
     """Each document in a row of its own, right-padded with zeros: plain causal attention is
     exact there (a real query never sees a padded key, which comes after it), and the padded
-    queries' outputs are dropped. index_copy / index_select move the tokens both ways (on CPU
-    several times faster, forward and backward, than advanced indexing or masked_select)."""
+    queries' outputs are dropped; a window or sinks go through the masked path. index_copy /
+    index_select move the tokens both ways (on CPU several times faster, forward and backward,
+    than advanced indexing or masked_select)."""
     b, t, h, kd = q_BTHK.shape
     at_N = seqs.padded_layout()
     s_, m = seqs.num_docs, seqs.max_seqlen
@@ -205,8 +184,11 @@ def _sdpa_padded(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, gqa: bool) -> torch.T
         return x.new_zeros(s_ * m, x.shape[1], kd).index_copy(0, at_N, x).view(s_, m, x.shape[1], kd).transpose(1, 2)
 
     q, k, v = pad(q_BTHK), pad(k_BTGK), pad(v_BTGK)  # [S, H|G, M, K]
-    out_SMHK = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
-    return out_SMHK.reshape(s_ * m, h, kd).index_select(0, at_N).view(b, t, h, kd)
+    if window is None and sinks_H is None:
+        out_SHMK = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    else:
+        out_SHMK = _masked(q, k, v, _band(m, window, q.device), sinks_H)
+    return out_SHMK.transpose(1, 2).reshape(s_ * m, h, kd).index_select(0, at_N).view(b, t, h, kd)
 
 
 def _load_varlen():

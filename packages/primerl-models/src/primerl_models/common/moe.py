@@ -44,8 +44,8 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, num_experts: int, dim: int, hidden: int, spec: MoEMLP | None = None):
         super().__init__()
-        self.activation = spec.activation if spec is not None else "silu"
-        self.limit, self.alpha = (spec.limit, spec.alpha) if spec is not None else (7.0, 1.702)
+        self.clamp = (spec.limit, spec.alpha) if spec is not None and spec.activation == "clamped" else None
+        """(limit, alpha) of the clamped SwiGLU (GPT-OSS); None: silu."""
         self.w_gate = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w_up = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
@@ -59,10 +59,11 @@ class GroupedExperts(nn.Module):
         return self.run(x_AD, counts_E, dict(self.named_parameters(recurse=False)))
 
     def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.activation == "silu":
+        if self.clamp is None:
             return F.silu(gate) * up
-        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        limit, alpha = self.clamp
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
     def run(self, x_AD: torch.Tensor, counts_E: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """The experts' math on the weights given by name (expert parallelism passes its local
