@@ -202,3 +202,86 @@ def test_served_environment_gives_the_same_rollouts(server):
             assert max(abs(x - y) for x, y in zip(a.completion_logprobs, b.completion_logprobs)) <= 1e-4
     rewards = [rollout.reward for _, _, rollout in results["server"]]
     assert rewards[0] == 1.0 and 0.0 < rewards[1] < 1.0  # the comparison covered a full and a partial score
+
+
+# -- a group of single-turn rollouts as one request (primerl_envs.single_turn) ---------------
+# Both paths on the same server with the sampled text forced, so prompt tokens, reply tokens,
+# rewards and metrics must match exactly; logprobs may differ by batch-dependent rounding.
+
+
+def both_paths(server, cfg: EnvConfig, regex, *, n: int = 3, tasks: int = 2, max_tokens: int = 60):
+    """(episode rollout, group rollouts) for the first `tasks` tasks, the text forced by `regex(task)`."""
+    url, model = server
+
+    async def go():
+        env = Environment(cfg)
+        env.tasks.shuffle = False
+        out = []
+        async with env:
+            assert env.single_turn is not None, env.single_turn_why
+            for i in range(tasks):
+                task = env.tasks._tasks[i]
+                extra = {"structured_outputs": {"regex": regex(task)}}
+                ctx = model_context(url, model, model, max_tokens=max_tokens, extra_sampling=extra)
+                (episode,) = await env.rollouts(task, ctx, sample_id=0, group_id=i)
+                group = await env.group_rollouts(task, ctx, n=n, sample_ids=list(range(n)), group_id=i)
+                out.append((task, episode, group))
+        return out
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("env_id,answer", [
+    ("reverse-text", lambda t: t.data.answer),
+    ("reverse-text", lambda t: t.data.answer[1:] + "zz"),  # partial credit
+    ("math", lambda t: f"so \\boxed{{{t.data.answer}}}"),  # a reward and a metric
+    ("alphabet-sort", lambda t: " ".join(reversed(t.data.answer.split()))),
+])
+def test_a_group_request_gives_the_rollouts_episodes_give(vllm, env_id, answer):
+    server = vllm.urls[0], str(vllm.model)  # the session's server, as `server` gives it
+    for task, episode, group in both_paths(server, EnvConfig(id=env_id, args={"num_tasks": 4}), lambda t: forced(answer(t))):
+        check_tokens(episode)
+        assert [r.sample_id for r in group] == [0, 1, 2] and {r.group_id for r in group} == {episode.group_id}
+        for rollout in group:
+            check_tokens(rollout)
+            assert [(t.prompt_ids, t.completion_ids) for t in rollout.turns] == [
+                (t.prompt_ids, t.completion_ids) for t in episode.turns]
+            assert (rollout.reward, rollout.metrics, rollout.truncated) == (episode.reward, episode.metrics, episode.truncated)
+            for a, b in zip(rollout.turns[0].completion_logprobs, episode.turns[0].completion_logprobs):
+                assert math.isclose(a, b, abs_tol=1e-4)
+
+
+def test_a_free_group_is_n_different_samples_and_long_replies_are_truncated(vllm):
+    url, model = vllm.urls[0], str(vllm.model)
+
+    async def go():
+        async with Environment(EnvConfig(id="reverse-text", args={"num_tasks": 2})) as env:
+            task = env.tasks.next()
+            return await env.group_rollouts(task, model_context(url, model, model, max_tokens=5), n=8,
+                                            sample_ids=list(range(0, 64, 8)), group_id=7, policy_step=3)
+
+    group = asyncio.run(go())
+    assert [r.sample_id for r in group] == list(range(0, 64, 8)) and all(r.policy_step == 3 for r in group)
+    assert len({tuple(r.turns[0].completion_ids) for r in group}) > 1  # a random tiny model at temperature 1
+    for r in group:
+        check_tokens(r)
+        assert 0.0 <= r.reward <= 1.0
+        assert r.truncated == (len(r.turns[0].completion_ids) == 5)  # cut at max_tokens, not by its end token
+
+
+def test_failing_and_hanging_rewards_in_a_group_are_rollout_errors(vllm, tmp_path):
+    path = tmp_path / "raising_env.py"
+    path.write_text(RAISING_ENV)
+    url, model = vllm.urls[0], str(vllm.model)
+
+    async def go():
+        env = Environment(EnvConfig(id=str(path), timeout_s=5))
+        env.tasks.shuffle = False
+        async with env:
+            ctx = model_context(url, model, model, max_tokens=4)
+            return [await env.group_rollouts(env.tasks._tasks[i], ctx, n=2, sample_ids=[0, 1], group_id=i) for i in range(3)]
+
+    raised, ok, hung = asyncio.run(go())
+    assert all("reward function exploded" in r.error for r in raised)
+    assert all(r.error is None and r.reward == 1.0 for r in ok)
+    assert all(r.error.startswith("TimeoutError") and "timeout_s" in r.error for r in hung)

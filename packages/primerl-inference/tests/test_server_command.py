@@ -23,7 +23,10 @@ def test_cpu_server():
     a = args_of(spec.argv)
     assert value(a, "--model") == "m" and value(a, "--port") == "8100" and value(a, "--max-model-len") == "512"
     assert "--enforce-eager" in a and value(a, "--middleware") == "primerl_inference.admin.AdminMiddleware"
-    assert spec.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "CUDA_VISIBLE_DEVICES" not in spec.env
+    assert value(a, "--kv-cache-memory-bytes") == str(2**30) and "CUDA_VISIBLE_DEVICES" not in spec.env
+    small = server_command(InferenceConfig(cpu_kv_cache_gib=0.0625), "m", 512, replica=0, run_dir="/r", device="cpu")
+    assert value(args_of(small.argv), "--kv-cache-memory-bytes") == str(64 * 2**20)  # fractions of a GiB
+    assert spec.env["PRIMERL_INSPECT_IN_PROCESS"] == "1"  # CPU only: no subprocess inspects the model class
     assert spec.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # CPU only: the model in the engine process
     assert spec.url == "http://127.0.0.1:8100"
 
@@ -34,6 +37,7 @@ def test_replicas_get_their_own_ports_and_gpus():
     assert [s.port for s in specs] == [9000, 9001]
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["4,5", "6,7"]
     assert all("VLLM_ENABLE_V1_MULTIPROCESSING" not in s.env for s in specs)  # vLLM's default on GPUs
+    assert all("PRIMERL_INSPECT_IN_PROCESS" not in s.env for s in specs)  # CUDA stays out of the server process
     assert value(args_of(specs[1].argv), "--tensor-parallel-size") == "2"
 
 

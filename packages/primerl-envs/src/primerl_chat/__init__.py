@@ -26,7 +26,7 @@ import aiohttp
 import verifiers.v1 as vf
 from verifiers.v1.harnesses.utils import mcp as vf_mcp
 
-__all__ = ["ChatHarness", "close_session"]
+__all__ = ["ChatHarness", "close_session", "http_session", "initial_messages"]
 
 
 class ChatHarnessConfig(vf.HarnessConfig):
@@ -55,14 +55,7 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
         data: vf.TaskData,
         tool_interception_url: str | None = None,
     ) -> vf.ProgramResult:
-        system_prompt, prompt = self.resolve_prompt(data)
-        messages: list[dict] = []
-        if system_prompt:
-            messages.append({"role": "system", "content": system_prompt})
-        if isinstance(prompt, str):
-            messages.append({"role": "user", "content": prompt})
-        elif prompt:
-            messages.extend(m.model_dump(mode="json", exclude_none=True) for m in prompt)
+        messages = initial_messages(*self.resolve_prompt(data))
         async with AsyncExitStack() as stack:
             tools: list[dict] = []
             dispatch: dict = {}
@@ -101,13 +94,27 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
                 messages.append(await _run_tool(tool_call, dispatch, servers))
 
 
+def initial_messages(system_prompt: str | None, prompt) -> list[dict]:
+    """The chat a task opens with: its system prompt, if any, then its prompt (text as one user
+    message, or the task's messages). The batched single-turn path (primerl_envs.single_turn)
+    sends the same."""
+    messages: list[dict] = []
+    if system_prompt:
+        messages.append({"role": "system", "content": system_prompt})
+    if isinstance(prompt, str):
+        messages.append({"role": "user", "content": prompt})
+    elif prompt:
+        messages.extend(m.model_dump(mode="json", exclude_none=True) for m in prompt)
+    return messages
+
+
 class _ModelCall:
     def __init__(self, url: str, secret: str) -> None:
         self.url = url
         self.headers = {"Authorization": f"Bearer {secret}"}
 
     async def __call__(self, body: dict) -> dict:
-        async with _session().post(self.url, json=body, headers=self.headers) as response:
+        async with http_session().post(self.url, json=body, headers=self.headers) as response:
             raw = await response.read()
         if response.status != 200:
             raise ModelCallError(f"model call answered HTTP {response.status}: {raw[:300]!r}")
@@ -117,7 +124,7 @@ class _ModelCall:
 _SESSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _session() -> aiohttp.ClientSession:
+def http_session() -> aiohttp.ClientSession:
     """One HTTP session per event loop, shared by every rollout's model calls."""
     loop = asyncio.get_running_loop()
     session = _SESSIONS.get(loop)

@@ -30,6 +30,11 @@ class EnvConfig(Config):
     """Most model calls per rollout; the rollout is cut there (marked truncated)."""
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     """Wall-clock limit of one rollout in seconds; the rollout is cut there (an error)."""
+    batch_groups: bool = True
+    """Single-turn tasks without tools (primerl_envs.single_turn decides which, at start): a
+    group's rollouts go to the server as one request for group_size replies and are scored
+    without an episode each (same prompt tokens, rewards and metrics). false: every rollout
+    runs as its own verifiers episode."""
 
     @property
     def display_name(self) -> str:

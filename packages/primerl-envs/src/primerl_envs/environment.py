@@ -183,6 +183,10 @@ class Environment:
         except Exception as e:
             raise EnvLoadError(f"environment {self.name!r}: loading its tasks failed: {e}") from e
         self._env = None
+        self.single_turn = None
+        """A `single_turn.SingleTurnPlan` when this environment's groups go as one request each."""
+        self.single_turn_why = "not started"
+        """Why not, when not."""
         self._stack: contextlib.AsyncExitStack | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._client = None
@@ -206,10 +210,17 @@ class Environment:
             raise EnvLoadError(f"environment {self.name!r}: {e}") from e
         self._stack = contextlib.AsyncExitStack()
         await self._stack.enter_async_context(self._env.serving())
+        if self.cfg.batch_groups:
+            from primerl_envs.single_turn import single_turn_plan
+
+            self.single_turn, self.single_turn_why = single_turn_plan(self._env, self.name, self.cfg.harness)
+        else:
+            self.single_turn_why = "envs.*.batch_groups is false"
 
     async def _start_server(self) -> None:
         from verifiers.v1.serve import EnvClient, env_config_data
 
+        self.single_turn_why = "it is served by its own process (mode = server)"
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
         paths = [p for p in sys.path if p]
@@ -291,6 +302,20 @@ class Environment:
         except EpisodeError as e:
             return [Rollout(sample_id=sample_id, turns=[], error=str(e), **meta)]
         return [trace_to_rollout(t, sample_id=sample_id + i, **meta) for i, t in enumerate(traces)]
+
+
+    async def group_rollouts(
+        self, task, ctx, *, n: int, sample_ids: list[int], group_id: int, temperature: float = 1.0,
+        policy_step: int = 0,
+    ) -> list[Rollout] | None:
+        """A group of `n` rollouts of `task` from one request (primerl_envs.single_turn), or None
+        when this environment or this task needs an episode per rollout (then use `rollouts`)."""
+        if self.single_turn is None:
+            return None
+        from primerl_envs.single_turn import group_rollouts
+
+        return await group_rollouts(self.single_turn, task, ctx, n=n, sample_ids=sample_ids, group_id=group_id,
+                                    temperature=temperature, policy_step=policy_step)
 
 
 def preload() -> None:

@@ -55,7 +55,8 @@ class InferenceConfig(Config):
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     """Fraction of each GPU's memory vLLM may use (lower it when colocated with the trainer)."""
     cpu_kv_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    """KV cache size on CPU servers (VLLM_CPU_KVCACHE_SPACE)."""
+    """KV cache size on CPU servers in GiB (fractions allowed; vLLM zeroes it at start, ~1.7 s
+    a GiB on 2 cores). It must hold at least one max_model_len sequence."""
     enforce_eager: bool = False
     """Disable CUDA graphs / compilation (always on for CPU)."""
     enable_prefix_caching: bool = True

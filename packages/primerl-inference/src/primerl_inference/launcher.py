@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primerl_inference.config import ADMIN_TOKEN_ENV, InferenceConfig
+from primerl_inference.serve import INSPECT_ENV
 from primerl_protocol.serving import LOGPROBS_MODE
 
 ADMIN_MIDDLEWARE = "primerl_inference.admin.AdminMiddleware"
@@ -93,8 +94,14 @@ def server_command(
         env[ADMIN_TOKEN_ENV] = token
     gpus: list[int] = []
     if device == "cpu":
-        argv += ["--enforce-eager", "--dtype", "float32"]
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(cfg.cpu_kv_cache_gib)))
+        # The KV cache in bytes (VLLM_CPU_KVCACHE_SPACE takes whole GiB only): zeroing 1 GiB took
+        # ~1.7 s of the server's start on 2 cores, where a tiny model needs a few MiB.
+        argv += ["--enforce-eager", "--dtype", "float32", "--kv-cache-memory-bytes", str(int(cfg.cpu_kv_cache_gib * 2**30))]
+        env[INSPECT_ENV] = "1"  # serve.py: no subprocess to inspect the model class (~7 s CPU)
+        # One OpenMP thread for the model unless the user set OMP_NUM_THREADS: with 2 the
+        # engine's second thread spun between the many small steps of a CPU server (as much
+        # CPU as the first) for no gain in step time (reverse-text: 0.62 s a step either way).
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or "1"
         # CPU only: the model runs inside the engine-core process instead of a worker process of
         # its own. One process fewer to start (22 s to healthy instead of 36 s on 2 cores) and no
         # engine core spinning (sched_yield) on the worker's shared-memory queue, which took

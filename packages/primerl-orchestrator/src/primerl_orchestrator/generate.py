@@ -61,15 +61,32 @@ class Generator:
         `sampling`: the request's sampling fields, with at least `temperature` (training sends
         SamplingConfig.request()); what it leaves out the server takes from the model's
         generation_config.json."""
-        temperature = sampling["temperature"]
+        def run(server, ctx):
+            return env.rollouts(task, ctx, sample_id=sample_id, group_id=group_id,
+                                temperature=sampling["temperature"], policy_step=server.version)
+
+        return await self._retrying(run, max_tokens, sampling, f"rollout {sample_id} (env {env.name})")
+
+    async def play_group(
+        self, env: Environment, task, *, sample_ids: list[int], group_id: int, max_tokens: int, sampling: dict,
+    ) -> list[Rollout] | None:
+        """A whole group of `task` from one request to one server (`Environment.group_rollouts`),
+        or None when the environment or the task needs an episode per rollout (then `play`)."""
+        def run(server, ctx):
+            return env.group_rollouts(task, ctx, n=len(sample_ids), sample_ids=sample_ids, group_id=group_id,
+                                      temperature=sampling["temperature"], policy_step=server.version)
+
+        return await self._retrying(run, max_tokens, sampling, f"group {group_id} (env {env.name})")
+
+    async def _retrying(self, run, max_tokens: int, sampling: dict, what: str):
+        """`run(server, ctx)` on a leased server, again on another one while the server was at
+        fault (up to max_retries times)."""
         attempt = 0
         while True:
             async with self.pool.lease() as server:
-                ctx = self.context(server.url, max_tokens, sampling)
-                rollouts = await env.rollouts(
-                    task, ctx, sample_id=sample_id, group_id=group_id, temperature=temperature,
-                    policy_step=server.version,
-                )
+                rollouts = await run(server, self.context(server.url, max_tokens, sampling))
+            if rollouts is None:
+                return None
             failed = next((r.error for r in rollouts if is_model_error(r.error)), None)
             if failed is None or attempt >= self.max_retries:
                 return rollouts
@@ -77,7 +94,7 @@ class Generator:
                 return rollouts  # the server is fine: the request itself failed (e.g. too long)
             attempt += 1
             self.retries += 1
-            log.info("rollout %d (env %s) failed on %s; retrying on another server", sample_id, env.name, server.url)
+            log.info("%s failed on %s; retrying on another server", what, server.url)
 
 
 async def open_environments(stack: contextlib.AsyncExitStack, configs: list[EnvConfig], seed: int) -> list[Environment]:

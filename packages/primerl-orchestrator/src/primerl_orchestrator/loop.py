@@ -127,6 +127,9 @@ class Orchestrator:
             # eval environments are started only when online evals are on
             self.eval_envs = await open_environments(stack, cfg.envs.eval if self.o.eval.interval else [], cfg.seed)
             self.by_name = {e.name: e for e in self.envs}
+            for e in self.envs:
+                log.info("environment %s: %s", e.name, "one request per group (single-turn)" if e.single_turn
+                         else f"one episode per rollout ({e.single_turn_why})")
             self.mix = EnvMix(self.envs)
             self._resume()
             preload()  # the first model call's imports, while the servers may still be loading
@@ -258,16 +261,27 @@ class Orchestrator:
         s = self.o.sampling
         base = group.group_id * self.G
 
+        ids = [(base + i) * AGENT_SLOTS for i in range(self.G)]
+
         async def one(i: int):
             try:
-                return await self.gen.play(env, task, sample_id=(base + i) * AGENT_SLOTS, group_id=group.group_id,
+                return await self.gen.play(env, task, sample_id=ids[i], group_id=group.group_id,
                                            max_tokens=s.max_tokens, sampling=s.request())
             finally:
                 self.in_flight -= 1
                 await self._notify()
 
-        results = await asyncio.gather(*(one(i) for i in range(self.G)))
-        group.rollouts = [r for rs in results for r in rs]
+        batched = None
+        if env.single_turn is not None:  # one request for the group (None: this task needs episodes)
+            batched = await self.gen.play_group(env, task, sample_ids=ids, group_id=group.group_id,
+                                                max_tokens=s.max_tokens, sampling=s.request())
+        if batched is not None:
+            group.rollouts = batched
+            self.in_flight -= self.G
+            await self._notify()
+        else:
+            results = await asyncio.gather(*(one(i) for i in range(self.G)))
+            group.rollouts = [r for rs in results for r in rs]
         self._finished[0] += len(group.rollouts)
         self._finished[1] += sum(r.num_completion_tokens for r in group.rollouts)
         del self.running[group.group_id]
