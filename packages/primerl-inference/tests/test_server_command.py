@@ -2,6 +2,7 @@
 these tests check the generated arguments against vLLM's own argument parser)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -88,3 +89,31 @@ def test_vllm_parses_the_gpu_command_line():
     assert float(ns["kv_offloading_size"]) == 16.0 and ns["kv_offloading_backend"] == "native"
     assert "kv_consumer" in ns["kv_transfer_config"] and ns["max_model_len"] == 4096
     assert ns["middleware"] == ["primerl_inference.admin.AdminMiddleware"] and ns["enable_prefix_caching"] is True
+
+
+INSPECT = """
+import json, sys
+from primerl_inference.serve import register_in_process
+from vllm import ModelRegistry
+arch = "Qwen3ForCausalLM"
+lazy = ModelRegistry.models[arch]
+assert hasattr(lazy, "module_name"), "vLLM registers its own models lazily"
+assert register_in_process(sys.argv[1]) == [arch]
+assert register_in_process("Qwen/Qwen3-0.6B") == []  # a hub id: left to vLLM
+now = ModelRegistry.models[arch]
+assert not hasattr(now, "module_name") and now.load_model_cls() is lazy.load_model_cls()
+# what vLLM's own subprocess finds out about the class, and what it reads from the class here
+print(json.dumps([repr(lazy.inspect_model_cls()), repr(now.inspect_model_cls())]))
+"""
+
+
+@pytest.mark.slow
+def test_a_cpu_server_reads_the_model_class_in_process_and_learns_what_the_subprocess_would(tmp_path):
+    """serve.py's `register_in_process`: the checkpoint's architecture becomes a class vLLM
+    has imported, and vLLM's facts about it equal those its own inspection subprocess gives."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}))
+    out = subprocess.run([sys.executable, "-c", INSPECT, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    from_subprocess, in_process = json.loads(out.stdout.strip().splitlines()[-1])
+    assert from_subprocess == in_process and "supports_lora" in in_process

@@ -318,16 +318,23 @@ class Environment:
                                     temperature=temperature, policy_step=policy_step)
 
 
-def preload() -> None:
+def preload(tokenizer: str | None = None) -> None:
     """Import now what verifiers' training client imports on its first model call: renderers
     loads the tokenizer through transformers' AutoTokenizer, which imports transformers and
-    torch (4.4 s of the RL run's first step on 2 cores, py-spy). The orchestrator calls this
-    while its inference servers may still be loading. Without transformers installed it does
-    nothing (renderers then names the missing extra at that first call)."""
+    torch (4.4 s of the RL run's first step on 2 cores, py-spy). With `tokenizer`, also start
+    loading the renderer every model call of the run shares (on a thread; from inside the event
+    loop). The orchestrator calls this while its inference servers may still be loading.
+    Without transformers installed it does nothing (renderers then names the missing extra at
+    that first call)."""
     try:
         importlib.import_module("transformers").AutoTokenizer  # noqa: B018 (the lazy import itself)
     except ImportError:
-        pass
+        return
+    if tokenizer is not None:
+        from verifiers.v1.clients.train import ElasticRendererPool
+
+        client = _client_config("http://unused", tokenizer)
+        ElasticRendererPool(tokenizer, client.renderer, multiplex=client.multiplex).warm()
 
 
 class EpisodeError(RuntimeError):
@@ -354,16 +361,8 @@ def model_context(
     (`qwen3`: `<tool_call>{json}</tool_call>`).
     """
     import verifiers.v1 as vf
-    from renderers import DefaultRendererConfig
 
-    renderer = DefaultRendererConfig(tool_parser=tool_parser) if tool_parser else DefaultRendererConfig()
-    client = vf.TrainClientConfig(
-        base_url=base_url.rstrip("/") + "/v1",
-        api_key_var="PRIMERL_INFERENCE_API_KEY",
-        renderer=renderer,
-        renderer_model_name=tokenizer,
-        headers=headers or {},
-    )
+    client = _client_config(base_url, tokenizer, tool_parser, headers)
     sampling: dict[str, Any] = {"temperature": temperature}
     if max_tokens is not None:
         sampling["max_tokens"] = max_tokens
@@ -371,6 +370,20 @@ def model_context(
         sampling["top_p"] = top_p
     sampling.update(extra_sampling or {})
     return vf.ModelContext(model=model, client=client, sampling=vf.SamplingConfig(**sampling))
+
+
+def _client_config(base_url: str, tokenizer: str, tool_parser: str | None = "qwen3", headers: dict | None = None):
+    import verifiers.v1 as vf
+    from renderers import DefaultRendererConfig
+
+    renderer = DefaultRendererConfig(tool_parser=tool_parser) if tool_parser else DefaultRendererConfig()
+    return vf.TrainClientConfig(
+        base_url=base_url.rstrip("/") + "/v1",
+        api_key_var="PRIMERL_INFERENCE_API_KEY",
+        renderer=renderer,
+        renderer_model_name=tokenizer,
+        headers=headers or {},
+    )
 
 
 class EnvMix:

@@ -132,7 +132,8 @@ class Orchestrator:
                          else f"one episode per rollout ({e.single_turn_why})")
             self.mix = EnvMix(self.envs)
             self._resume()
-            preload()  # the first model call's imports, while the servers may still be loading
+            # the first model call's imports and tokenizer, while the servers may still be loading
+            preload(cfg.model.tokenizer or cfg.model.name)
             # Resumed, the servers may serve anything: the trainer publishes its restored weights first.
             self.gen = await start_generator(stack, cfg.model, cfg.inference.server_urls(),
                                              cfg.inference.resolved_admin_token(), logprobs_mode=LOGPROBS_MODE,

@@ -194,7 +194,7 @@ class ServerPool:
                 log.info("waiting for an inference server to come up (%s; %.0f s left)",
                          "; ".join(f"{s.url}: {p}" for s, p in zip(self.servers, problems)), deadline - time.monotonic())
                 next_note += 15.0
-            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         for server, problem in zip(self.servers, problems):
             if problem:
                 self.mark_unhealthy(server, problem)
