@@ -137,6 +137,7 @@ def test_the_request_asks_for_n_replies_of_the_rendered_prompt_stood_in(tmp_path
     (body,) = seen
     sp = body["sampling_params"]
     assert sp["n"] == 2 and sp["logprobs"] == 1 and sp["max_tokens"] == 4 and sp["stop_token_ids"]
+    assert sp["detokenize"] is False  # the reply is parsed from its ids; the server decodes no text
     assert body["token_ids"] and all(isinstance(t, int) for t in body["token_ids"])
     assert [r.error for r in rollouts] == [None, None]
     assert [r.turns[0].completion_ids for r in rollouts] == [[5, 2], [6, 7, 2]]

@@ -165,12 +165,11 @@ async def _sample_and_score(plan: SingleTurnPlan, task, ctx, messages: list[dict
     async with pool.acquire() as slot:
         renderer = slot.renderer
         rendered = await slot.run(lambda: renderer.render(messages, add_generation_prompt=True))
-        body = {
-            "model": ctx.model,
-            "token_ids": rendered.token_ids,
-            "sampling_params": {**sampling, "n": n, "logprobs": 1, "skip_special_tokens": False,
-                                "stop_token_ids": renderer.get_stop_token_ids()},
-        }
+        params = {**sampling, "n": n, "logprobs": 1, "skip_special_tokens": False,
+                  "stop_token_ids": renderer.get_stop_token_ids()}
+        if not params.get("stop"):  # the reply is parsed from its ids: the server need not decode text
+            params.setdefault("detokenize", False)
+        body = {"model": ctx.model, "token_ids": rendered.token_ids, "sampling_params": params}
         data = await _post(client, body)
         choices = _choices(data, n)
         results = [_result(c, rendered, renderer, data) for c in choices]
