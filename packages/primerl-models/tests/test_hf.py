@@ -74,7 +74,7 @@ def write_config(folder, **changes):
 def test_unsupported_model_type_lists_supported(tmp_path):
     save_transformers(DENSE, tmp_path)
     write_config(tmp_path, model_type="gpt2")
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not implemented .*supported: glm4, glm4_moe, gpt_oss, llama, minimax_m2, qwen3, qwen3_moe"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not implemented .*supported: afmoe, glm4, glm4_moe, gpt_oss, llama, minimax_m2, qwen3, qwen3_moe"):
         load_model(tmp_path)
 
 
@@ -83,6 +83,18 @@ def test_unsupported_option_is_named(tmp_path):
     write_config(tmp_path, use_sliding_window=True)
     with pytest.raises(ValueError, match="`use_sliding_window` = True is not supported"):
         load_model(tmp_path)
+
+
+def test_trinity_routing_that_transformers_does_not_implement_is_named(tmp_path):
+    """vLLM reads score_func / route_norm / n_group / topk_group of a Trinity config, transformers
+    does not: a value other than the released one would train one way and serve another."""
+    save_transformers(AFMOE, tmp_path)
+    for key, value, released in [("score_func", "softmax", "sigmoid"), ("route_norm", False, True), ("n_group", 2, 1)]:
+        write_config(tmp_path, **{key: value})
+        with pytest.raises(ValueError, match=f"`{key}` = {value!r} is not supported"):
+            load_model(tmp_path)
+        write_config(tmp_path, **{key: released})
+    load_model(tmp_path)  # the released values load
 
 
 def test_missing_config(tmp_path):
@@ -151,6 +163,11 @@ GLM4 = transformers.Glm4Config(
     vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=1,
 )
+AFMOE = transformers.AfmoeConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+    num_shared_experts=1, num_dense_layers=1, layer_types=["sliding_attention", "full_attention"], mup_enabled=True,
+)
 
 
 def add_tensors(folder, tensors: dict, file: str = "model-extra.safetensors"):
@@ -181,7 +198,7 @@ def save_with_biases(config, folder, shard=None):
     return save_transformers(config, folder, shard, router_bias_std=0.1)
 
 
-@pytest.mark.parametrize("config", [GLM_MOE, MINIMAX, GLM4], ids=["glm4_moe-mtp", "minimax_m2", "glm4"])
+@pytest.mark.parametrize("config", [GLM_MOE, MINIMAX, GLM4, AFMOE], ids=["glm4_moe-mtp", "minimax_m2", "glm4", "afmoe"])
 def test_new_families_round_trip_exactly_and_carry_what_is_not_trained(config, tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     save_with_biases(config, src, shard="20KB")
@@ -198,7 +215,7 @@ def test_new_families_round_trip_exactly_and_carry_what_is_not_trained(config, t
         assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
     for name, tensor in extra.items():
         assert torch.equal(after[name], tensor), name
-    biases = [n for n in before if n.endswith("e_score_correction_bias")]
+    biases = [n for n in before if n.endswith(("e_score_correction_bias", ".expert_bias"))]
     assert bool(biases) == (config.model_type != "glm4"), biases
     assert all(before[n].abs().sum() > 0 for n in biases)
     # transformers loads what we wrote, with the same logits as the source

@@ -96,13 +96,31 @@ CASES = {
              sliding_window=6, layer_types=["sliding_attention"] * 3, attention_bias=False, swiglu_limit=7.0,
              rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
     ),
+    # Trinity: sliding layers with 4-token windows and RoPE, a global layer without positions,
+    # sigmoid output gates, sandwich norms (drawn away from 1), a dense first layer, expert
+    # bias (drawn non-zero), one shared expert, route scale, muP embedding scale ...
+    "afmoe-nope-global-gates-mup": (
+        transformers.AfmoeConfig,
+        dict(num_hidden_layers=3, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             num_shared_experts=1, num_dense_layers=1, route_scale=2.5, sliding_window=4, mup_enabled=True,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    ),
+    # ... and every layer MoE, the global layer first, one kv head, two shared experts' width,
+    # top-3 of 6, tied embeddings, attention biases, no muP.
+    "afmoe-all-moe-mqa-tied-bias": (
+        transformers.AfmoeConfig,
+        dict(num_key_value_heads=1, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+             num_shared_experts=2, num_dense_layers=0, route_scale=1.0, sliding_window=6, mup_enabled=False,
+             layer_types=["full_attention", "sliding_attention"], tie_word_embeddings=True, attention_bias=True),
+    ),
 }
 
 
 def hf_checkpoint(case: str, folder, shard: str | None = None):
     config_cls, extra = CASES[case]
     return save_transformers(config_cls(**{**COMMON, **extra}), folder, shard, router_bias_std=0.1,
-                             bias_std=0.2 if case.startswith("gptoss") else 0.0)
+                             bias_std=0.2 if case.startswith(("gptoss", "afmoe")) else 0.0,
+                             norm_std=0.2 if case.startswith("afmoe") else 0.0)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -119,7 +137,8 @@ def test_logits_match_transformers(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["qwen3-gqa-tied", "qwen3moe-top2-norm", "glm4moe-groups-shared-qknorm-bias",
-                                  "minimax-m2-partial-rope", "glm4-half-rope-bias", "gptoss-sliding-full-yarn-sinks"])
+                                  "minimax-m2-partial-rope", "glm4-half-rope-bias", "gptoss-sliding-full-yarn-sinks",
+                                  "afmoe-nope-global-gates-mup"])
 def test_packed_row_equals_each_sequence_alone(case, tmp_path):
     hf_checkpoint(case, tmp_path)
     ours = load_model(tmp_path).eval()

@@ -9,12 +9,14 @@ import torch
 
 
 def save_transformers(config, folder: str | Path, shard: str | None = None, router_bias_std: float = 0.0, seed: int = 0,
-                      bias_std: float = 0.0):
+                      bias_std: float = 0.0, norm_std: float = 0.0):
     """transformers' model of `config` (seeded random weights) saved by its own save_pretrained,
-    in shards of `shard` (e.g. "30KB") when given; routers' correction biases drawn
-    normal(0, router_bias_std) first when > 0 (transformers initialises them to zero), and
-    every parameter named `*bias` normal(0, bias_std) when > 0 (likewise).
-    Returns the model (eval mode, eager attention)."""
+    in shards of `shard` (e.g. "30KB") when given; routers' correction biases
+    (`e_score_correction_bias`, Trinity's `expert_bias`) drawn normal(0, router_bias_std) first
+    when > 0 (transformers initialises them to zero), every parameter named `*bias`
+    normal(0, bias_std) when > 0 (likewise), and every norm's weight 1 + normal(0, norm_std) when
+    > 0 (so that a norm loaded into the wrong place shows). Returns the model (eval mode, eager
+    attention)."""
     try:
         import transformers
     except ImportError as err:  # not a dependency of primerl-models: the workspace's dev group has it
@@ -24,13 +26,18 @@ def save_transformers(config, folder: str | Path, shard: str | None = None, rout
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     if router_bias_std:
         with torch.no_grad():
-            for name, buf in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    buf.normal_(0.0, router_bias_std)
+            for name, t in [*model.named_buffers(), *model.named_parameters()]:
+                if name.endswith(("e_score_correction_bias", ".expert_bias")):
+                    t.normal_(0.0, router_bias_std)
     if bias_std:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("bias"):
                     param.normal_(0.0, bias_std)
+    if norm_std:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(1.0, norm_std)
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     return model

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 QKNorm = Literal["none", "head", "full"]
+Gate = Literal["none", "sigmoid", "softplus"]
 Scoring = Literal["softmax", "sigmoid", "softmax_topk"]
 Activation = Literal["silu", "clamped"]
 
@@ -42,12 +43,14 @@ class Rope:
 
 @dataclass(frozen=True)
 class Attention:
-    """Softmax attention (grouped-query): q, k, v projections, optional norms, RoPE, o."""
+    """Softmax attention (grouped-query): q, k, v projections, optional norms, RoPE, an optional
+    output gate, o."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope: Rope
+    rope: Rope | None
+    """None: no positions at all (Trinity's global layers)."""
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: QKNorm = "none"
@@ -59,6 +62,11 @@ class Attention:
     sinks: bool = False
     """A learned logit per head that joins every query's softmax and carries no value
     (GPT-OSS's attention sinks): the weights of the real keys sum to less than 1."""
+    gate: Gate = "none"
+    """An output gate computed from the layer's input (`gate_proj`, no bias): the attention's
+    output times sigmoid (Trinity) or softplus (Laguna) of it, before o_proj."""
+    gate_per_head: bool = False
+    """One gate value per head (Laguna's "per-head") instead of one per output element."""
 
     def __post_init__(self) -> None:
         if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
@@ -66,10 +74,12 @@ class Attention:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
-        if self.rope.rotary_dim > self.head_dim:
+        if self.rope is not None and self.rope.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim ({self.rope.rotary_dim}) is larger than head_dim ({self.head_dim})")
         if self.qk_norm not in ("none", "head", "full"):
             raise ValueError(f"qk_norm must be 'none', 'head' or 'full', got {self.qk_norm!r}")
+        if self.gate not in ("none", "sigmoid", "softplus"):
+            raise ValueError(f"attention gate must be 'none', 'sigmoid' or 'softplus', got {self.gate!r}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {self.window}")
 
@@ -80,6 +90,7 @@ class Attention:
         params += dim if self.o_bias else 0
         params += {"none": 0, "head": 2 * k, "full": (h + g) * k}[self.qk_norm]
         params += h if self.sinks else 0
+        params += 0 if self.gate == "none" else dim * (h if self.gate_per_head else h * k)
         return params
 
 
@@ -193,6 +204,8 @@ class ModelArgs:
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
     max_position_embeddings: int = 32768
+    embed_scale: float = 1.0
+    """Multiplies the token embeddings before the first layer (muP: sqrt(hidden_size))."""
 
     def __post_init__(self) -> None:
         if not self.layers:

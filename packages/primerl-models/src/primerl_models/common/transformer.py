@@ -54,6 +54,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(norm_q, eps) if norm_q else None
         self.k_norm = RMSNorm(norm_k, eps) if norm_k else None
         self.sinks = nn.Parameter(torch.zeros(h)) if spec.sinks else None
+        if spec.gate != "none":
+            self.gate_proj = nn.Linear(dim, h if spec.gate_per_head else h * k, bias=False)
 
     def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend: Backend) -> torch.Tensor:
         b, t, _ = x_BTD.shape
@@ -65,11 +67,21 @@ class Attention(nn.Module):
         v_BTGK = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.spec.qk_norm == "head":
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
-        interleaved = self.spec.rope.interleaved
-        q_BTHK = apply_rope(q_BTHK, cos_BTR, sin_BTR, interleaved)
-        k_BTGK = apply_rope(k_BTGK, cos_BTR, sin_BTR, interleaved)
+        if self.spec.rope is not None:  # else no positions (cos, sin are None)
+            interleaved = self.spec.rope.interleaved
+            q_BTHK = apply_rope(q_BTHK, cos_BTR, sin_BTR, interleaved)
+            k_BTGK = apply_rope(k_BTGK, cos_BTR, sin_BTR, interleaved)
         out_BTHK = attention(q_BTHK, k_BTGK, v_BTGK, seqs, backend, window=self.spec.window, sinks_H=self.sinks)
+        if self.spec.gate != "none":
+            out_BTHK = out_BTHK * self._gate(x_BTD, out_BTHK.dtype).view(b, t, self.num_heads, -1)
         return self.o_proj(out_BTHK.reshape(b, t, -1))
+
+    def _gate(self, x_BTD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[B, T, H or H*K]: sigmoid or softplus (in fp32 at least) of gate_proj(x)."""
+        g = self.gate_proj(x_BTD)
+        if self.spec.gate == "sigmoid":
+            return torch.sigmoid(g).to(dtype)
+        return F.softplus(g.float()).to(dtype)
 
 
 MLP = SwiGLU  # the dense MLP
@@ -115,7 +127,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, args.hidden_size, args.rms_norm_eps) for spec in args.layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self._rope_specs = list(dict.fromkeys(layer.mixer.rope for layer in args.layers))
+        self._rope_specs = list(dict.fromkeys(layer.mixer.rope for layer in args.layers if layer.mixer.rope is not None))
         self._inv_freq: dict[tuple[Rope, torch.device], torch.Tensor] = {}
 
     @property
@@ -156,7 +168,10 @@ class Transformer(nn.Module):
         if seqs is None:
             seqs = PackedSeqs.from_position_ids(position_ids_BT)
         ropes = self._ropes(position_ids_BT)
+        ropes[None] = (None, None)  # layers without positions
         x_BTD = self.embed_tokens(input_ids_BT)
+        if self.args.embed_scale != 1.0:
+            x_BTD = x_BTD * self.args.embed_scale
         for layer in self.layers:
             x_BTD = layer(x_BTD, *ropes[layer.spec.mixer.rope], seqs, self.attn_backend)
         hidden_BTD = self.norm(x_BTD)

@@ -1,5 +1,6 @@
 """The model families primerl implements, by Hugging Face `model_type`."""
 
+from primerl_models.families.afmoe import AFMOE
 from primerl_models.families.base import Family, TinyShape
 from primerl_models.families.glm4 import GLM4
 from primerl_models.families.glm4_moe import GLM4_MOE
@@ -9,7 +10,7 @@ from primerl_models.families.minimax_m2 import MINIMAX_M2
 from primerl_models.families.qwen3 import QWEN3
 from primerl_models.families.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, QWEN3, QWEN3_MOE, GLM4, GLM4_MOE, MINIMAX_M2, GPT_OSS)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, QWEN3, QWEN3_MOE, GLM4, GLM4_MOE, MINIMAX_M2, GPT_OSS, AFMOE)}
 
 
 def family_for(cfg: dict, where: str = "config.json") -> Family:
