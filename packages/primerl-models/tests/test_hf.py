@@ -74,7 +74,7 @@ def write_config(folder, **changes):
 def test_unsupported_model_type_lists_supported(tmp_path):
     save_transformers(DENSE, tmp_path)
     write_config(tmp_path, model_type="gpt2")
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not implemented .*supported: afmoe, glm4, glm4_moe, gpt_oss, llama, minimax_m2, qwen3, qwen3_moe"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not implemented .*supported: afmoe, glm4, glm4_moe, gpt_oss, laguna, llama, minimax_m2, qwen3, qwen3_moe"):
         load_model(tmp_path)
 
 
@@ -168,6 +168,11 @@ AFMOE = transformers.AfmoeConfig(
     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
     num_shared_experts=1, num_dense_layers=1, layer_types=["sliding_attention", "full_attention"], mup_enabled=True,
 )
+LAGUNA = transformers.LagunaConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+    shared_expert_intermediate_size=16, num_attention_heads_per_layer=[4, 2], layer_types=["full_attention", "sliding_attention"],
+)
 
 
 def add_tensors(folder, tensors: dict, file: str = "model-extra.safetensors"):
@@ -198,7 +203,8 @@ def save_with_biases(config, folder, shard=None):
     return save_transformers(config, folder, shard, router_bias_std=0.1)
 
 
-@pytest.mark.parametrize("config", [GLM_MOE, MINIMAX, GLM4, AFMOE], ids=["glm4_moe-mtp", "minimax_m2", "glm4", "afmoe"])
+@pytest.mark.parametrize("config", [GLM_MOE, MINIMAX, GLM4, AFMOE, LAGUNA],
+                         ids=["glm4_moe-mtp", "minimax_m2", "glm4", "afmoe", "laguna"])
 def test_new_families_round_trip_exactly_and_carry_what_is_not_trained(config, tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     save_with_biases(config, src, shard="20KB")

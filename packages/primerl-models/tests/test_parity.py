@@ -9,6 +9,8 @@ import transformers
 from primerl_models import load_model
 from primerl_models.testing import save_transformers
 
+LAGUNA_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}
 COMMON = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
     num_attention_heads=4, head_dim=16, initializer_range=0.2, rms_norm_eps=1e-6,
@@ -113,14 +115,35 @@ CASES = {
              num_shared_experts=2, num_dense_layers=0, route_scale=1.0, sliding_window=6, mup_enabled=False,
              layer_types=["full_attention", "sliding_attention"], tie_word_embeddings=True, attention_bias=True),
     ),
+    # Laguna: a head count per layer, RoPE per layer type (half of each head rotating on the
+    # full layer, theta 5e5; all of it on the sliding ones), 4-token windows, a softplus gate per
+    # head, a soft-capped sigmoid router with correction bias, a shared expert, routed scaling ...
+    "laguna-heads-per-layer-softcap-headgate": (
+        transformers.LagunaConfig,
+        dict(num_hidden_layers=3, num_key_value_heads=2, num_attention_heads_per_layer=[4, 2, 6], num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, sliding_window=4,
+             layer_types=["full_attention", "sliding_attention", "sliding_attention"], gating=True,
+             mlp_layer_types=["dense", "sparse", "sparse"], moe_routed_scaling_factor=2.5,
+             moe_router_logit_softcapping=1.5, rope_parameters=LAGUNA_ROPE),
+    ),
+    # ... and a gate per element, the MoE layer first, one kv head, biases, tied embeddings,
+    # no soft-cap, top-3 of 6.
+    "laguna-elementgate-mqa-tied-bias": (
+        transformers.LagunaConfig,
+        dict(num_key_value_heads=1, num_attention_heads_per_layer=[2, 4], num_experts=6, num_experts_per_tok=3,
+             moe_intermediate_size=32, shared_expert_intermediate_size=32, sliding_window=6,
+             layer_types=["sliding_attention", "full_attention"], gating=False, mlp_layer_types=["sparse", "dense"],
+             moe_routed_scaling_factor=1.0, moe_router_logit_softcapping=0.0, attention_bias=True,
+             tie_word_embeddings=True, rope_parameters=LAGUNA_ROPE),
+    ),
 }
 
 
 def hf_checkpoint(case: str, folder, shard: str | None = None):
     config_cls, extra = CASES[case]
     return save_transformers(config_cls(**{**COMMON, **extra}), folder, shard, router_bias_std=0.1,
-                             bias_std=0.2 if case.startswith(("gptoss", "afmoe")) else 0.0,
-                             norm_std=0.2 if case.startswith("afmoe") else 0.0)
+                             bias_std=0.2 if case.startswith(("gptoss", "afmoe", "laguna")) else 0.0,
+                             norm_std=0.2 if case.startswith(("afmoe", "laguna")) else 0.0)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -138,7 +161,7 @@ def test_logits_match_transformers(case, tmp_path):
 
 @pytest.mark.parametrize("case", ["qwen3-gqa-tied", "qwen3moe-top2-norm", "glm4moe-groups-shared-qknorm-bias",
                                   "minimax-m2-partial-rope", "glm4-half-rope-bias", "gptoss-sliding-full-yarn-sinks",
-                                  "afmoe-nope-global-gates-mup"])
+                                  "afmoe-nope-global-gates-mup", "laguna-heads-per-layer-softcap-headgate"])
 def test_packed_row_equals_each_sequence_alone(case, tmp_path):
     hf_checkpoint(case, tmp_path)
     ours = load_model(tmp_path).eval()

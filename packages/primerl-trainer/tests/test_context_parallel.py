@@ -35,7 +35,7 @@ def test_ulysses_attention_equals_the_whole_row(ranks, case):
             assert row["ref_sinks_grad"].abs().min() > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3", "glm4_moe", "gpt_oss", "afmoe"])
+@pytest.mark.parametrize("family", ["qwen3", "glm4_moe", "gpt_oss", "afmoe", "laguna"])
 def test_a_whole_model_over_chunks_equals_the_whole_row(ranks, family):
     """The model fed each rank's chunk (ids, positions, targets) with the whole row's document
     boundaries and Ulysses as its attention: each rank's logprobs are the whole row's for its

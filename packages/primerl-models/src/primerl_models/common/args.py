@@ -133,6 +133,8 @@ class MoEMLP:
     """Hidden size of a dense SwiGLU every token also goes through (0: none)."""
     router_bias: bool = False
     """The router's linear layer has a bias (GPT-OSS); it chooses and weights, unlike correction_bias."""
+    logit_softcap: float = 0.0
+    """> 0: the router's logits become softcap * tanh(logits / softcap) before scoring (Laguna)."""
     expert_bias: bool = False
     """Each expert's gate, up and down projections have biases (GPT-OSS)."""
     activation: Activation = "silu"
@@ -146,6 +148,8 @@ class MoEMLP:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in 1..num_experts ({self.num_experts})")
         if self.scoring not in ("softmax", "sigmoid", "softmax_topk"):
             raise ValueError(f"router scoring must be 'softmax', 'sigmoid' or 'softmax_topk', got {self.scoring!r}")
+        if self.logit_softcap < 0:
+            raise ValueError(f"router logit soft-cap must be >= 0 (0: off), got {self.logit_softcap}")
         if self.activation not in ("silu", "clamped"):
             raise ValueError(f"expert activation must be 'silu' or 'clamped', got {self.activation!r}")
         if self.n_group < 1 or self.num_experts % self.n_group:

@@ -108,6 +108,8 @@ class Router(nn.Module):
         """(weights [N, K] fp32, experts [N, K])."""
         s = self.spec
         logits_NE = F.linear(x_ND.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        if s.logit_softcap > 0:
+            logits_NE = torch.tanh(logits_NE / s.logit_softcap) * s.logit_softcap
         if s.scoring == "softmax_topk":  # GPT-OSS: the top-k logits, then their softmax
             top_NK, experts_NK = logits_NE.topk(s.top_k, dim=-1)
             return self._finish(top_NK.softmax(dim=-1)), experts_NK

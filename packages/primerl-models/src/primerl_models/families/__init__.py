@@ -5,12 +5,13 @@ from primerl_models.families.base import Family, TinyShape
 from primerl_models.families.glm4 import GLM4
 from primerl_models.families.glm4_moe import GLM4_MOE
 from primerl_models.families.gpt_oss import GPT_OSS
+from primerl_models.families.laguna import LAGUNA
 from primerl_models.families.llama import LLAMA
 from primerl_models.families.minimax_m2 import MINIMAX_M2
 from primerl_models.families.qwen3 import QWEN3
 from primerl_models.families.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, QWEN3, QWEN3_MOE, GLM4, GLM4_MOE, MINIMAX_M2, GPT_OSS, AFMOE)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, QWEN3, QWEN3_MOE, GLM4, GLM4_MOE, MINIMAX_M2, GPT_OSS, AFMOE, LAGUNA)}
 
 
 def family_for(cfg: dict, where: str = "config.json") -> Family:
