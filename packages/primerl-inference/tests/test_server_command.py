@@ -116,4 +116,4 @@ def test_a_cpu_server_reads_the_model_class_in_process_and_learns_what_the_subpr
                          env={**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "cache")})
     assert out.returncode == 0, out.stderr[-3000:]
     from_subprocess, in_process = json.loads(out.stdout.strip().splitlines()[-1])
-    assert from_subprocess == in_process and "supports_lora" in in_process
+    assert from_subprocess == in_process and "is_text_generation_model=True" in in_process

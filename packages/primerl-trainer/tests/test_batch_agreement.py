@@ -26,6 +26,11 @@ for step, case in enumerate(sys.argv[1:]):
         print(f"step {step}: verdict {source.agree(step, msg, None)}", flush=True)
     except TrainerError as err:
         print(f"step {step}: {err}", flush=True)
+# Leave together: a rank whose peer has already closed the connection can abort in gloo's
+# teardown at exit (SIGABRT, seen once in CI after every step had printed).
+import torch.distributed as dist
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
