@@ -53,27 +53,41 @@ def score_tasks(rewards_per_task: list[list[float]], k: int, threshold: float) -
 async def evaluate(
     envs: list[Environment], gen: Generator, settings, *, max_tokens: int, concurrency: int,
 ) -> dict[str, float]:
-    """`eval/<env>/...` metrics of every environment in `envs` (EvalSettings `settings`)."""
+    """`eval/<env>/...` metrics of every environment in `envs` (EvalSettings `settings`).
+    A single-turn environment's k samples of a task go as one request (Generator.play_group);
+    `concurrency` bounds the rollouts in flight either way."""
     k = settings.num_samples
     limit = asyncio.Semaphore(concurrency)
+    group_limit = asyncio.Semaphore(max(1, concurrency // k))
+    sampling = {"temperature": settings.temperature}
     out: dict[str, float] = {}
     t0 = time.monotonic()
 
-    async def one(env, task, task_index: int, i: int) -> tuple[float, bool, int]:
-        async with limit:
-            rollouts = await gen.play(
-                env, task, sample_id=task_index * k + i, group_id=task_index,
-                max_tokens=max_tokens, sampling={"temperature": settings.temperature},
-            )
-        r = rollouts[0]
-        return (0.0 if r.error else r.reward), r.error is not None, r.num_completion_tokens
+    async def task_rollouts(env, task, task_index: int) -> list:
+        ids = [task_index * k + i for i in range(k)]
+        if env.single_turn is not None:
+            async with group_limit:
+                group = await gen.play_group(env, task, sample_ids=ids, group_id=task_index,
+                                             max_tokens=max_tokens, sampling=sampling)
+            if group is not None:
+                return group
+
+        async def one(sample_id: int):
+            async with limit:
+                rollouts = await gen.play(env, task, sample_id=sample_id, group_id=task_index,
+                                          max_tokens=max_tokens, sampling=sampling)
+            return rollouts[0]
+
+        return list(await asyncio.gather(*(one(i) for i in ids)))
 
     for env in envs:
         n_tasks = len(env.tasks) if settings.max_tasks is None else min(settings.max_tasks, len(env.tasks) or settings.max_tasks)
         if n_tasks == 0:
             raise ValueError(f"eval environment {env.name!r} has an endless taskset: set eval.max_tasks")
         tasks = [env.tasks.at(i) for i in range(n_tasks)]
-        results = await asyncio.gather(*(one(env, t, ti, i) for ti, t in enumerate(tasks) for i in range(k)))
+        per_task = await asyncio.gather(*(task_rollouts(env, t, ti) for ti, t in enumerate(tasks)))
+        results = [((0.0 if r.error else r.reward), r.error is not None, r.num_completion_tokens)
+                   for rollouts in per_task for r in rollouts]
         rewards = [[results[ti * k + i][0] for i in range(k)] for ti in range(n_tasks)]
         for name, value in score_tasks(rewards, k, settings.pass_threshold).items():
             out[f"eval/{env.name}/{name}"] = value
