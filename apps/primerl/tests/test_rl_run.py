@@ -93,9 +93,12 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
     warning, and the run goes on on the other. Then its trainer is SIGKILLed: everything
     stops, naming it, and nothing is left running. The same command again resumes right after
     the newest checkpoint (steps after it are trained again, none skipped) and finishes, on
-    one server."""
+    one server. Once more, the run is complete: both finish at once, nothing trained. (40
+    steps: the trainer must still be running when it is killed; 6 were done before the kill
+    once the steps got fast, and that resume, with nothing left, waited for ever.)"""
     run_dir = tmp_path / "run"
-    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=6, replicas=2)
+    max_steps = 40
+    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=max_steps, replicas=2)
     port = int(next(line for line in cfg.read_text().splitlines() if line.startswith("port = ")).split("=")[1])
     launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
@@ -128,10 +131,20 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resumed from {folder}; continuing at step {resume_at}" in (run_dir / "logs" / "trainer.log").read_text()
     steps = steps_of(run_dir)
-    assert steps[len(trained_before):] == list(range(resume_at, 6))
+    assert steps[len(trained_before):] == list(range(resume_at, max_steps))
     rows = rows_of(run_dir)
     assert all("reward/mean" in r and "loss" in r for r in rows)
     assert rows[-1]["servers/healthy"] == 1 and rows[-1]["servers/unhealthy"] == 0
+    assert not leftovers(run_dir)
+
+    # the same command on the finished run: nothing to do, and it says so
+    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "inference.num_replicas=1"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "run finished" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert steps_of(run_dir) == steps
+    for name in ("trainer", "orchestrator"):
+        assert f"the run is complete: resumed at step {max_steps} of max_steps {max_steps}" in \
+            (run_dir / "logs" / f"{name}.log").read_text()
     assert not leftovers(run_dir)
 
 

@@ -132,6 +132,10 @@ class Orchestrator:
                          else f"one episode per rollout ({e.single_turn_why})")
             self.mix = EnvMix(self.envs)
             self._resume()
+            if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                # The checkpoint is the last step's: the trainer has nothing to train or publish.
+                log.info("the run is complete: resumed at step %d of max_steps %d; nothing to do", self.step, cfg.max_steps)
+                return
             # the first model call's imports and tokenizer, while the servers may still be loading
             preload(cfg.model.tokenizer or cfg.model.name)
             # Resumed, the servers may serve anything: the trainer publishes its restored weights first.

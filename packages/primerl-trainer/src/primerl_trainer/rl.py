@@ -254,6 +254,12 @@ def train(cfg: TrainerRunConfig) -> None:
     )
     step, failed = session.start_step, True
     try:
+        if cfg.max_steps is not None and step >= cfg.max_steps:
+            # Resumed from the last step's checkpoint: nothing left, and nothing to publish (the
+            # orchestrator finishes at once too, instead of waiting for these weights).
+            log.info("the run is complete: resumed at step %d of max_steps %d; nothing to train", step, cfg.max_steps)
+            failed = False
+            return
         if step > 0:
             # Resumed: inference may serve anything (a fresh server, or weights of steps this
             # run lost), so publish the restored weights first; the orchestrator waits for them.
