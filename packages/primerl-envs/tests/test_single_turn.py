@@ -143,3 +143,17 @@ def test_the_request_asks_for_n_replies_of_the_rendered_prompt_stood_in(tmp_path
     assert [r.turns[0].completion_ids for r in rollouts] == [[5, 2], [6, 7, 2]]
     assert [r.turns[0].completion_logprobs for r in rollouts] == [[-0.5, -0.5], [-0.25] * 3]
     assert all(r.turns[0].prompt_ids == body["token_ids"] for r in rollouts)
+
+
+def test_an_environment_the_check_fails_on_runs_episodes(monkeypatch):
+    """Deciding is not trusted either: a check that raises leaves the environment on one
+    episode per rollout, saying why (the check made to raise here stands in for an
+    environment whose tasks break it)."""
+    import primerl_envs.single_turn as single_turn
+
+    def broken(*args):
+        raise RuntimeError("a hook that cannot be read")
+
+    monkeypatch.setattr(single_turn, "single_turn_plan", broken)
+    plan, why = plan_of(EnvConfig(id="reverse-text", args={"num_tasks": 2}))
+    assert plan is None and "RuntimeError: a hook that cannot be read" in why

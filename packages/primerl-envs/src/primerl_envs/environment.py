@@ -213,7 +213,10 @@ class Environment:
         if self.cfg.batch_groups:
             from primerl_envs.single_turn import single_turn_plan
 
-            self.single_turn, self.single_turn_why = single_turn_plan(self._env, self.name, self.cfg.harness)
+            try:
+                self.single_turn, self.single_turn_why = single_turn_plan(self._env, self.name, self.cfg.harness)
+            except Exception as e:  # noqa: BLE001 - undecided is safe: episodes, as without batching
+                self.single_turn_why = f"could not tell whether its episodes are single model calls ({type(e).__name__}: {e})"
         else:
             self.single_turn_why = "envs.*.batch_groups is false"
 

@@ -158,7 +158,7 @@ async def _sample_and_score(plan: SingleTurnPlan, task, ctx, messages: list[dict
     client = ctx.client
     sampling = ctx.sampling.model_dump(exclude_none=True)
     template_kwargs = sampling.pop("chat_template_kwargs", None)
-    sampling.pop("cache_salt", None)
+    cache_salt = sampling.pop("cache_salt", None)  # a request field, as the training client sends it
     pool = ElasticRendererPool(client.renderer_model_name or ctx.model, client.renderer,
                                chat_template_kwargs=template_kwargs, multiplex=client.multiplex)
     prompt = ChatDialect().parse_request({"model": ctx.model, "messages": messages}).messages
@@ -170,6 +170,8 @@ async def _sample_and_score(plan: SingleTurnPlan, task, ctx, messages: list[dict
         if not params.get("stop"):  # the reply is parsed from its ids: the server need not decode text
             params.setdefault("detokenize", False)
         body = {"model": ctx.model, "token_ids": rendered.token_ids, "sampling_params": params}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         data = await _post(client, body)
         choices = _choices(data, n)
         results = [_result(c, rendered, renderer, data) for c in choices]
