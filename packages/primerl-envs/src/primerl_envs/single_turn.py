@@ -1,6 +1,6 @@
 """A group of single-turn rollouts as one request: render once, sample n = group_size, score.
 
-    plan = single_turn_plan(env)            # None: the environment needs whole episodes
+    plan, why = single_turn_plan(env, name, harness_id)   # plan None: the environment needs episodes
     rollouts = await group_rollouts(plan, task, ctx, n=8, sample_ids=[...], group_id=3)
 
 An episode of a plain verifiers taskset under primerl's chat harness, when its tasks have no
@@ -31,10 +31,11 @@ named ..." and ask again.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from primerl_protocol.rollouts import Rollout
@@ -54,13 +55,10 @@ class ServerAnswerError(ValueError):
 class SingleTurnPlan:
     """What a group request needs of its environment, found once when the environment starts."""
 
-    env: Any
-    """The verifiers Env (its task class, agent config and timeouts)."""
     name: str
     agent: Any
     """The resolved AgentConfig of the one seat (recorded on each trace, as verifiers does)."""
     timeout_s: float | None
-    _warned: set = field(default_factory=set)
 
 
 def _overrides(cls: type, base: type, name: str) -> bool:
@@ -101,7 +99,7 @@ def single_turn_plan(env, name: str, harness_id: str) -> tuple[SingleTurnPlan | 
     if limits:
         return None, f"the agent has token limits ({', '.join(limits)})"
     timeout = env.config.timeout.episode
-    return SingleTurnPlan(env=env, name=name, agent=agent, timeout_s=timeout), ""
+    return SingleTurnPlan(name=name, agent=agent, timeout_s=timeout), ""
 
 
 def _needs_runtime(fn) -> bool:
@@ -196,8 +194,6 @@ async def _post(client, body: dict) -> dict:
     if response.status != 200:
         raise _RequestFailed(f"{url} answered HTTP {response.status}: {raw[:300]!r}")
     try:
-        import json
-
         data = json.loads(raw)
     except ValueError as e:
         raise ServerAnswerError(f"{url} answered something that is not JSON ({e}): {raw[:200]!r}") from e

@@ -15,11 +15,15 @@ Checkpoint: per-expert matrices under `mlp.experts.<e>` as most families; the ro
 (after the attention), `pre_mlp_layernorm` and `post_mlp_layernorm`.
 """
 
+from dataclasses import replace
+
 from primerl_models.common.args import DenseMLP, Layer, ModelArgs, MoEMLP
 from primerl_models.families.base import (
+    ATTENTION_KINDS,
     Family,
     TinyShape,
     attention_from_hf,
+    layer_kinds,
     model_args,
     tiny_common,
     unsupported,
@@ -28,11 +32,9 @@ from primerl_models.families.checkpoint import Checkpoint
 
 
 def layer_types(cfg: dict) -> list[str]:
-    n, every = cfg["num_hidden_layers"], cfg.get("global_attn_every_n_layers") or 4
-    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
-        unsupported(cfg, "layer_types", f"{n} entries of 'sliding_attention' or 'full_attention'")
-    return types
+    every = cfg.get("global_attn_every_n_layers") or 4
+    default = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(cfg["num_hidden_layers"])]
+    return layer_kinds(cfg, "layer_types", ATTENTION_KINDS, default)
 
 
 ROUTING = {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1}
@@ -48,8 +50,7 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     bias = bool(cfg.get("attention_bias", False))
     options = dict(qkv_bias=bias, o_bias=bias, qk_norm="head", gate="sigmoid")
     sliding = attention_from_hf(cfg, window=cfg.get("sliding_window") or None, **options)
-    full = attention_from_hf(cfg, **options)
-    full = type(full)(**{**full.__dict__, "rope": None})  # global layers: no positions
+    full = replace(attention_from_hf(cfg, **options), rope=None)  # global layers: no positions
     moe = MoEMLP(
         num_experts=cfg["num_experts"],
         top_k=cfg["num_experts_per_tok"],

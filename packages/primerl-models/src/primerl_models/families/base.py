@@ -73,6 +73,19 @@ def model_args(cfg: dict, layers: list) -> ModelArgs:
     )
 
 
+def layer_kinds(cfg: dict, key: str, allowed: tuple[str, ...], default: list[str]) -> list[str]:
+    """A per-layer list of kinds (`layer_types`, Laguna's `mlp_layer_types`): the config's, else
+    `default`; one entry per layer, each one of `allowed`, or the key is refused by name."""
+    n = cfg["num_hidden_layers"]
+    kinds = cfg.get(key) or default
+    if len(kinds) != n or set(kinds) - set(allowed):
+        unsupported(cfg, key, f"{n} entries of {' or '.join(map(repr, allowed))}")
+    return kinds
+
+
+ATTENTION_KINDS = ("sliding_attention", "full_attention")
+
+
 def unsupported(cfg: dict, key: str, why: str) -> None:
     raise ValueError(f"{cfg.get('model_type')}: `{key}` = {cfg.get(key)!r} is not supported ({why})")
 

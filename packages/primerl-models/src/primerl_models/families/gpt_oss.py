@@ -22,7 +22,16 @@ import re
 import torch
 
 from primerl_models.common.args import Layer, ModelArgs, MoEMLP
-from primerl_models.families.base import Family, TinyShape, attention_from_hf, model_args, tiny_common, unsupported
+from primerl_models.families.base import (
+    ATTENTION_KINDS,
+    Family,
+    TinyShape,
+    attention_from_hf,
+    layer_kinds,
+    model_args,
+    tiny_common,
+    unsupported,
+)
 from primerl_models.families.checkpoint import Checkpoint
 
 _HF_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
@@ -31,11 +40,8 @@ SWIGLU_ALPHA = 1.702  # fixed in the released code (transformers' and the refere
 
 
 def layer_types(cfg: dict) -> list[str]:
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
-        unsupported(cfg, "layer_types", f"{n} entries of 'sliding_attention' or 'full_attention'")
-    return types
+    default = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg["num_hidden_layers"])]
+    return layer_kinds(cfg, "layer_types", ATTENTION_KINDS, default)
 
 
 def args_from_hf(cfg: dict) -> ModelArgs:

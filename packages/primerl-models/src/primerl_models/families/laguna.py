@@ -17,11 +17,17 @@ transformers converts on load and writes back on save).
 """
 
 from primerl_models.common.args import Attention, DenseMLP, Layer, ModelArgs, MoEMLP, Rope
-from primerl_models.families.base import Family, TinyShape, head_dim, model_args, tiny_common, unsupported
+from primerl_models.families.base import (
+    ATTENTION_KINDS,
+    Family,
+    TinyShape,
+    head_dim,
+    layer_kinds,
+    model_args,
+    tiny_common,
+    unsupported,
+)
 from primerl_models.families.checkpoint import Checkpoint
-
-TYPES = ("full_attention", "sliding_attention")
-
 
 def _rope(cfg: dict, layer_type: str, k: int) -> Rope | None:
     params = (cfg.get("rope_parameters") or {}).get(layer_type)
@@ -37,12 +43,9 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     n = cfg["num_hidden_layers"]
     if cfg.get("moe_apply_router_weight_on_input"):
         unsupported(cfg, "moe_apply_router_weight_on_input", "False only, as transformers")
-    layer_types = cfg.get("layer_types") or ["full_attention"] * n
-    mlp_types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+    layer_types = layer_kinds(cfg, "layer_types", ATTENTION_KINDS, ["full_attention"] * n)
+    mlp_types = layer_kinds(cfg, "mlp_layer_types", ("dense", "sparse"), ["dense"] + ["sparse"] * (n - 1))
     heads = cfg.get("num_attention_heads_per_layer") or [cfg["num_attention_heads"]] * n
-    for key, values, allowed in (("layer_types", layer_types, TYPES), ("mlp_layer_types", mlp_types, ("dense", "sparse"))):
-        if len(values) != n or set(values) - set(allowed):
-            unsupported(cfg, key, f"{n} entries of {' or '.join(map(repr, allowed))}")
     if len(heads) != n:
         unsupported(cfg, "num_attention_heads_per_layer", f"{n} head counts")
     k, bias = head_dim(cfg), bool(cfg.get("attention_bias", False))
