@@ -144,7 +144,7 @@ def profile_step(run_step) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))
 
 
 def measure(model, step, seq: int, steps: int, docs: int = 1, vocab: int = VOCAB) -> dict:

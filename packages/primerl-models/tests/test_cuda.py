@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from primerl_models import PackedSeqs, attention, chunked_logprobs, load_model
+from primerl_models.common.args import MoEMLP
 from primerl_models.common.moe import GroupedExperts
 from primerl_models.tiny import build_tiny_model
 
@@ -124,10 +125,14 @@ def test_varlen_refuses_sinks_by_name():
         attention(q, q, q, seqs, "varlen", sinks_H=torch.zeros(2, device=CUDA))
 
 
-def test_grouped_mm_experts_match_the_loop():
+@pytest.mark.parametrize("biased", [False, True])
+def test_grouped_mm_experts_match_the_loop(biased):
+    """The grouped-GEMM path (gate and up as one GEMM, biases by one-hot matmuls) against the
+    loop path in fp64 on the same bf16-exact weights and inputs, forward and every gradient."""
     torch.manual_seed(0)
     e, d, f = 8, 256, 128
-    experts = GroupedExperts(e, d, f).to(CUDA)
+    spec = MoEMLP(num_experts=e, top_k=2, expert_size=f, expert_bias=biased)
+    experts = GroupedExperts(e, d, f, spec).to(CUDA)
     with torch.no_grad():
         for w in experts.parameters():
             w.copy_(torch.randn_like(w).mul(0.05).bfloat16().float())  # bf16-exact weights
@@ -141,32 +146,49 @@ def test_grouped_mm_experts_match_the_loop():
     xd = x.double()
     out_ref = ref_experts(xd, counts)
     out_ref.sum().backward()
-    # Magnitudes, per expert, from the fp64 values: gate, up, h = silu(gate) * up.
-    mag_out, mag_gate, mag_down = [], [], []
+    # Error bounds per expert, in units of U, from the fp64 values: gate, up, h = silu(gate) * up.
+    # gmag, umag: the magnitudes whose roundings reach gate and up (x @ w rounded, and with
+    # biases the sum with the bias rounded again: |x @ w| + |b| can exceed |gate| by far).
+    err_out, err_gate, err_down, err_bgate = [], [], [], []
     for i, x_e in enumerate(torch.split(xd, counts.tolist())):
         wg, wu, wd = (w[i].detach() for w in (ref_experts.w_gate, ref_experts.w_up, ref_experts.w_down))
         gate, up = x_e @ wg, x_e @ wu
+        gmag, umag = gate.abs(), up.abs()
+        if biased:
+            bg, bu = ref_experts.b_gate[i].detach(), ref_experts.b_up[i].detach()
+            gmag, umag = gmag + bg.abs(), umag + bu.abs()
+            gate, up = gate + bg, up + bu
+        rounds = 2 if biased else 1  # roundings of gate and up, each <= U * gmag / umag
         h = F.silu(gate) * up
         dsilu = torch.sigmoid(gate) * (1 + gate * (1 - torch.sigmoid(gate)))
         dh = wd.sum(dim=1)  # d sum(out) / dh  [F]
-        mag_out.append(h.abs() @ wd.abs())
-        # d w_gate = x^T (dh * up * silu'(gate)); dh, up, their product and the silu backward
-        # output are each rounded (4U relative); silu' reads the rounded gate (|silu''| <= 0.5,
-        # so <= 0.5 U |gate| absolute).
-        mag_gate.append(x_e.abs().T @ (dh.abs() * up.abs() * (4 * dsilu.abs() + 0.5 * gate.abs())))
-        mag_down.append(h.abs().sum(dim=0)[:, None].expand(-1, d))
-    # Forward: gate, silu(gate), up and their product are each rounded to bf16 (h relative
-    # error <= ~4.1U, silu's condition number being <= 1.1), then h @ w_down accumulates in
-    # fp32 (error <= 4.1U * sum |h||w_down|) and is rounded (<= U |out|).
-    tol_out = U * out_ref.abs() + 4.5 * U * torch.cat(mag_out)
+        # h: silu (condition |silu'| <= 1.1) of the rounded gate times the rounded up, silu's
+        # output and the product rounded once each.
+        herr = 1.1 * rounds * gmag * umag + rounds * F.silu(gate).abs() * umag + 2 * h.abs()
+        err_out.append(herr @ wd.abs())
+        # dgate = dh * up * silu'(gate): dh, the product and silu's backward output are rounded
+        # (3 roundings), up carries its own; silu' reads the rounded gate (|silu''| <= 0.5).
+        dgate = dh.abs() * (umag * (3 + rounds) * dsilu.abs() + umag * 0.5 * rounds * gmag)
+        err_gate.append(x_e.abs().T @ dgate)
+        err_bgate.append(dgate.sum(dim=0))
+        err_down.append(herr.sum(dim=0)[:, None].expand(-1, d))
+    # Forward: h's error through the fp32-accumulated h @ w_down (x1.1 for the accumulation),
+    # the result rounded (U |out|), and with biases the down bias added and rounded once more.
+    tol_out = rounds * U * out_ref.abs() + 1.1 * U * torch.cat(err_out)
     check_every_element("experts out", out_bf16, out_ref, tol_out)
-    # w_gate grad: the 4U + 0.5U|gate| of dgate (above) summed over an expert's tokens against
-    # |x|, plus the rounding of the result (U |ref|); experts with no tokens must get exactly 0.
-    tol_gate = U * ref_experts.w_gate.grad.abs() + 1.25 * U * torch.stack(mag_gate)
+    # w_gate grad: the dgate error summed over an expert's tokens against |x|, plus the
+    # rounding of the result (U |ref|); experts with no tokens must get exactly 0.
+    tol_gate = U * ref_experts.w_gate.grad.abs() + 1.25 * U * torch.stack(err_gate)
     check_every_element("experts w_gate grad", experts.w_gate.grad, ref_experts.w_gate.grad, tol_gate)
-    # w_down grad = sum over the expert's tokens of h (4.1U relative each), rounded once more.
-    tol_down = U * ref_experts.w_down.grad.abs() + 4.5 * U * torch.stack(mag_down)
+    # w_down grad = sum over the expert's tokens of h, rounded once more.
+    tol_down = U * ref_experts.w_down.grad.abs() + 1.1 * U * torch.stack(err_down)
     check_every_element("experts w_down grad", experts.w_down.grad, ref_experts.w_down.grad, tol_down)
+    if biased:
+        # b_gate grad: the same sums as w_gate's with x = 1; b_down grad: each token's d out = 1,
+        # so each expert's row count, exact in bf16 for counts <= 256.
+        tol_bgate = U * ref_experts.b_gate.grad.abs() + 1.25 * U * torch.stack(err_bgate)
+        check_every_element("experts b_gate grad", experts.b_gate.grad, ref_experts.b_gate.grad, tol_bgate)
+        torch.testing.assert_close(experts.b_down.grad, counts[:, None].float().expand(-1, d), rtol=0, atol=0)
 
 
 class PinnedRouting:

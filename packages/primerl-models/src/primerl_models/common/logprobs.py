@@ -51,6 +51,17 @@ def _kernels(device_type: str):
     return compile(_forward_stats), compile(_logits_grad)
 
 
+def _matmul_into(acc_VD: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """acc + a @ b in `dtype` (the first chunk: a @ b). bf16/fp16 on CUDA: the GEMM writes
+    (and accumulates into) fp32 itself, with no rounded [V, D] product in between."""
+    if a.is_cuda and a.dtype != dtype:
+        if acc_VD is None:
+            return torch.mm(a, b, out_dtype=dtype)
+        return torch.addmm(acc_VD, a, b, out_dtype=dtype)
+    product = (a @ b).to(dtype)
+    return product if acc_VD is None else acc_VD.add_(product)
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_ND, weight_VD, targets_N, temps_N, chunk_size):
@@ -79,7 +90,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         w_VD = weight_VD.to(hidden_ND.dtype)
         acc = _acc_dtype(hidden_ND)
         grad_hidden_ND = torch.empty_like(hidden_ND) if ctx.needs_input_grad[0] else None
-        grad_w_VD = torch.zeros(w_VD.shape, dtype=acc, device=w_VD.device) if ctx.needs_input_grad[1] else None
+        grad_w_VD = None
         grad_N = grad_logprobs_N.to(acc)
         n = hidden_ND.shape[0]
         for s in range(0, n, ctx.chunk_size):
@@ -90,8 +101,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             )
             if grad_hidden_ND is not None:
                 grad_hidden_ND[s:e] = grad_CV @ w_VD
-            if grad_w_VD is not None:
-                grad_w_VD += (grad_CV.T @ hidden_ND[s:e]).to(acc)
+            if ctx.needs_input_grad[1]:
+                grad_w_VD = _matmul_into(grad_w_VD, grad_CV.T, hidden_ND[s:e], acc)
         if grad_w_VD is not None:
             grad_w_VD = grad_w_VD.to(weight_VD.dtype)
         return grad_hidden_ND, grad_w_VD, None, None, None
