@@ -7,7 +7,8 @@ from primerl_models import load_model
 from primerl_models.tiny import SPECIAL_TOKENS, build_tiny_model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "glm4", "glm4_moe", "minimax_m2", "gpt_oss", "afmoe", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "glm4", "glm4_moe", "minimax_m2", "gpt_oss", "afmoe", "laguna",
+                                    "qwen3_5_text", "qwen3_5_moe_text"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_tiny_model_loads_in_ours_and_transformers_alike(family, tie, tmp_path):
     # non-zero router correction biases (GLM-4.5, MiniMax-M2): written and read by both

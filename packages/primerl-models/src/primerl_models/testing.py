@@ -9,14 +9,14 @@ import torch
 
 
 def save_transformers(config, folder: str | Path, shard: str | None = None, router_bias_std: float = 0.0, seed: int = 0,
-                      bias_std: float = 0.0, norm_std: float = 0.0):
+                      bias_std: float = 0.0, norm_std: float = 0.0, adjust=None):
     """transformers' model of `config` (seeded random weights) saved by its own save_pretrained,
     in shards of `shard` (e.g. "30KB") when given; routers' correction biases
     (`e_score_correction_bias`, Trinity's `expert_bias`) drawn normal(0, router_bias_std) first
     when > 0 (transformers initialises them to zero), every parameter named `*bias`
     normal(0, bias_std) when > 0 (likewise), and every norm's weight 1 + normal(0, norm_std) when
-    > 0 (so that a norm loaded into the wrong place shows). Returns the model (eval mode, eager
-    attention)."""
+    > 0 (so that a norm loaded into the wrong place shows); then `adjust(model)` when given.
+    Returns the model (eval mode, eager attention)."""
     try:
         import transformers
     except ImportError as err:  # not a dependency of primerl-models: the workspace's dev group has it
@@ -39,5 +39,8 @@ def save_transformers(config, folder: str | Path, shard: str | None = None, rout
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(1.0, norm_std)
+    if adjust is not None:
+        with torch.no_grad():
+            adjust(model)
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     return model

@@ -95,6 +95,48 @@ class Attention:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNet:
+    """Gated DeltaNet linear attention (Qwen3.5's "linear_attention" layers): q, k, v from one
+    projection through a depthwise causal conv (SiLU), L2-normalised q and k, a per-head decay
+    g = -exp(A_log) * softplus(a + dt_bias) and write strength beta = sigmoid(b), the gated
+    delta rule S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t,
+    then an RMSNorm per value head gated by silu(z), and out_proj. The state and the conv
+    restart at every document of a packed row."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+
+    rope = None  # no positions: the order is in the recurrence
+    window = None
+
+    def __post_init__(self) -> None:
+        if self.num_k_heads <= 0 or self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.num_k_heads})")
+        if self.conv_kernel < 1:
+            raise ValueError(f"linear_conv_kernel_dim must be >= 1, got {self.conv_kernel}")
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    def num_params(self, dim: int) -> int:
+        value = self.num_v_heads * self.head_v_dim
+        projections = dim * (self.conv_dim + value + 2 * self.num_v_heads) + value * dim
+        return projections + self.conv_dim * self.conv_kernel + 2 * self.num_v_heads + self.head_v_dim
+
+    def mixing_flops(self, tokens: float, chunk: int = 64) -> float:
+        """Forward + backward FLOPs of the chunked scan beyond the projections: per token and
+        value head, the chunk's q.k and k.k products and its attention over values (2 C (2 K +
+        V)), and three K x V state products (read, correct, write), times 3."""
+        k, v = self.head_k_dim, self.head_v_dim
+        return 3 * tokens * self.num_v_heads * (2 * chunk * (2 * k + v) + 6 * k * v)
+
+
+@dataclass(frozen=True)
 class DenseMLP:
     """SwiGLU feed-forward."""
 
@@ -131,6 +173,8 @@ class MoEMLP:
     """Multiplies the routed experts' weights (after any renormalisation)."""
     shared_expert_size: int = 0
     """Hidden size of a dense SwiGLU every token also goes through (0: none)."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(x . w), w a learned [D] (Qwen3.5-MoE)."""
     router_bias: bool = False
     """The router's linear layer has a bias (GPT-OSS); it chooses and weights, unlike correction_bias."""
     logit_softcap: float = 0.0
@@ -172,7 +216,8 @@ class MoEMLP:
 
     def num_params(self, dim: int) -> int:
         router = self.num_experts * dim + (self.num_experts if self.router_bias else 0)
-        return self.num_experts * self.expert_params(dim) + router + 3 * dim * self.shared_expert_size
+        shared = 3 * dim * self.shared_expert_size + (dim if self.shared_expert_gate else 0)
+        return self.num_experts * self.expert_params(dim) + router + shared
 
     def num_active_params(self, dim: int) -> int:
         return self.num_params(dim) - (self.num_experts - self.top_k) * self.expert_params(dim)
@@ -185,7 +230,7 @@ MLPSpec = DenseMLP | MoEMLP
 class Layer:
     """One decoder layer: pre-norm mixer and MLP, each added to the residual stream."""
 
-    mixer: Attention
+    mixer: Attention | GatedDeltaNet
     mlp: MLPSpec
     sandwich_norm: bool = False
     """RMSNorm on the mixer's and the MLP's outputs too, before each residual add (GLM-4)."""
@@ -210,6 +255,9 @@ class ModelArgs:
     max_position_embeddings: int = 32768
     embed_scale: float = 1.0
     """Multiplies the token embeddings before the first layer (muP: sqrt(hidden_size))."""
+    zero_centered_norms: bool = False
+    """The RMSNorms (layers', final, q/k) scale by 1 + weight, computed in fp32 (Qwen3.5); their
+    weights start at 0."""
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -251,5 +299,6 @@ class ModelArgs:
             return sum(n * n / 2 if w is None or n <= w else w * (n - w) + w * w / 2 for n in lengths)
 
         attention = sum(12 * layer.mixer.num_heads * layer.mixer.head_dim * pairs(layer.mixer.window)
+                        if isinstance(layer.mixer, Attention) else layer.mixer.mixing_flops(tokens)
                         for layer in self.layers)
         return 6 * self.num_active_params() * tokens + attention

@@ -165,6 +165,8 @@ class MoE(nn.Module):
         self.router = Router(dim, spec)
         self.experts = GroupedExperts(spec.num_experts, dim, spec.expert_size, spec)
         self.shared_experts = SwiGLU(dim, spec.shared_expert_size) if spec.shared_expert_size else None
+        if spec.shared_expert_gate:
+            self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
         self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts), persistent=False)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
@@ -188,7 +190,10 @@ class MoE(nn.Module):
         out_NKD = out_AD[position_A].view(x_ND.shape[0], self.top_k, -1)
         out_ND = (out_NKD.float() * weights_NK[..., None]).sum(dim=1)
         if self.shared_experts is not None:
-            out_ND = out_ND + self.shared_experts(x_BTD).reshape(out_ND.shape).float()
+            shared_BTD = self.shared_experts(x_BTD)
+            if hasattr(self, "shared_expert_gate"):
+                shared_BTD = shared_BTD * torch.sigmoid(self.shared_expert_gate(x_BTD))
+            out_ND = out_ND + shared_BTD.reshape(out_ND.shape).float()
         with torch.no_grad():
             self.tokens_per_expert.copy_(counts_E)
         return out_ND.to(x_BTD.dtype).view(shape)

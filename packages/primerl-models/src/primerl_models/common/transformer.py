@@ -21,27 +21,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from primerl_models.common.args import Attention as AttentionSpec
-from primerl_models.common.args import Layer, ModelArgs, MoEMLP, Rope
+from primerl_models.common.args import GatedDeltaNet, Layer, ModelArgs, MoEMLP, Rope
 from primerl_models.common.attention import Backend, PackedSeqs, attention
+from primerl_models.common.linear_attention import GatedDeltaNetMixer
 from primerl_models.common.logprobs import chunked_logprobs
 from primerl_models.common.moe import MoE, SwiGLU
 from primerl_models.common.rope import apply_rope, attention_factor, inv_freq, rope_cos_sin
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) * weight; zero-centred (Qwen3.5): * (1 + weight), the weight starting at 0."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.zero_centered = eps, zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered:  # scaled in fp32, then cast (as Qwen3.5's reference does)
+            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         # Normalise in fp32, scale in the input dtype (as the reference implementations do).
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight.to(x.dtype) * normed
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: AttentionSpec, dim: int, eps: float):
+    def __init__(self, spec: AttentionSpec, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
         h, g, k = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.spec = spec
@@ -51,8 +56,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, g * k, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(h * k, dim, bias=spec.o_bias)
         norm_q, norm_k = {"none": (0, 0), "head": (k, k), "full": (h * k, g * k)}[spec.qk_norm]
-        self.q_norm = RMSNorm(norm_q, eps) if norm_q else None
-        self.k_norm = RMSNorm(norm_k, eps) if norm_k else None
+        self.q_norm = RMSNorm(norm_q, eps, zero_centered) if norm_q else None
+        self.k_norm = RMSNorm(norm_k, eps, zero_centered) if norm_k else None
         self.sinks = nn.Parameter(torch.zeros(h)) if spec.sinks else None
         if spec.gate != "none":
             self.gate_proj = nn.Linear(dim, h if spec.gate_per_head else h * k, bias=False)
@@ -89,23 +94,31 @@ MLP = SwiGLU  # the dense MLP
 
 class DecoderLayer(nn.Module):
     """Pre-norm mixer and MLP as its `Layer` spec says (args.py); with sandwich norms, their
-    outputs are normalised again before the residual adds (GLM-4's post_*_layernorm)."""
+    outputs are normalised again before the residual adds (GLM-4's post_*_layernorm). The mixer
+    is `self_attn` (softmax attention) or `linear_attn` (Gated DeltaNet), as HF names them."""
 
-    def __init__(self, spec: Layer, dim: int, eps: float):
+    def __init__(self, spec: Layer, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
         self.spec = spec
-        self.input_layernorm = RMSNorm(dim, eps)
-        self.self_attn = Attention(spec.mixer, dim, eps)
-        self.post_attention_layernorm = RMSNorm(dim, eps)
+        self.input_layernorm = RMSNorm(dim, eps, zero_centered)
+        if isinstance(spec.mixer, GatedDeltaNet):
+            self.linear_attn = GatedDeltaNetMixer(spec.mixer, dim, eps)
+        else:
+            self.self_attn = Attention(spec.mixer, dim, eps, zero_centered)
+        self.post_attention_layernorm = RMSNorm(dim, eps, zero_centered)
         self.mlp: nn.Module = (
             MoE(dim, spec.mlp) if isinstance(spec.mlp, MoEMLP) else MLP(dim, spec.mlp.intermediate_size)
         )
         if spec.sandwich_norm:
-            self.post_self_attn_layernorm = RMSNorm(dim, eps)
-            self.post_mlp_layernorm = RMSNorm(dim, eps)
+            self.post_self_attn_layernorm = RMSNorm(dim, eps, zero_centered)
+            self.post_mlp_layernorm = RMSNorm(dim, eps, zero_centered)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if isinstance(self.spec.mixer, GatedDeltaNet) else self.self_attn
 
     def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend: Backend) -> torch.Tensor:
-        mixed = self.self_attn(self.input_layernorm(x_BTD), cos_BTR, sin_BTR, seqs, backend)
+        mixed = self.mixer(self.input_layernorm(x_BTD), cos_BTR, sin_BTR, seqs, backend)
         if self.spec.sandwich_norm:
             mixed = self.post_self_attn_layernorm(mixed)
         x_BTD = x_BTD + mixed
@@ -124,8 +137,10 @@ class Transformer(nn.Module):
         self.attn_backend: Backend = attn_backend
         """A back-end name, or attention supplied from outside (a callable; see attention.py)."""
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, args.hidden_size, args.rms_norm_eps) for spec in args.layers)
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        zero_centered = args.zero_centered_norms
+        self.layers = nn.ModuleList(DecoderLayer(spec, args.hidden_size, args.rms_norm_eps, zero_centered)
+                                    for spec in args.layers)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, zero_centered)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self._rope_specs = list(dict.fromkeys(layer.mixer.rope for layer in args.layers if layer.mixer.rope is not None))
         self._inv_freq: dict[tuple[Rope, torch.device], torch.Tensor] = {}
@@ -200,6 +215,9 @@ class Transformer(nn.Module):
                 p.zero_()
             else:
                 p.normal_(0.0, std, generator=generator)
+        for m in self.modules():
+            if isinstance(m, RMSNorm) and m.zero_centered:
+                m.weight.zero_()
         for name, buf in self.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.zero_()

@@ -1,0 +1,168 @@
+"""Mixers that carry a recurrent state along the sequence: Gated DeltaNet (Qwen3.5's linear
+attention). Packed rows hold several documents, so the state and the short causal convolution
+restart at every document boundary (`PackedSeqs`); a state leaking from one document into the
+next would change every later token and no loss would show it.
+
+The scan here is the chunked form in plain torch (exact in fp32, any device, differentiable by
+autograd): tokens are laid out so that every document starts a chunk of C tokens (padding the
+tail of its last chunk), each chunk is solved in parallel with a triangular system (the WY form
+of the delta rule), and one short loop over the chunks carries the state, zeroed at every chunk
+that starts a document.
+
+Legend: N tokens (the rows flattened), L chunks, C tokens per chunk, H value heads,
+K key dim, V value dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from primerl_models.common.args import GatedDeltaNet
+from primerl_models.common.attention import PackedSeqs
+
+CHUNK = 64
+
+
+def doc_positions(seqs: PackedSeqs) -> torch.Tensor:
+    """int64 [N]: each token's position inside its document."""
+    cu, doc_N = seqs.cu_seqlens.long(), seqs.doc_ids_BT.flatten().long()
+    return torch.arange(len(doc_N), device=doc_N.device) - cu[doc_N]
+
+
+def causal_conv(x_NC: torch.Tensor, weight_CK: torch.Tensor, pos_N: torch.Tensor,
+                bias_C: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal convolution over the flattened tokens that restarts at each document:
+    out[n] = bias + sum_j weight[:, K-1-j] * x[n-j] over the j <= pos[n] (the document's own
+    earlier tokens; torch's conv1d with K-1 zeros of left padding on each document alone)."""
+    n, k = x_NC.shape[0], weight_CK.shape[1]
+    out_NC = x_NC * weight_CK[:, k - 1]
+    for j in range(1, k):
+        shifted_NC = torch.cat([x_NC.new_zeros(min(j, n), x_NC.shape[1]), x_NC[: max(n - j, 0)]])
+        out_NC = out_NC + shifted_NC * (pos_N >= j).to(x_NC.dtype)[:, None] * weight_CK[:, k - 1 - j]
+    return out_NC if bias_C is None else out_NC + bias_C
+
+
+def chunk_layout(seqs: PackedSeqs, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot_N, starts_L): where token n goes in the [L * C] layout in which every document
+    starts a chunk, and which chunks start a document."""
+    cu = seqs.cu_seqlens.long()
+    chunks_S = (cu[1:] - cu[:-1] + chunk - 1) // chunk
+    first_S = chunks_S.cumsum(0) - chunks_S
+    total = int(chunks_S.sum())  # one host sync per forward (the loop below needs it)
+    slot_N = first_S[seqs.doc_ids_BT.flatten().long()] * chunk + doc_positions(seqs)
+    starts_L = torch.zeros(total, dtype=torch.bool, device=cu.device)
+    starts_L[first_S] = True
+    return slot_N, starts_L
+
+
+def segment_sums(g: torch.Tensor) -> torch.Tensor:
+    """[..., C, C]: out[t, s] = sum of g over s < r <= t (0 on the diagonal), -inf above it."""
+    c = g.shape[-1]
+    terms = g[..., :, None].expand(*g.shape, c)  # terms[r, s] = g_r
+    lower = torch.ones(c, c, dtype=torch.bool, device=g.device).tril(-1)
+    sums = terms.masked_fill(~lower, 0.0).cumsum(dim=-2)  # over r <= t, keeping r > s
+    return sums.masked_fill(~torch.ones(c, c, dtype=torch.bool, device=g.device).tril(), float("-inf"))
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk: int = CHUNK) -> torch.Tensor:
+    """o [N, H, V] of S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
+    o_t = S_t^T q_t, with S = 0 at each document's first token. Inputs fp32 (q already scaled).
+
+    Within a chunk, with G the cumulative sum of g from the chunk's start and S_0 the state
+    entering it, the state after token t is exp(G_t) S_0 + sum_{s<=t} exp(G_t - G_s) k_s w_s^T,
+    where the corrections w solve the unit lower-triangular system
+    (I + A) W = beta V - beta exp(G) K S_0, A[t, s] = beta_t exp(G_t - G_s) k_t.k_s (s < t):
+    W = U - Kc S_0 with U, Kc solved once for all chunks. Then
+    O = exp(G) Q S_0 + (Q K^T * exp(G_t - G_s), s <= t) W, and the state leaving the chunk is
+    exp(G_C) S_0 + (exp(G_C - G) K)^T W."""
+    slot_N, starts_L = chunk_layout(seqs, chunk)
+    n_chunks = len(starts_L)
+
+    def chunked(x):  # [N, H, ...] -> [H, L, C, ...], zeros in the padding
+        padded = x.new_zeros((n_chunks * chunk, *x.shape[1:])).index_copy(0, slot_N, x)
+        return padded.view(n_chunks, chunk, *x.shape[1:]).movedim(2, 0)
+
+    q, k, v, g, beta = (chunked(x) for x in (q_NHK, k_NHK, v_NHV, g_NH, beta_NH))
+    G = g.cumsum(dim=-1)  # [H, L, C]: log-decay from the chunk's start through t
+    # exp(G_t - G_s) for s <= t, 0 above the diagonal. The exponent is summed directly over
+    # s < r <= t (every term <= 0), never as G_t - G_s: with strong decays |G| reaches
+    # thousands and the difference would lose the exponent's low digits (1e-4 errors in fp32).
+    decay_CC = segment_sums(g).exp()
+    # exp(G_C - G_t): the log-decay after t to the chunk's end, summed the same way
+    to_end = F.pad(g.flip(-1).cumsum(dim=-1).flip(-1)[..., 1:], (0, 1))
+    k_beta = k * beta[..., None]
+    strict = (k_beta @ k.transpose(-1, -2)) * decay_CC  # A; its diagonal is ignored below
+    U = torch.linalg.solve_triangular(strict, v * beta[..., None], upper=False, unitriangular=True)
+    Kc = torch.linalg.solve_triangular(strict, k_beta * G.exp()[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay_CC
+    q_decayed = q * G.exp()[..., None]
+    k_to_end = k * to_end.exp()[..., None]
+    chunk_decay = G[..., -1].exp()[..., None, None]  # [H, L, 1, 1]
+    keep_L = (~starts_L).to(q.dtype)
+    state = q.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])  # [H, K, V]
+    outs = []
+    for i in range(n_chunks):
+        state = state * keep_L[i]  # a document starts here: nothing from before
+        w = U[:, i] - Kc[:, i] @ state
+        outs.append(q_decayed[:, i] @ state + attn[:, i] @ w)
+        state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ w
+    o = torch.stack(outs, dim=1)  # [H, L, C, V]
+    return o.movedim(0, 2).reshape(n_chunks * chunk, *v_NHV.shape[1:]).index_select(0, slot_N)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head, times weight, times silu(z) (Qwen3.5's RMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return (self.weight.to(x.dtype) * normed * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNetMixer(nn.Module):
+    """The layer (HF names): in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias,
+    A_log, norm, out_proj. Called like attention; positions are not used."""
+
+    def __init__(self, spec: GatedDeltaNet, dim: int, eps: float):
+        super().__init__()
+        self.spec = spec
+        value = spec.num_v_heads * spec.head_v_dim
+        self.in_proj_qkv = nn.Linear(dim, spec.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(dim, value, bias=False)
+        self.in_proj_b = nn.Linear(dim, spec.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(dim, spec.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(spec.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(spec.num_v_heads))
+        self.norm = GatedRMSNorm(spec.head_v_dim, eps)
+        self.out_proj = nn.Linear(value, dim, bias=False)
+
+    def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend) -> torch.Tensor:
+        s = self.spec
+        b, t, _ = x_BTD.shape
+        n, hv, hk = b * t, s.num_v_heads, s.num_k_heads
+        qkv_NC = self.in_proj_qkv(x_BTD).reshape(n, -1)
+        qkv_NC = F.silu(causal_conv(qkv_NC, self.conv1d.weight[:, 0].to(qkv_NC.dtype), doc_positions(seqs)))
+        key = hk * s.head_k_dim
+        q, k, v = qkv_NC.split([key, key, hv * s.head_v_dim], dim=-1)
+        q, k = q.reshape(n, hk, s.head_k_dim), k.reshape(n, hk, s.head_k_dim)
+        if hv > hk:  # each key head serves hv / hk value heads
+            q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
+        beta_NH = torch.sigmoid(self.in_proj_b(x_BTD).float()).reshape(n, hv)
+        a_NH = self.in_proj_a(x_BTD).float().reshape(n, hv)
+        g_NH = -self.A_log.float().exp() * F.softplus(a_NH + self.dt_bias.float())
+        q = l2norm(q.float()) * s.head_k_dim**-0.5
+        o_NHV = gated_delta_rule(q, l2norm(k.float()), v.float().reshape(n, hv, s.head_v_dim), g_NH, beta_NH, seqs)
+        z_NHV = self.in_proj_z(x_BTD).reshape(n, hv, s.head_v_dim)
+        o_NHV = self.norm(o_NHV.to(z_NHV.dtype), z_NHV)
+        return self.out_proj(o_NHV.reshape(b, t, -1))

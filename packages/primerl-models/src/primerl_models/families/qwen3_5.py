@@ -1,0 +1,153 @@
+"""Qwen3.5 (`qwen3_5`, dense) and Qwen3.5-MoE (`qwen3_5_moe`): Gated DeltaNet layers mixed with
+gated full-attention layers (by `layer_types`, by default every `full_attention_interval`-th
+layer full, 3:1).
+
+Full attention: per-head qk-norm, partial RoPE (`partial_rotary_factor`, 0.25), and an
+element-wise sigmoid output gate that the checkpoint keeps inside q_proj: its rows are, per
+head, the head's query then its gate ([H, 2, K, D]); ours are q_proj and gate_proj. Text
+positions are 1-D (the M-RoPE sections only matter for images). Linear attention: see
+common/linear_attention.py. Every RMSNorm outside the DeltaNet is zero-centred (1 + weight).
+MoE: a softmax router whose top-k weights are renormalised, stacked experts, and a shared
+expert scaled by sigmoid(`shared_expert_gate`).
+
+The released checkpoints are vision-language models (`model_type` "qwen3_5" / "qwen3_5_moe",
+`Qwen3_5*ForConditionalGeneration`): the text model's keys are in `text_config` and its tensors
+under `model.language_model.`; the vision tower (`model.visual.`) and the multi-token
+prediction layers (`mtp.`) are carried through unchanged (hf.py). Text-only checkpoints
+("qwen3_5_text" / "qwen3_5_moe_text", `Qwen3_5*ForCausalLM`, transformers' and vLLM's text
+classes) keep the usual `model.` names.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from primerl_models.common.args import DenseMLP, GatedDeltaNet, Layer, ModelArgs, MoEMLP
+from primerl_models.families.base import (
+    Family,
+    TinyShape,
+    attention_from_hf,
+    layer_kinds,
+    model_args,
+    tiny_common,
+    unsupported,
+)
+from primerl_models.families.checkpoint import Checkpoint
+
+KINDS = ("linear_attention", "full_attention")
+_HF_Q = re.compile(r"^(layers\.\d+\.self_attn\.)q_proj\.weight$")
+_OUR_GATE = re.compile(r"^(layers\.\d+\.self_attn\.)gate_proj\.weight$")
+_LM = "model.language_model."
+
+
+def text_config(cfg: dict) -> dict:
+    """The text model's keys: the nested `text_config` of the released (VLM) configs, under the
+    outer model_type, or the config itself."""
+    if "text_config" not in cfg:
+        return cfg
+    text = dict(cfg["text_config"])
+    text["model_type"] = cfg["model_type"]
+    if "tie_word_embeddings" in cfg:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return text
+
+
+def args_from_hf(cfg: dict) -> ModelArgs:
+    text = text_config(cfg)
+    if text.get("attention_bias"):
+        unsupported(text, "attention_bias", "no released Qwen3.5 has attention biases")
+    every = text.get("full_attention_interval") or 4
+    default = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(text["num_hidden_layers"])]
+    kinds = layer_kinds(text, "layer_types", KINDS, default)
+    full = attention_from_hf(text, partial_default=0.25, qk_norm="head", gate="sigmoid")
+    linear = GatedDeltaNet(num_k_heads=text["linear_num_key_heads"], num_v_heads=text["linear_num_value_heads"],
+                           head_k_dim=text["linear_key_head_dim"], head_v_dim=text["linear_value_head_dim"],
+                           conv_kernel=text.get("linear_conv_kernel_dim", 4))
+    if text.get("num_experts"):
+        mlp = MoEMLP(num_experts=text["num_experts"], top_k=text["num_experts_per_tok"],
+                     expert_size=text["moe_intermediate_size"], scoring="softmax", norm_topk_prob=True,
+                     shared_expert_size=text.get("shared_expert_intermediate_size") or 0,
+                     shared_expert_gate=bool(text.get("shared_expert_intermediate_size")))
+    else:
+        mlp = DenseMLP(text["intermediate_size"])
+    mixer = {"linear_attention": linear, "full_attention": full}
+    args = model_args(text, [Layer(mixer[k], mlp) for k in kinds])
+    args.zero_centered_norms = True
+    return args
+
+
+class Qwen35Checkpoint(Checkpoint):
+    """q_proj split into q and gate (and fused back), and the VLM's `model.language_model.`
+    prefix when `nested`."""
+
+    def __init__(self, nested: bool, **kw):
+        super().__init__(**kw)
+        object.__setattr__(self, "nested", nested)
+
+    def to_ours(self, hf: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
+        if self.nested:
+            hf = {("model." + k.removeprefix(_LM)) if k.startswith(_LM) else k: t for k, t in hf.items()}
+        out = super().to_ours(hf, args)
+        for name in [n for n in out if _HF_Q.match(n)]:
+            layer = args.layers[int(name.split(".")[1])].mixer
+            q_gate = out.pop(name).view(layer.num_heads, 2, layer.head_dim, -1)
+            prefix = _HF_Q.match(name)[1]
+            out[prefix + "q_proj.weight"] = q_gate[:, 0].reshape(layer.num_heads * layer.head_dim, -1).contiguous()
+            out[prefix + "gate_proj.weight"] = q_gate[:, 1].reshape(layer.num_heads * layer.head_dim, -1).contiguous()
+        return out
+
+    def to_hf(self, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ours = dict(ours)
+        for name in [n for n in ours if _OUR_GATE.match(n)]:
+            prefix = _OUR_GATE.match(name)[1]
+            gate = ours.pop(name)
+            q = ours[prefix + "q_proj.weight"]
+            head_dim = ours[prefix + "q_norm.weight"].shape[0]
+            per_head = [t.view(-1, head_dim, t.shape[-1]) for t in (q, gate)]
+            ours[prefix + "q_proj.weight"] = torch.stack(per_head, dim=1).reshape(-1, q.shape[-1])
+        out = super().to_hf(ours)
+        if self.nested:
+            out = {(_LM + k.removeprefix("model.")) if k.startswith("model.") else k: t for k, t in out.items()}
+        return out
+
+
+def carried(cfg: dict):
+    """The vision tower and the MTP layers: inference needs them, the text trainer does not."""
+    return lambda name: name.startswith(("model.visual.", "mtp."))
+
+
+def tiny_text(shape: TinyShape, moe: bool) -> dict:
+    model_type, arch = ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM") if moe else ("qwen3_5_text", "Qwen3_5ForCausalLM")
+    layers = shape.num_layers
+    extra = dict(num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+                 moe_intermediate_size=shape.moe_intermediate_size,
+                 shared_expert_intermediate_size=shape.moe_intermediate_size) if moe else {}
+    cfg = tiny_common(
+        shape, model_type, arch, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=shape.head_dim,
+        linear_value_head_dim=shape.head_dim, linear_conv_kernel_dim=4, attention_bias=False,
+        layer_types=["linear_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}, **extra,
+    )
+    del cfg["rope_theta"]  # it is in rope_parameters
+    return cfg
+
+
+def tiny_nested(shape: TinyShape, moe: bool) -> dict:
+    """The released layout: the text keys under `text_config` (no vision tower in a tiny one)."""
+    text = tiny_text(shape, moe)
+    model_type, arch = ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration") if moe else ("qwen3_5", "Qwen3_5ForConditionalGeneration")
+    return {"architectures": [arch], "model_type": model_type, "tie_word_embeddings": text["tie_word_embeddings"],
+            "torch_dtype": text["torch_dtype"], "text_config": {**text, "model_type": model_type + "_text"}}
+
+
+_MOE_RENAMES = ((".mlp.shared_expert.", ".mlp.shared_experts."), (".mlp.gate.", ".mlp.router."))
+QWEN3_5_TEXT = Family("qwen3_5_text", "Qwen3_5ForCausalLM", args_from_hf, lambda s: tiny_text(s, moe=False),
+                      Qwen35Checkpoint(nested=False))
+QWEN3_5 = Family("qwen3_5", "Qwen3_5ForConditionalGeneration", args_from_hf, lambda s: tiny_nested(s, moe=False),
+                 Qwen35Checkpoint(nested=True, carried=carried))
+QWEN3_5_MOE_TEXT = Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", args_from_hf, lambda s: tiny_text(s, moe=True),
+                          Qwen35Checkpoint(nested=False, renames=_MOE_RENAMES))
+QWEN3_5_MOE = Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", args_from_hf,
+                     lambda s: tiny_nested(s, moe=True), Qwen35Checkpoint(nested=True, renames=_MOE_RENAMES, carried=carried))

@@ -1,0 +1,185 @@
+"""Mixers with a recurrent state (Gated DeltaNet: Qwen3.5, Qwen3.5-MoE) against transformers and
+against the recurrence itself (CPU).
+
+transformers' torch fallback does not restart the state inside a row, so each document of our
+packed row is compared with transformers on that document alone. Documents are longer than
+the conv kernel and several span more than one 64-token chunk, so the chunk hand-over and the
+reset at a document that starts inside a row both matter.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from primerl_models import PackedSeqs, carried_tensors, load_model, read_config, save_hf
+from primerl_models.common.linear_attention import causal_conv, doc_positions, gated_delta_rule
+from primerl_models.testing import save_transformers
+from safetensors.torch import load_file, save_file
+
+# initializer_range 0.1 (0.2 in test_parity.py): with 3-4 layers of 0.2 the logits' own fp32
+# rounding (ours and transformers' alike, against our fp64 run) reaches 1e-4, the tolerance.
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16,
+              initializer_range=0.1, rms_norm_eps=1e-6)
+CASES = {
+    # 3 DeltaNet layers to 1 full (the released ratio), 2 key heads serving 4 value heads, value
+    # heads wider than key heads, half-rotary GQA attention, untied.
+    "qwen35-3to1-grouped-heads": (transformers.Qwen3_5TextConfig, dict(
+        num_hidden_layers=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
+    # full attention first, equal key and value heads, a kernel of 3, the default quarter RoPE, tied.
+    "qwen35-full-first-equal-heads-tied": (transformers.Qwen3_5TextConfig, dict(
+        num_hidden_layers=3, num_key_value_heads=1, linear_num_key_heads=3, linear_num_value_heads=3,
+        linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=3, tie_word_embeddings=True,
+        layer_types=["full_attention", "linear_attention", "linear_attention"])),
+    # MoE: top-2 of 4 with the gated shared expert.
+    "qwen35moe-top2-shared": (transformers.Qwen3_5MoeTextConfig, dict(
+        num_hidden_layers=2, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        layer_types=["linear_attention", "full_attention"])),
+    # top-3 of 6, 3 layers, one key head for 2 value heads.
+    "qwen35moe-top3-one-key-head": (transformers.Qwen3_5MoeTextConfig, dict(
+        num_hidden_layers=3, num_key_value_heads=4, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=6, num_experts_per_tok=3,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "linear_attention", "full_attention"])),
+}
+LENGTHS = [70, 5, 130]  # 2, 1 and 3 chunks of 64
+
+
+def realistic_draws(model):
+    """Norms drawn away from their init, so that a norm in the wrong place (or a zero-centred
+    one read as plain) shows: the zero-centred ones around 0, the DeltaNet's gated norm around
+    1. Decays of the size trained models use: A = exp(A_log) in [0.5, 4] and a = in_proj_a(x)
+    of std ~0.4, so that exp(g) per token is mostly in (0.1, 1). (With the init's decays, g
+    reaches -100 a token and transformers' fp32 chunked scan, which takes the decay between two
+    tokens as a difference of cumulative sums, is off by ~1e-3 on these logits; ours sums it
+    directly: test_chunked_scan_... below.)"""
+    for name, p in model.named_parameters():
+        if name.endswith("linear_attn.norm.weight"):
+            p.normal_(1.0, 0.2)
+        elif name.endswith("norm.weight"):
+            p.normal_(0.0, 0.2)
+        elif name.endswith("A_log"):
+            p.uniform_(0.5, 4.0).log_()
+        elif name.endswith("in_proj_a.weight"):
+            p.normal_(0.0, 0.05)
+
+
+def hf_checkpoint(case, folder, shard=None):
+    config_cls, extra = CASES[case]
+    return save_transformers(config_cls(**{**COMMON, **extra}), folder, shard, adjust=realistic_draws)
+
+
+def packed(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, COMMON["vocab_size"], (1, n), generator=g) for n in lengths]
+    return docs, torch.cat(docs, dim=1), torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_document_of_a_packed_row_matches_transformers_alone(case, tmp_path):
+    hf = hf_checkpoint(case, tmp_path)
+    ours = load_model(tmp_path).eval()
+    docs, ids, pos = packed(LENGTHS)
+    with torch.no_grad():
+        got = ours.logits(ids, pos)
+        expected = torch.cat([hf(input_ids=d).logits for d in docs], dim=1)
+    assert expected.std() > 0.1
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    # The resets mattered: the row read as one document gives other logits after the first.
+    with torch.no_grad():
+        unpacked = ours.logits(ids, torch.arange(ids.shape[1])[None])
+    assert (unpacked[:, LENGTHS[0]:] - expected[:, LENGTHS[0]:]).abs().max() > 1e-2
+
+
+def naive_delta_rule(q, k, v, g, beta, lengths):
+    """The recurrence token by token, each document from a zero state (fp64 oracle)."""
+    out, start = [], 0
+    for n in lengths:
+        state = q.new_zeros(q.shape[1], q.shape[2], v.shape[2])  # [H, K, V]
+        for t in range(start, start + n):
+            state = state * g[t].exp()[:, None, None]
+            kv = torch.einsum("hk,hkv->hv", k[t], state)
+            state = state + torch.einsum("hk,hv->hkv", k[t], (v[t] - kv) * beta[t][:, None])
+            out.append(torch.einsum("hk,hkv->hv", q[t], state))
+        start += n
+    return torch.stack(out)
+
+
+def test_chunked_scan_equals_the_recurrence_with_its_gradients():
+    torch.manual_seed(0)
+    lengths = [70, 1, 64, 129]  # a one-token document, one exactly a chunk long
+    n, h, kd, vd = sum(lengths), 3, 8, 5
+    q = F.normalize(torch.randn(n, h, kd, dtype=torch.float64), dim=-1).requires_grad_()
+    k = F.normalize(torch.randn(n, h, kd, dtype=torch.float64), dim=-1).requires_grad_()
+    v = torch.randn(n, h, vd, dtype=torch.float64, requires_grad=True)
+    g = (-torch.rand(n, h, dtype=torch.float64) * 0.5).requires_grad_()  # decays in (exp(-0.5), 1]
+    beta = torch.rand(n, h, dtype=torch.float64, requires_grad=True)
+    seqs = PackedSeqs.from_position_ids(torch.cat([torch.arange(m) for m in lengths])[None])
+    got = gated_delta_rule(q, k, v, g, beta, seqs)
+    ref = naive_delta_rule(q, k, v, g, beta, lengths)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+    weights = torch.randn_like(ref)
+    grads = torch.autograd.grad((got * weights).sum(), (q, k, v, g, beta))
+    ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v, g, beta))
+    for name, a, b in zip("q k v g beta".split(), grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=0, msg=name)
+
+
+def test_causal_conv_restarts_at_each_document():
+    torch.manual_seed(0)
+    lengths, c, kernel = [6, 2, 9], 5, 4
+    x = torch.randn(sum(lengths), c, dtype=torch.float64)
+    w, b = torch.randn(c, kernel, dtype=torch.float64), torch.randn(c, dtype=torch.float64)
+    seqs = PackedSeqs.from_position_ids(torch.cat([torch.arange(m) for m in lengths])[None])
+    got = causal_conv(x, w, doc_positions(seqs), b)
+    ref = torch.cat([F.conv1d(d.T[None], w[:, None], b, padding=kernel - 1, groups=c)[0, :, : len(d)].T
+                     for d in x.split(lengths)])
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
+
+
+def vlm_checkpoint(folder, moe: bool):
+    """A released-layout Qwen3.5 (VLM: vision tower, `model.language_model.` names) with tiny
+    sizes, saved by transformers, plus MTP tensors as the released checkpoints have them."""
+    text_cls, vlm_cls, case = ((transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeConfig, "qwen35moe-top2-shared")
+                               if moe else (transformers.Qwen3_5TextConfig, transformers.Qwen3_5Config,
+                                            "qwen35-3to1-grouped-heads"))
+    text = {**COMMON, **CASES[case][1]}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=COMMON["hidden_size"],
+                  patch_size=4, num_position_embeddings=16)
+    config = vlm_cls(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():
+        realistic_draws(hf.model.language_model)
+    hf.save_pretrained(folder, max_shard_size="40KB")
+    mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.randn(64)}
+    save_file(mtp, folder / "model-mtp.safetensors")
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        import json
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name: "model-mtp.safetensors" for name in mtp})
+        index.write_text(json.dumps(data))
+    return hf, mtp
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
+def test_released_vlm_layout_trains_the_text_model_and_carries_the_rest(moe, tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    hf, mtp = vlm_checkpoint(src, moe)
+    cfg = read_config(src)
+    ours = load_model(src).eval()
+    assert not any("visual" in n or n.startswith("mtp") for n in ours.state_dict())
+    _, ids, pos = packed([40])
+    with torch.no_grad():
+        torch.testing.assert_close(ours.logits(ids, pos), hf(input_ids=ids).logits, atol=1e-4, rtol=0)
+    save_hf(ours.state_dict(), cfg, dst, max_shard_bytes=40_000, carried=carried_tensors(src, cfg, torch.float32))
+    before, after = ({k: v for f in d.glob("*.safetensors") for k, v in load_file(f).items()} for d in (src, dst))
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
+    assert any(n.startswith("model.visual.") for n in after) and all(torch.equal(after[n], t) for n, t in mtp.items())
