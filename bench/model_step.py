@@ -57,6 +57,15 @@ SHAPES = {
                                                             beta_fast=32.0, beta_slow=1.0, truncate=False,
                                                             original_max_position_embeddings=4096),
                                        tie_word_embeddings=False), 8192),
+    # Qwen3.5-0.8B's text model as recalled (Qwen/Qwen3.5-0.8B's config.json was not at hand
+    # offline): 24 layers, 3 Gated DeltaNet to 1 gated full attention, tied embeddings
+    "qwen3.5-0.8b": ("qwen3_5_text", dict(vocab_size=248320, hidden_size=1024, num_hidden_layers=24,
+                                          num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                                          intermediate_size=3584, linear_num_key_heads=16, linear_num_value_heads=16,
+                                          linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                                          full_attention_interval=4, tie_word_embeddings=True,
+                                          rope_parameters=dict(rope_type="default", rope_theta=1e7,
+                                                               partial_rotary_factor=0.25)), 8192),
     # GLM-4.5-Air's shape (zai-org/GLM-4.5-Air config.json) cut to 3 layers: the dense first
     # layer and 2 MoE layers (128 experts top-8, sigmoid router with correction bias, one
     # shared expert), partial RoPE, q/k/v bias; no MTP layer (it is not trained).

@@ -70,6 +70,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+@torch.compiler.disable  # a loop over the chunks: eager (compiling it would unroll it)
 def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk: int = CHUNK) -> torch.Tensor:
     """o [N, H, V] of S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
     o_t = S_t^T q_t, with S = 0 at each document's first token. Inputs fp32 (q already scaled).
@@ -152,7 +153,9 @@ class GatedDeltaNetMixer(nn.Module):
         b, t, _ = x_BTD.shape
         n, hv, hk = b * t, s.num_v_heads, s.num_k_heads
         qkv_NC = self.in_proj_qkv(x_BTD).reshape(n, -1)
-        qkv_NC = F.silu(causal_conv(qkv_NC, self.conv1d.weight[:, 0].to(qkv_NC.dtype), doc_positions(seqs)))
+        # the conv accumulates in fp32 (as the fused causal-conv kernels do), one rounding after the SiLU
+        conv_NC = causal_conv(qkv_NC.float(), self.conv1d.weight[:, 0].float(), doc_positions(seqs))
+        qkv_NC = F.silu(conv_NC).to(qkv_NC.dtype)
         key = hk * s.head_k_dim
         q, k, v = qkv_NC.split([key, key, hv * s.head_v_dim], dim=-1)
         q, k = q.reshape(n, hk, s.head_k_dim), k.reshape(n, hk, s.head_k_dim)
