@@ -3,11 +3,12 @@ attention). Packed rows hold several documents, so the state and the short causa
 restart at every document boundary (`PackedSeqs`); a state leaking from one document into the
 next would change every later token and no loss would show it.
 
-The scan here is the chunked form in plain torch (exact in fp32, any device, differentiable by
-autograd): tokens are laid out so that every document starts a chunk of C tokens (padding the
-tail of its last chunk), each chunk is solved in parallel with a triangular system (the WY form
-of the delta rule), and one short loop over the chunks carries the state, zeroed at every chunk
-that starts a document.
+The scan is the chunked form (exact in fp32, any device, differentiable): tokens are laid out
+so that every document starts a chunk of C tokens (padding the tail of its last chunk), each
+chunk is solved in parallel with a triangular system (the WY form of the delta rule) in
+batched torch ops, and the state is carried from chunk to chunk by one recurrence
+(state_scan.py: a Triton kernel on CUDA, a loop elsewhere), zeroed at every chunk that starts
+a document.
 
 Legend: N tokens (the rows flattened), L chunks, C tokens per chunk, H value heads,
 K key dim, V value dim.
@@ -21,6 +22,7 @@ from torch import nn
 
 from primerl_models.common.args import GatedDeltaNet
 from primerl_models.common.attention import PackedSeqs
+from primerl_models.common.state_scan import chunk_states
 
 CHUNK = 64
 
@@ -70,7 +72,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-@torch.compiler.disable  # a loop over the chunks: eager (compiling it would unroll it)
+@torch.compiler.disable  # eager inside compiled layers: a host sync and a Triton kernel
 def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk: int = CHUNK) -> torch.Tensor:
     """o [N, H, V] of S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
     o_t = S_t^T q_t, with S = 0 at each document's first token. Inputs fp32 (q already scaled).
@@ -81,7 +83,8 @@ def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk
     (I + A) W = beta V - beta exp(G) K S_0, A[t, s] = beta_t exp(G_t - G_s) k_t.k_s (s < t):
     W = U - Kc S_0 with U, Kc solved once for all chunks. Then
     O = exp(G) Q S_0 + (Q K^T * exp(G_t - G_s), s <= t) W, and the state leaving the chunk is
-    exp(G_C) S_0 + (exp(G_C - G) K)^T W."""
+    exp(G_C) S_0 + (exp(G_C - G) K)^T W. The chunks' entering states come from one scan
+    (state_scan.py); everything else is batched over heads and chunks."""
     slot_N, starts_L = chunk_layout(seqs, chunk)
     n_chunks = len(starts_L)
 
@@ -104,16 +107,14 @@ def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk
     attn = (q @ k.transpose(-1, -2)) * decay_CC
     q_decayed = q * G.exp()[..., None]
     k_to_end = k * to_end.exp()[..., None]
-    chunk_decay = G[..., -1].exp()[..., None, None]  # [H, L, 1, 1]
-    keep_L = (~starts_L).to(q.dtype)
-    state = q.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])  # [H, K, V]
-    outs = []
-    for i in range(n_chunks):
-        state = state * keep_L[i]  # a document starts here: nothing from before
-        w = U[:, i] - Kc[:, i] @ state
-        outs.append(q_decayed[:, i] @ state + attn[:, i] @ w)
-        state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ w
-    o = torch.stack(outs, dim=1)  # [H, L, C, V]
+    # Over a whole chunk the state goes S -> M S + B: M = exp(G_C) I - (k_to_end)^T Kc,
+    # B = (k_to_end)^T U; the states entering the chunks come from one scan over them.
+    k_dim = q.shape[-1]
+    eye = torch.eye(k_dim, dtype=q.dtype, device=q.device)
+    m = G[..., -1].exp()[..., None, None] * eye - k_to_end.transpose(-1, -2) @ Kc  # [H, L, K, K]
+    b = k_to_end.transpose(-1, -2) @ U  # [H, L, K, V]
+    states = chunk_states(m, b, starts_L)
+    o = (q_decayed - attn @ Kc) @ states + attn @ U  # [H, L, C, V]
     return o.movedim(0, 2).reshape(n_chunks * chunk, *v_NHV.shape[1:]).index_select(0, slot_N)
 
 
