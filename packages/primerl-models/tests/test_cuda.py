@@ -332,4 +332,4 @@ def test_gated_delta_rule_on_gpu_matches_fp64_cpu_with_gradients():
     (out_gpu * weights.float().to(CUDA)).sum().backward()
     for name, got, ref in [("out", out_gpu, out_cpu), *((f"grad {n}", a.grad, b.grad) for n, a, b in
                                                         zip("q k v g beta".split(), gpu, cpu))]:
-        check_every_element(f"delta rule {name}", got, ref, torch.full_like(ref, 1e-5 * max(1.0, float(ref.abs().max()))))
+        check_every_element(f"delta rule {name}", got.cpu(), ref, torch.full_like(ref, 1e-5 * max(1.0, float(ref.abs().max()))))

@@ -85,6 +85,11 @@ def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk
     O = exp(G) Q S_0 + (Q K^T * exp(G_t - G_s), s <= t) W, and the state leaving the chunk is
     exp(G_C) S_0 + (exp(G_C - G) K)^T W. The chunks' entering states come from one scan
     (state_scan.py); everything else is batched over heads and chunks."""
+    with torch.autocast(q_NHK.device.type, enabled=False):  # the scan's products stay fp32
+        return _gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs, chunk)
+
+
+def _gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk: int) -> torch.Tensor:
     slot_N, starts_L = chunk_layout(seqs, chunk)
     n_chunks = len(starts_L)
 

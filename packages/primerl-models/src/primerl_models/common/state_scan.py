@@ -38,24 +38,36 @@ def _triton_scan():
 
     @triton.jit
     def kernel(a_ptr, x_ptr, keep_ptr, y_ptr, n, K, V, s_ah, s_al, s_ar, s_ac, s_xh, s_xl, s_xk, s_xv,
-               BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr):
+               KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr):
+        # One program per (head, block of BV value columns) walks the chunks in order. The
+        # state block [K, BV] is re-read each step from the previous step's output (in L2): a
+        # whole [K, K] transition in registers would spill. Blocks of BK x BK keep the tiles small.
         h, vb = tl.program_id(0), tl.program_id(1)
-        rk = tl.arange(0, BK)
         rv = vb * BV + tl.arange(0, BV)
-        mask_x = (rk[:, None] < K) & (rv[None, :] < V)
-        mask_a = (rk[:, None] < K) & (rk[None, :] < K)
-        y = tl.zeros([BK, BV], dtype=tl.float32)
         for step in tl.range(0, n):
             if REVERSE:
                 i = n - 1 - step
+                prev = i + 1
             else:
                 i = step
-            a = tl.load(a_ptr + h * s_ah + i * s_al + rk[:, None] * s_ar + rk[None, :] * s_ac, mask=mask_a, other=0.0)
-            offs_x = h * s_xh + i * s_xl + rk[:, None] * s_xk + rv[None, :] * s_xv
-            x = tl.load(x_ptr + offs_x, mask=mask_x, other=0.0)
+                prev = i - 1
+            has_prev = step > 0
             keep = tl.load(keep_ptr + i)
-            y = keep * (x + tl.dot(a, y, input_precision="ieee"))
-            tl.store(y_ptr + offs_x, y, mask=mask_x)
+            for rb in tl.static_range(0, KP, BK):
+                rr = rb + tl.arange(0, BK)
+                out_mask = (rr[:, None] < K) & (rv[None, :] < V)
+                offs = h * s_xh + i * s_xl + rr[:, None] * s_xk + rv[None, :] * s_xv
+                acc = tl.load(x_ptr + offs, mask=out_mask, other=0.0)
+                for kb in tl.static_range(0, KP, BK):
+                    rk = kb + tl.arange(0, BK)
+                    a = tl.load(a_ptr + h * s_ah + i * s_al + rr[:, None] * s_ar + rk[None, :] * s_ac,
+                                mask=(rr[:, None] < K) & (rk[None, :] < K), other=0.0)
+                    y_prev = tl.load(y_ptr + h * s_xh + prev * s_xl + rk[:, None] * s_xk + rv[None, :] * s_xv,
+                                     mask=has_prev & (rk[:, None] < K) & (rv[None, :] < V), other=0.0,
+                                     cache_modifier=".cg")
+                    acc += tl.dot(a, y_prev, input_precision="ieee")
+                tl.store(y_ptr + offs, keep * acc, mask=out_mask)
+            tl.debug_barrier()  # this step's rows are the next step's input
 
     return triton, kernel
 
@@ -70,9 +82,9 @@ def _scan(a, x, keep_L, reverse: bool, transpose: bool) -> torch.Tensor:
     s_ah, s_al, s_ar, s_ac = a.stride()
     if transpose:
         s_ar, s_ac = s_ac, s_ar
-    bk, bv = max(16, triton.next_power_of_2(k)), 32
+    bk, bv = 32, 32
     kernel[(h, triton.cdiv(v, bv))](a, x, keep_L.contiguous(), y, n, k, v, s_ah, s_al, s_ar, s_ac, *x.stride(),
-                                    BK=bk, BV=bv, REVERSE=reverse)
+                                    KP=triton.cdiv(k, bk) * bk, BK=bk, BV=bv, REVERSE=reverse)
     return y
 
 
