@@ -17,7 +17,9 @@ def test_parameter_counts_are_those_of_the_built_model(family, tie):
         model = Transformer(args)
     assert args.num_params() == sum(p.numel() for p in model.parameters())
     embedding = model.embed_tokens.weight.numel()
-    assert args.num_params(embeddings=False) == sum(p.numel() for p in model.parameters()) - (0 if tie else embedding)
+    # (Nemotron-H never ties, whatever the config says)
+    tied = args.tie_embeddings
+    assert args.num_params(embeddings=False) == sum(p.numel() for p in model.parameters()) - (0 if tied else embedding)
     # active: all but the (E - top_k) experts each token skips in every MoE layer (one expert:
     # its slice of every stacked parameter, biases included)
     skipped = sum((m.num_experts - m.top_k) * sum(p[0].numel() for p in m.experts.parameters())

@@ -74,7 +74,7 @@ def write_config(folder, **changes):
 def test_unsupported_model_type_lists_supported(tmp_path):
     save_transformers(DENSE, tmp_path)
     write_config(tmp_path, model_type="gpt2")
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not implemented .*supported: afmoe, glm4, glm4_moe, gpt_oss, laguna, llama, minimax_m2, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not implemented .*supported: afmoe, glm4, glm4_moe, gpt_oss, laguna, llama, minimax_m2, nemotron_h, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe"):
         load_model(tmp_path)
 
 

@@ -1,5 +1,5 @@
-"""Mixers with a recurrent state (Gated DeltaNet: Qwen3.5, Qwen3.5-MoE) against transformers and
-against the recurrence itself (CPU).
+"""Mixers with a recurrent state (Gated DeltaNet: Qwen3.5, Qwen3.5-MoE; Mamba2: Nemotron-H)
+against transformers and against the recurrence itself (CPU).
 
 transformers' torch fallback does not restart the state inside a row, so each document of our
 packed row is compared with transformers on that document alone. Documents are longer than
@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 from primerl_models import PackedSeqs, carried_tensors, load_model, read_config, save_hf
-from primerl_models.common.linear_attention import causal_conv, doc_positions, gated_delta_rule
+from primerl_models.common.linear_attention import causal_conv, doc_positions, gated_delta_rule, ssd_scan
+from primerl_models.families import FAMILIES
+from primerl_models.families.base import TinyShape
 from primerl_models.testing import save_transformers
 from safetensors.torch import load_file, save_file
 
@@ -45,6 +47,22 @@ CASES = {
         linear_key_head_dim=16, linear_value_head_dim=16, num_experts=6, num_experts_per_tok=3,
         moe_intermediate_size=32, shared_expert_intermediate_size=32,
         layer_types=["linear_attention", "linear_attention", "full_attention"])),
+    # Nemotron-H: every block kind (Mamba2 with 2 groups of 4 heads, MoE with the shared
+    # expert and a non-zero correction bias, attention without positions, a ReLU^2 MLP).
+    "nemotronh-all-kinds-groups": (transformers.NemotronHConfig, dict(
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], num_key_value_heads=2,
+        mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=1,
+        topk_group=1)),
+    # ... one group, a kernel of 3 without bias, MHA first, 6 experts top-3 in 2 groups, scaled,
+    # not renormalised, two Mamba2 layers; tie_word_embeddings set, which transformers' Nemotron-H
+    # ignores (it never ties), and so must we.
+    "nemotronh-one-group-nobias-tied": (transformers.NemotronHConfig, dict(
+        layers_block_type=["full_attention", "linear_attention", "moe", "linear_attention", "mlp"],
+        num_key_value_heads=4, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, conv_kernel=3,
+        use_conv_bias=False, n_routed_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.0,
+        norm_topk_prob=False, tie_word_embeddings=True)),
 }
 LENGTHS = [70, 5, 130]  # 2, 1 and 3 chunks of 64
 
@@ -70,6 +88,8 @@ def realistic_draws(model):
 
 def hf_checkpoint(case, folder, shard=None):
     config_cls, extra = CASES[case]
+    if case.startswith("nemotronh"):  # plain norms: drawn around 1; routers' correction biases non-zero
+        return save_transformers(config_cls(**{**COMMON, **extra}), folder, shard, router_bias_std=0.1, norm_std=0.2)
     return save_transformers(config_cls(**{**COMMON, **extra}), folder, shard, adjust=realistic_draws)
 
 
@@ -183,3 +203,60 @@ def test_released_vlm_layout_trains_the_text_model_and_carries_the_rest(moe, tmp
     for name in before:
         assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
     assert any(n.startswith("model.visual.") for n in after) and all(torch.equal(after[n], t) for n, t in mtp.items())
+
+
+def naive_ssd(c, b, v, a, lengths):
+    """Mamba2's recurrence token by token, each document from a zero state (fp64 oracle)."""
+    out, start = [], 0
+    for n in lengths:
+        state = v.new_zeros(c.shape[1], c.shape[2], v.shape[2])  # [H, S, P]
+        for t in range(start, start + n):
+            state = state * a[t].exp()[:, None, None] + torch.einsum("hs,hp->hsp", b[t], v[t])
+            out.append(torch.einsum("hs,hsp->hp", c[t], state))
+        start += n
+    return torch.stack(out)
+
+
+def test_ssd_scan_equals_the_recurrence_with_its_gradients():
+    torch.manual_seed(0)
+    lengths = [70, 1, 64, 129]
+    n, h, s, p = sum(lengths), 3, 6, 5
+    c, b, v = (torch.randn(n, h, d, dtype=torch.float64, requires_grad=True) for d in (s, s, p))
+    a = (-torch.rand(n, h, dtype=torch.float64) * 3).requires_grad_()
+    seqs = PackedSeqs.from_position_ids(torch.cat([torch.arange(m) for m in lengths])[None])
+    got, ref = ssd_scan(c, b, v, a, seqs), naive_ssd(c, b, v, a, lengths)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+    weights = torch.randn_like(ref)
+    grads = torch.autograd.grad((got * weights).sum(), (c, b, v, a))
+    ref_grads = torch.autograd.grad((ref * weights).sum(), (c, b, v, a))
+    for name, x, y in zip("c b v a".split(), grads, ref_grads):
+        torch.testing.assert_close(x, y, atol=1e-9, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("case", ["nemotronh-all-kinds-groups", "nemotronh-one-group-nobias-tied",
+                                  "qwen35-3to1-grouped-heads"])
+def test_round_trip_is_exact(case, tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    hf_checkpoint(case, src, shard="40KB")
+    cfg = read_config(src)
+    save_hf(load_model(src).state_dict(), cfg, dst, max_shard_bytes=40_000)
+    before, after = ({k: v for f in d.glob("*.safetensors") for k, v in load_file(f).items()} for d in (src, dst))
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
+
+
+def test_nemotron_h_pattern_string_and_unsupported_options():
+    family = FAMILIES["nemotron_h"]
+    cfg = family.tiny_config(TinyShape(vocab_size=32, num_layers=2))  # 4 blocks
+    listed = family.args_from_hf(cfg)
+    pattern = {k: v for k, v in cfg.items() if k != "layers_block_type"} | {"hybrid_override_pattern": "ME*-"}
+    assert family.args_from_hf(pattern).layers == listed.layers
+    assert [type(layer.mixer).__name__ if layer.mixer else type(layer.mlp).__name__ for layer in listed.layers] == [
+        "Mamba2", "MoEMLP", "Attention", "DenseMLP"]
+    for key, value, message in [("hybrid_override_pattern", "M*X", "characters of"),
+                                ("moe_latent_size", 16, "latent expert projections"),
+                                ("mlp_hidden_act", "silu", "'relu2' only")]:
+        bad = (pattern if key == "hybrid_override_pattern" else cfg) | {key: value}
+        with pytest.raises(ValueError, match=f"nemotron_h: `{key}` = .*{message}"):
+            family.args_from_hf(bad)

@@ -20,7 +20,7 @@ from typing import Literal
 QKNorm = Literal["none", "head", "full"]
 Gate = Literal["none", "sigmoid", "softplus"]
 Scoring = Literal["softmax", "sigmoid", "softmax_topk"]
-Activation = Literal["silu", "clamped"]
+Activation = Literal["silu", "clamped", "relu2"]
 
 
 @dataclass(frozen=True)
@@ -137,13 +137,58 @@ class GatedDeltaNet:
 
 
 @dataclass(frozen=True)
-class DenseMLP:
-    """SwiGLU feed-forward."""
+class Mamba2:
+    """Mamba2 (Nemotron-H's "linear_attention" / "M" layers): in_proj to the gate z, x B C and
+    dt; a depthwise causal conv with bias over x B C (SiLU); per head a scalar decay
+    exp(-exp(A_log) dt), dt = max(softplus(dt + dt_bias), dt_min); the state space scan
+    S_t = exp(a_t) S_{t-1} + dt_t B_t x_t^T, y_t = C_t^T S_t + D x_t, with B and C shared by the
+    heads of a group; then y * silu(z) normalised per group (RMS) and out_proj. The state and
+    the conv restart at every document of a packed row."""
 
-    intermediate_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    dt_min: float = 0.0
+
+    rope = None  # no positions: the order is in the recurrence
+    window = None
+
+    def __post_init__(self) -> None:
+        if self.n_groups <= 0 or self.num_heads % self.n_groups:
+            raise ValueError(f"mamba_num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.n_groups * self.state_size
 
     def num_params(self, dim: int) -> int:
-        return 3 * dim * self.intermediate_size
+        projections = dim * (self.inner + self.conv_dim + self.num_heads) + self.inner * dim
+        conv = self.conv_dim * (self.conv_kernel + (1 if self.conv_bias else 0))
+        return projections + conv + 3 * self.num_heads + self.inner
+
+    def mixing_flops(self, tokens: float, chunk: int = 64) -> float:
+        """Forward + backward FLOPs of the chunked scan: per token and head, the chunk's C.B
+        products and their weighting of x (2 C (N + P)) and two N x P state products, times 3."""
+        n, p = self.state_size, self.head_dim
+        return 3 * tokens * self.num_heads * (2 * chunk * (n + p) + 4 * n * p)
+
+
+@dataclass(frozen=True)
+class DenseMLP:
+    """Feed-forward: SwiGLU (down(silu(gate) * up)), or "relu2": down(relu(up)^2) (Nemotron-H)."""
+
+    intermediate_size: int
+    activation: Literal["silu", "relu2"] = "silu"
+
+    def num_params(self, dim: int) -> int:
+        return (2 if self.activation == "relu2" else 3) * dim * self.intermediate_size
 
     def num_active_params(self, dim: int) -> int:
         return self.num_params(dim)
@@ -183,7 +228,8 @@ class MoEMLP:
     """Each expert's gate, up and down projections have biases (GPT-OSS)."""
     activation: Activation = "silu"
     """silu: down(silu(gate) * up). clamped (GPT-OSS): gate clamped above at `limit`, up to
-    [-limit, limit], then down((up + 1) * gate * sigmoid(alpha * gate))."""
+    [-limit, limit], then down((up + 1) * gate * sigmoid(alpha * gate)). relu2 (Nemotron-H):
+    down(relu(up)^2), no gate, the shared expert too."""
     limit: float = 7.0
     alpha: float = 1.702
 
@@ -194,8 +240,8 @@ class MoEMLP:
             raise ValueError(f"router scoring must be 'softmax', 'sigmoid' or 'softmax_topk', got {self.scoring!r}")
         if self.logit_softcap < 0:
             raise ValueError(f"router logit soft-cap must be >= 0 (0: off), got {self.logit_softcap}")
-        if self.activation not in ("silu", "clamped"):
-            raise ValueError(f"expert activation must be 'silu' or 'clamped', got {self.activation!r}")
+        if self.activation not in ("silu", "clamped", "relu2"):
+            raise ValueError(f"expert activation must be 'silu', 'clamped' or 'relu2', got {self.activation!r}")
         if self.n_group < 1 or self.num_experts % self.n_group:
             raise ValueError(f"n_group ({self.n_group}) must divide the number of experts ({self.num_experts})")
         if self.n_group > 1:
@@ -212,11 +258,13 @@ class MoEMLP:
 
     def expert_params(self, dim: int) -> int:
         """Parameters of one routed expert."""
-        return 3 * dim * self.expert_size + ((2 * self.expert_size + dim) if self.expert_bias else 0)
+        mats = 2 if self.activation == "relu2" else 3
+        return mats * dim * self.expert_size + ((2 * self.expert_size + dim) if self.expert_bias else 0)
 
     def num_params(self, dim: int) -> int:
         router = self.num_experts * dim + (self.num_experts if self.router_bias else 0)
-        shared = 3 * dim * self.shared_expert_size + (dim if self.shared_expert_gate else 0)
+        mats = 2 if self.activation == "relu2" else 3
+        shared = mats * dim * self.shared_expert_size + (dim if self.shared_expert_gate else 0)
         return self.num_experts * self.expert_params(dim) + router + shared
 
     def num_active_params(self, dim: int) -> int:
@@ -230,15 +278,23 @@ MLPSpec = DenseMLP | MoEMLP
 class Layer:
     """One decoder layer: pre-norm mixer and MLP, each added to the residual stream."""
 
-    mixer: Attention | GatedDeltaNet
-    mlp: MLPSpec
+    mixer: Attention | GatedDeltaNet | Mamba2 | None
+    mlp: MLPSpec | None
+    """Either may be None: Nemotron-H's layers are a mixer alone or an MLP alone."""
     sandwich_norm: bool = False
     """RMSNorm on the mixer's and the MLP's outputs too, before each residual add (GLM-4)."""
 
+    def __post_init__(self) -> None:
+        if self.mixer is None and self.mlp is None:
+            raise ValueError("a layer needs a mixer or an MLP")
+
     def num_params(self, dim: int) -> int:
-        return self.mixer.num_params(dim) + self.mlp.num_params(dim) + (4 if self.sandwich_norm else 2) * dim
+        parts = [p for p in (self.mixer, self.mlp) if p is not None]
+        return sum(p.num_params(dim) for p in parts) + len(parts) * (2 if self.sandwich_norm else 1) * dim
 
     def num_active_params(self, dim: int) -> int:
+        if self.mlp is None:
+            return self.num_params(dim)
         return self.num_params(dim) - self.mlp.num_params(dim) + self.mlp.num_active_params(dim)
 
 
@@ -300,5 +356,5 @@ class ModelArgs:
 
         attention = sum(12 * layer.mixer.num_heads * layer.mixer.head_dim * pairs(layer.mixer.window)
                         if isinstance(layer.mixer, Attention) else layer.mixer.mixing_flops(tokens)
-                        for layer in self.layers)
+                        for layer in self.layers if layer.mixer is not None)
         return 6 * self.num_active_params() * tokens + attention

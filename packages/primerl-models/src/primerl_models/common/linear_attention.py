@@ -1,5 +1,5 @@
 """Mixers that carry a recurrent state along the sequence: Gated DeltaNet (Qwen3.5's linear
-attention). Packed rows hold several documents, so the state and the short causal convolution
+attention) and Mamba2 (Nemotron-H). Packed rows hold several documents, so the state and the short causal convolution
 restart at every document boundary (`PackedSeqs`); a state leaking from one document into the
 next would change every later token and no loss would show it.
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primerl_models.common.args import GatedDeltaNet
+from primerl_models.common.args import GatedDeltaNet, Mamba2
 from primerl_models.common.attention import PackedSeqs
 from primerl_models.common.state_scan import chunk_states
 
@@ -175,3 +175,65 @@ class GatedDeltaNetMixer(nn.Module):
         z_NHV = self.in_proj_z(x_BTD).reshape(n, hv, s.head_v_dim)
         o_NHV = self.norm(o_NHV.to(z_NHV.dtype), z_NHV)
         return self.out_proj(o_NHV.reshape(b, t, -1))
+
+
+def ssd_scan(c_NHS, b_NHS, v_NHP, a_NH, seqs: PackedSeqs, chunk: int = CHUNK) -> torch.Tensor:
+    """y [N, H, P] of Mamba2's state space S_t = exp(a_t) S_{t-1} + b_t v_t^T, y_t = S_t^T c_t
+    (S [state, P] per head), S = 0 at each document's first token: the gated delta rule's
+    chunk form without the delta correction (inputs fp32; v = dt x, a = dt A)."""
+    with torch.autocast(c_NHS.device.type, enabled=False):
+        slot_N, starts_L = chunk_layout(seqs, chunk)
+        n_chunks = len(starts_L)
+
+        def chunked(x):  # [N, H, ...] -> [H, L, C, ...], zeros in the padding
+            padded = x.new_zeros((n_chunks * chunk, *x.shape[1:])).index_copy(0, slot_N, x)
+            return padded.view(n_chunks, chunk, *x.shape[1:]).movedim(2, 0)
+
+        c, b, v, a = (chunked(x) for x in (c_NHS, b_NHS, v_NHP, a_NH))
+        G = a.cumsum(dim=-1)
+        attn = (c @ b.transpose(-1, -2)) * segment_sums(a).exp()  # decays summed as in gated_delta_rule
+        to_end = F.pad(a.flip(-1).cumsum(dim=-1).flip(-1)[..., 1:], (0, 1))
+        eye = torch.eye(c.shape[-1], dtype=c.dtype, device=c.device)
+        m = G[..., -1].exp()[..., None, None] * eye  # [H, L, S, S]: a scalar decay per chunk
+        states = chunk_states(m, (b * to_end.exp()[..., None]).transpose(-1, -2) @ v, starts_L)
+        y = (c * G.exp()[..., None]) @ states + attn @ v  # [H, L, C, P]
+        return y.movedim(0, 2).reshape(n_chunks * chunk, *v_NHP.shape[1:]).index_select(0, slot_N)
+
+
+class Mamba2Mixer(nn.Module):
+    """The layer (HF names): in_proj, conv1d (with bias), dt_bias, A_log, D, norm (RMSNorm per
+    group of y * silu(z)), out_proj. Called like attention; positions are not used."""
+
+    def __init__(self, spec: Mamba2, dim: int, eps: float):
+        super().__init__()
+        self.spec, self.eps = spec, eps
+        self.in_proj = nn.Linear(dim, spec.inner + spec.conv_dim + spec.num_heads, bias=False)
+        self.conv1d = nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim,
+                                bias=spec.conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(spec.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(spec.num_heads))
+        self.D = nn.Parameter(torch.ones(spec.num_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(spec.inner))
+        self.out_proj = nn.Linear(spec.inner, dim, bias=False)
+
+    def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend) -> torch.Tensor:
+        s = self.spec
+        b, t, _ = x_BTD.shape
+        n, h, groups = b * t, s.num_heads, s.n_groups
+        z, xbc, dt = self.in_proj(x_BTD).reshape(n, -1).split([s.inner, s.conv_dim, h], dim=-1)
+        bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
+        xbc = F.silu(causal_conv(xbc.float(), self.conv1d.weight[:, 0].float(), doc_positions(seqs), bias))
+        x, b_in, c_in = xbc.split([s.inner, groups * s.state_size, groups * s.state_size], dim=-1)
+        dt_NH = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=s.dt_min)
+        x_NHP = x.reshape(n, h, s.head_dim)
+        per_group = h // groups  # heads sharing a group's B and C
+        b_NHS = b_in.reshape(n, groups, s.state_size).repeat_interleave(per_group, dim=1)
+        c_NHS = c_in.reshape(n, groups, s.state_size).repeat_interleave(per_group, dim=1)
+        a_NH = -self.A_log.float().exp() * dt_NH
+        y = ssd_scan(c_NHS, b_NHS, x_NHP * dt_NH[..., None], a_NH, seqs) + self.D.float()[:, None] * x_NHP
+        # gate, then RMS over each group of inner / n_groups channels, in fp32
+        y = (y.reshape(n, s.inner) * F.silu(z.float())).view(n, groups, -1)
+        y = (y * torch.rsqrt(y.pow(2).mean(dim=-1, keepdim=True) + self.eps)).view(n, s.inner)
+        y = self.norm.weight.float() * y
+        return self.out_proj(y.to(x_BTD.dtype).reshape(b, t, -1))

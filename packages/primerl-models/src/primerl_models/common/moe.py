@@ -33,6 +33,22 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class ReluSquaredMLP(nn.Module):
+    """down(relu(up(x))^2): Nemotron-H's dense MLP and shared expert (no gate)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+
+
+def dense_mlp(dim: int, hidden: int, activation: str) -> nn.Module:
+    return ReluSquaredMLP(dim, hidden) if activation == "relu2" else SwiGLU(dim, hidden)
+
+
 def _use_grouped_mm(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
@@ -46,7 +62,10 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.clamp = (spec.limit, spec.alpha) if spec is not None and spec.activation == "clamped" else None
         """(limit, alpha) of the clamped SwiGLU (GPT-OSS); None: silu."""
-        self.w_gate = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.gated = spec is None or spec.activation != "relu2"
+        """False: relu(up)^2 experts without a gate projection (Nemotron-H)."""
+        if self.gated:
+            self.w_gate = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w_up = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
         if spec is not None and spec.expert_bias:
@@ -58,7 +77,9 @@ class GroupedExperts(nn.Module):
         """Rows of x sorted by expert, counts_E rows for each expert -> [A, D]."""
         return self.run(x_AD, counts_E, dict(self.named_parameters(recurse=False)))
 
-    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def _act(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        if gate is None:
+            return torch.square(F.relu(up))
         if self.clamp is None:
             return F.silu(gate) * up
         limit, alpha = self.clamp
@@ -69,8 +90,11 @@ class GroupedExperts(nn.Module):
         """CUDA bf16: gate and up as one grouped GEMM of twice the width (one pass over the rows,
         larger tiles); biases added as one-hot [A, E] @ bias [E, .] matmuls, whose backward is a
         matmul too (a gather's backward would scatter-add A rows into E with atomics)."""
-        dtype, hidden = x_AD.dtype, weights["w_gate"].shape[-1]
+        dtype, hidden = x_AD.dtype, weights["w_up"].shape[-1]
         offs = counts_E.cumsum(0).to(torch.int32)
+        if "w_gate" not in weights:
+            up = torch._grouped_mm(x_AD, weights["w_up"].to(dtype), offs=offs)
+            return torch._grouped_mm(self._act(None, up), weights["w_down"].to(dtype), offs=offs)
         w_gate_up = torch.cat([weights["w_gate"].to(dtype), weights["w_up"].to(dtype)], dim=-1)
         gate_up = torch._grouped_mm(x_AD, w_gate_up, offs=offs)
         onehot_AE = None
@@ -92,7 +116,7 @@ class GroupedExperts(nn.Module):
         biased = "b_gate" in w
         out = []
         for e, x_e in enumerate(torch.split(x_AD, counts_E.tolist())):
-            gate, up = x_e @ w["w_gate"][e], x_e @ w["w_up"][e]
+            gate, up = (x_e @ w["w_gate"][e] if "w_gate" in w else None), x_e @ w["w_up"][e]
             if biased:
                 gate, up = gate + w["b_gate"][e], up + w["b_up"][e]
             y = self._act(gate, up) @ w["w_down"][e]
@@ -164,7 +188,8 @@ class MoE(nn.Module):
         self.top_k, self.num_experts = spec.top_k, spec.num_experts
         self.router = Router(dim, spec)
         self.experts = GroupedExperts(spec.num_experts, dim, spec.expert_size, spec)
-        self.shared_experts = SwiGLU(dim, spec.shared_expert_size) if spec.shared_expert_size else None
+        self.shared_experts = (dense_mlp(dim, spec.shared_expert_size, spec.activation)
+                               if spec.shared_expert_size else None)
         if spec.shared_expert_gate:
             self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
         self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts), persistent=False)

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from primerl_models.common.args import Attention as AttentionSpec
-from primerl_models.common.args import GatedDeltaNet, Layer, ModelArgs, MoEMLP, Rope
+from primerl_models.common.args import GatedDeltaNet, Layer, Mamba2, ModelArgs, MoEMLP, Rope
 from primerl_models.common.attention import Backend, PackedSeqs, attention
-from primerl_models.common.linear_attention import GatedDeltaNetMixer
+from primerl_models.common.linear_attention import GatedDeltaNetMixer, Mamba2Mixer
 from primerl_models.common.logprobs import chunked_logprobs
-from primerl_models.common.moe import MoE, SwiGLU
+from primerl_models.common.moe import MoE, SwiGLU, dense_mlp
 from primerl_models.common.rope import apply_rope, attention_factor, inv_freq, rope_cos_sin
 
 
@@ -100,28 +100,40 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: Layer, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
         self.spec = spec
-        self.input_layernorm = RMSNorm(dim, eps, zero_centered)
-        if isinstance(spec.mixer, GatedDeltaNet):
-            self.linear_attn = GatedDeltaNetMixer(spec.mixer, dim, eps)
-        else:
-            self.self_attn = Attention(spec.mixer, dim, eps, zero_centered)
-        self.post_attention_layernorm = RMSNorm(dim, eps, zero_centered)
-        self.mlp: nn.Module = (
-            MoE(dim, spec.mlp) if isinstance(spec.mlp, MoEMLP) else MLP(dim, spec.mlp.intermediate_size)
-        )
-        if spec.sandwich_norm:
-            self.post_self_attn_layernorm = RMSNorm(dim, eps, zero_centered)
-            self.post_mlp_layernorm = RMSNorm(dim, eps, zero_centered)
+        if spec.mixer is not None:
+            self.input_layernorm = RMSNorm(dim, eps, zero_centered)
+            if isinstance(spec.mixer, GatedDeltaNet):
+                self.linear_attn = GatedDeltaNetMixer(spec.mixer, dim, eps)
+            elif isinstance(spec.mixer, Mamba2):
+                self.mamba = Mamba2Mixer(spec.mixer, dim, eps)
+            else:
+                self.self_attn = Attention(spec.mixer, dim, eps, zero_centered)
+            if spec.sandwich_norm:
+                self.post_self_attn_layernorm = RMSNorm(dim, eps, zero_centered)
+        if spec.mlp is not None:
+            self.post_attention_layernorm = RMSNorm(dim, eps, zero_centered)
+            self.mlp: nn.Module = (
+                MoE(dim, spec.mlp) if isinstance(spec.mlp, MoEMLP)
+                else dense_mlp(dim, spec.mlp.intermediate_size, spec.mlp.activation)
+            )
+            if spec.sandwich_norm:
+                self.post_mlp_layernorm = RMSNorm(dim, eps, zero_centered)
 
     @property
-    def mixer(self) -> nn.Module:
-        return self.linear_attn if isinstance(self.spec.mixer, GatedDeltaNet) else self.self_attn
+    def mixer(self) -> nn.Module | None:
+        kind = self.spec.mixer
+        if kind is None:
+            return None
+        return self.linear_attn if isinstance(kind, GatedDeltaNet) else self.mamba if isinstance(kind, Mamba2) else self.self_attn
 
     def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend: Backend) -> torch.Tensor:
-        mixed = self.mixer(self.input_layernorm(x_BTD), cos_BTR, sin_BTR, seqs, backend)
-        if self.spec.sandwich_norm:
-            mixed = self.post_self_attn_layernorm(mixed)
-        x_BTD = x_BTD + mixed
+        if self.spec.mixer is not None:
+            mixed = self.mixer(self.input_layernorm(x_BTD), cos_BTR, sin_BTR, seqs, backend)
+            if self.spec.sandwich_norm:
+                mixed = self.post_self_attn_layernorm(mixed)
+            x_BTD = x_BTD + mixed
+        if self.spec.mlp is None:
+            return x_BTD
         out = self.mlp(self.post_attention_layernorm(x_BTD))
         if self.spec.sandwich_norm:
             out = self.post_mlp_layernorm(out)
@@ -142,7 +154,8 @@ class Transformer(nn.Module):
                                     for spec in args.layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, zero_centered)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self._rope_specs = list(dict.fromkeys(layer.mixer.rope for layer in args.layers if layer.mixer.rope is not None))
+        self._rope_specs = list(dict.fromkeys(layer.mixer.rope for layer in args.layers
+                                              if layer.mixer is not None and layer.mixer.rope is not None))
         self._inv_freq: dict[tuple[Rope, torch.device], torch.Tensor] = {}
 
     @property
@@ -188,7 +201,7 @@ class Transformer(nn.Module):
         if self.args.embed_scale != 1.0:
             x_BTD = x_BTD * self.args.embed_scale
         for layer in self.layers:
-            x_BTD = layer(x_BTD, *ropes[layer.spec.mixer.rope], seqs, self.attn_backend)
+            x_BTD = layer(x_BTD, *ropes[getattr(layer.spec.mixer, "rope", None)], seqs, self.attn_backend)
         hidden_BTD = self.norm(x_BTD)
         if targets_BT is None:
             return hidden_BTD

@@ -8,13 +8,14 @@ from primerl_models.families.gpt_oss import GPT_OSS
 from primerl_models.families.laguna import LAGUNA
 from primerl_models.families.llama import LLAMA
 from primerl_models.families.minimax_m2 import MINIMAX_M2
+from primerl_models.families.nemotron_h import NEMOTRON_H
 from primerl_models.families.qwen3 import QWEN3
 from primerl_models.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE, QWEN3_5_MOE_TEXT, QWEN3_5_TEXT
 from primerl_models.families.qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     LLAMA, QWEN3, QWEN3_MOE, GLM4, GLM4_MOE, MINIMAX_M2, GPT_OSS, AFMOE, LAGUNA,
-    QWEN3_5, QWEN3_5_TEXT, QWEN3_5_MOE, QWEN3_5_MOE_TEXT,
+    QWEN3_5, QWEN3_5_TEXT, QWEN3_5_MOE, QWEN3_5_MOE_TEXT, NEMOTRON_H,
 )}
 
 
