@@ -22,6 +22,7 @@ def args(family: str):
     # Gated DeltaNet carries a state along the row: refused by name until CP passes it on
     ("qwen3_5_text", 1, 2, r"trainer.parallel.cp = 2: layer 0's mixer \(GatedDeltaNet\) has no context parallelism yet"),
     ("qwen3_5_moe", 2, 2, r"trainer.parallel.cp = 2: layer 0's mixer \(GatedDeltaNet\)"),
+    ("nemotron_h", 1, 2, r"trainer.parallel.cp = 2: layer 0's mixer \(Mamba2\) has no context parallelism yet"),
 ])
 def test_a_model_that_does_not_split_fails_naming_the_key(family, ep, cp, message):
     with pytest.raises(ValueError, match=message):

@@ -112,6 +112,8 @@ def check_fits(args: ModelArgs, ep: int, cp: int) -> None:
             raise ValueError(f"trainer.parallel.ep = {ep} does not divide the model's {bad[0]} experts per MoE layer")
     if cp > 1:
         for i, layer in enumerate(layers):
+            if layer.mixer is None:  # an MLP alone (Nemotron-H): nothing along the sequence
+                continue
             if not isinstance(layer.mixer, Attention):
                 raise ValueError(f"trainer.parallel.cp = {cp}: layer {i}'s mixer "
                                  f"({type(layer.mixer).__name__}) has no context parallelism yet")
