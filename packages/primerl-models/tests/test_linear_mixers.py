@@ -248,7 +248,8 @@ def test_round_trip_is_exact(case, tmp_path):
 
 def test_nemotron_h_pattern_string_and_unsupported_options():
     family = FAMILIES["nemotron_h"]
-    cfg = family.tiny_config(TinyShape(vocab_size=32, num_layers=2))  # 4 blocks
+    cfg = family.tiny_config(TinyShape(vocab_size=32, num_layers=2)) | {
+        "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]}
     listed = family.args_from_hf(cfg)
     pattern = {k: v for k, v in cfg.items() if k != "layers_block_type"} | {"hybrid_override_pattern": "ME*-"}
     assert family.args_from_hf(pattern).layers == listed.layers
