@@ -59,6 +59,25 @@ def chunk_layout(seqs: PackedSeqs, chunk: int) -> tuple[torch.Tensor, torch.Tens
     return slot_N, starts_L
 
 
+class _Chunks:
+    """The layout in which every document starts a chunk (chunk_layout), both ways."""
+
+    def __init__(self, seqs: PackedSeqs, chunk: int):
+        self.chunk = chunk
+        self.slot_N, self.starts_L = chunk_layout(seqs, chunk)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, H, ...] -> [H, L, C, ...], zeros in the padding."""
+        n_chunks = len(self.starts_L)
+        padded = x.new_zeros((n_chunks * self.chunk, *x.shape[1:])).index_copy(0, self.slot_N, x)
+        return padded.view(n_chunks, self.chunk, *x.shape[1:]).movedim(2, 0)
+
+    def join(self, y: torch.Tensor) -> torch.Tensor:
+        """[H, L, C, ...] -> [N, H, ...], the padding dropped."""
+        h, n_chunks, chunk = y.shape[:3]
+        return y.movedim(0, 2).reshape(n_chunks * chunk, h, *y.shape[3:]).index_select(0, self.slot_N)
+
+
 def segment_sums(g: torch.Tensor) -> torch.Tensor:
     """[..., C, C]: out[t, s] = sum of g over s < r <= t (0 on the diagonal), -inf above it."""
     c = g.shape[-1]
@@ -90,14 +109,8 @@ def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk
 
 
 def _gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk: int) -> torch.Tensor:
-    slot_N, starts_L = chunk_layout(seqs, chunk)
-    n_chunks = len(starts_L)
-
-    def chunked(x):  # [N, H, ...] -> [H, L, C, ...], zeros in the padding
-        padded = x.new_zeros((n_chunks * chunk, *x.shape[1:])).index_copy(0, slot_N, x)
-        return padded.view(n_chunks, chunk, *x.shape[1:]).movedim(2, 0)
-
-    q, k, v, g, beta = (chunked(x) for x in (q_NHK, k_NHK, v_NHV, g_NH, beta_NH))
+    layout = _Chunks(seqs, chunk)
+    q, k, v, g, beta = (layout.split(x) for x in (q_NHK, k_NHK, v_NHV, g_NH, beta_NH))
     G = g.cumsum(dim=-1)  # [H, L, C]: log-decay from the chunk's start through t
     # exp(G_t - G_s) for s <= t, 0 above the diagonal. The exponent is summed directly over
     # s < r <= t (every term <= 0), never as G_t - G_s: with strong decays |G| reaches
@@ -118,9 +131,9 @@ def _gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chun
     eye = torch.eye(k_dim, dtype=q.dtype, device=q.device)
     m = G[..., -1].exp()[..., None, None] * eye - k_to_end.transpose(-1, -2) @ Kc  # [H, L, K, K]
     b = k_to_end.transpose(-1, -2) @ U  # [H, L, K, V]
-    states = chunk_states(m, b, starts_L)
+    states = chunk_states(m, b, layout.starts_L)
     o = (q_decayed - attn @ Kc) @ states + attn @ U  # [H, L, C, V]
-    return o.movedim(0, 2).reshape(n_chunks * chunk, *v_NHV.shape[1:]).index_select(0, slot_N)
+    return layout.join(o)
 
 
 class GatedRMSNorm(nn.Module):
@@ -182,22 +195,15 @@ def ssd_scan(c_NHS, b_NHS, v_NHP, a_NH, seqs: PackedSeqs, chunk: int = CHUNK) ->
     (S [state, P] per head), S = 0 at each document's first token: the gated delta rule's
     chunk form without the delta correction (inputs fp32; v = dt x, a = dt A)."""
     with torch.autocast(c_NHS.device.type, enabled=False):
-        slot_N, starts_L = chunk_layout(seqs, chunk)
-        n_chunks = len(starts_L)
-
-        def chunked(x):  # [N, H, ...] -> [H, L, C, ...], zeros in the padding
-            padded = x.new_zeros((n_chunks * chunk, *x.shape[1:])).index_copy(0, slot_N, x)
-            return padded.view(n_chunks, chunk, *x.shape[1:]).movedim(2, 0)
-
-        c, b, v, a = (chunked(x) for x in (c_NHS, b_NHS, v_NHP, a_NH))
+        layout = _Chunks(seqs, chunk)
+        c, b, v, a = (layout.split(x) for x in (c_NHS, b_NHS, v_NHP, a_NH))
         G = a.cumsum(dim=-1)
         attn = (c @ b.transpose(-1, -2)) * segment_sums(a).exp()  # decays summed as in gated_delta_rule
         to_end = F.pad(a.flip(-1).cumsum(dim=-1).flip(-1)[..., 1:], (0, 1))
         eye = torch.eye(c.shape[-1], dtype=c.dtype, device=c.device)
         m = G[..., -1].exp()[..., None, None] * eye  # [H, L, S, S]: a scalar decay per chunk
-        states = chunk_states(m, (b * to_end.exp()[..., None]).transpose(-1, -2) @ v, starts_L)
-        y = (c * G.exp()[..., None]) @ states + attn @ v  # [H, L, C, P]
-        return y.movedim(0, 2).reshape(n_chunks * chunk, *v_NHP.shape[1:]).index_select(0, slot_N)
+        states = chunk_states(m, (b * to_end.exp()[..., None]).transpose(-1, -2) @ v, layout.starts_L)
+        return layout.join((c * G.exp()[..., None]) @ states + attn @ v)
 
 
 class Mamba2Mixer(nn.Module):

@@ -24,7 +24,8 @@ from primerl_models.families.checkpoint import Checkpoint
 
 KINDS = ("linear_attention", "full_attention", "mlp", "moe")
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-OUR_BLOCK = {"linear_attention": "mamba", "full_attention": "self_attn", "mlp": "mlp", "moe": "mlp"}
+_TOP = {"backbone.embeddings.weight": "model.embed_tokens.weight", "backbone.norm_f.weight": "model.norm.weight"}
+_TOP_HF = {ours: hf for hf, ours in _TOP.items()}
 _HF_LAYER = re.compile(r"^backbone\.layers\.(\d+)\.(norm|mixer)\.(.+)$")
 _OUR_LAYER = re.compile(r"^layers\.(\d+)\.(input_layernorm|post_attention_layernorm|mamba|self_attn|mlp)\.(.+)$")
 
@@ -96,14 +97,10 @@ class NemotronHCheckpoint(Checkpoint):
                     norm = "input_layernorm" if layer.mixer is not None else "post_attention_layernorm"
                     renamed[f"model.layers.{i}.{norm}.{rest}"] = tensor
                 else:
-                    block = "mlp" if layer.mixer is None else OUR_BLOCK[_kind(layer)]
+                    block = "mlp" if layer.mixer is None else "mamba" if isinstance(layer.mixer, Mamba2) else "self_attn"
                     renamed[f"model.layers.{i}.{block}.{rest}"] = tensor
-            elif name == "backbone.embeddings.weight":
-                renamed["model.embed_tokens.weight"] = tensor
-            elif name == "backbone.norm_f.weight":
-                renamed["model.norm.weight"] = tensor
             else:
-                renamed[name] = tensor
+                renamed[_TOP.get(name, name)] = tensor
         return super().to_ours(renamed, args)
 
     def to_hf(self, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -113,17 +110,9 @@ class NemotronHCheckpoint(Checkpoint):
             if m := _OUR_LAYER.match(plain):
                 part = "norm" if m[2].endswith("layernorm") else "mixer"
                 out[f"backbone.layers.{m[1]}.{part}.{m[3]}"] = tensor
-            elif plain == "embed_tokens.weight":
-                out["backbone.embeddings.weight"] = tensor
-            elif plain == "norm.weight":
-                out["backbone.norm_f.weight"] = tensor
             else:
-                out[name] = tensor
+                out[_TOP_HF.get(name, name)] = tensor
         return out
-
-
-def _kind(layer: Layer) -> str:
-    return "linear_attention" if isinstance(layer.mixer, Mamba2) else "full_attention"
 
 
 def tiny_config(shape: TinyShape) -> dict:
