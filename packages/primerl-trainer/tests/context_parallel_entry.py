@@ -75,7 +75,7 @@ def main(out_dir: str) -> None:
             grad = s_local.grad.clone()
             dist.all_reduce(grad)
             results[case].update(sinks_grad=grad, ref_sinks_grad=s_full.grad)
-    for family in ("qwen3", "glm4_moe", "gpt_oss", "afmoe", "laguna"):
+    for family in ("qwen3", "glm4_moe", "gpt_oss", "afmoe", "laguna", "qwen3_5_text", "nemotron_h"):
         results[family] = whole_model(family)
     torch.save(results, os.path.join(out_dir, f"rank_{rank}.pt"))
     dist.destroy_process_group()

@@ -35,11 +35,13 @@ def test_ulysses_attention_equals_the_whole_row(ranks, case):
             assert row["ref_sinks_grad"].abs().min() > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3", "glm4_moe", "gpt_oss", "afmoe", "laguna"])
+@pytest.mark.parametrize("family", ["qwen3", "glm4_moe", "gpt_oss", "afmoe", "laguna", "qwen3_5_text", "nemotron_h"])
 def test_a_whole_model_over_chunks_equals_the_whole_row(ranks, family):
     """The model fed each rank's chunk (ids, positions, targets) with the whole row's document
     boundaries and Ulysses as its attention: each rank's logprobs are the whole row's for its
-    tokens, and the parameter gradients summed over the ranks are the whole row's."""
+    tokens, and the parameter gradients summed over the ranks are the whole row's. Qwen3.5's
+    Gated DeltaNet and Nemotron-H's Mamba2 take the same all-to-alls around their conv and
+    scan: the document that crosses the split carries its state and conv window across."""
     for rank in range(2):
         row = ranks[rank][family]
         torch.testing.assert_close(row["logprobs"], row["ref_logprobs"], atol=1e-5, rtol=0)

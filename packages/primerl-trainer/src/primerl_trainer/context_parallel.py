@@ -8,7 +8,10 @@ norms, RoPE at the row's own positions, MLP) is per token and runs on the local 
     out_local = ulysses_attention(q_local, k_local, v_local, seqs_whole_row, backend, group)
 
 Any attention back-end works unchanged (it sees whole rows). Needs H divisible by P; with fewer
-kv heads than that allows (G not divisible by P), each kv head is repeated until it is.
+kv heads than that allows (G not divisible by P), each kv head is repeated until it is. The
+recurrent mixers (Gated DeltaNet, Mamba2) take the same all-to-alls around their conv and scan,
+each rank carrying the state of its heads over whole rows (their key / value heads, or heads
+and groups, divisible by P).
 
 In the trainer (`row_logprobs`, used by engine.token_logprobs): each rank of the group runs
 its chunk of the row (padded to a multiple of P with a separate document that trains nothing)
@@ -89,6 +92,22 @@ class UlyssesAttention:
 
     def __call__(self, q, k, v, seqs: PackedSeqs, window: int | None = None, sinks_H=None):
         return ulysses_attention(q, k, v, seqs, self.backend, self.group, window, sinks_H)
+
+    # The same all-to-alls for the recurrent mixers (Gated DeltaNet, Mamba2: their `HeadSplit`),
+    # which run their conv and scan over whole rows for this rank's heads.
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def to_heads(self, x_BCHK: torch.Tensor) -> torch.Tensor:
+        return _tokens_to_heads(x_BCHK, self.size, self.group)
+
+    def to_tokens(self, x_BTHK: torch.Tensor) -> torch.Tensor:
+        return _heads_to_tokens(x_BTHK, self.size, self.group)
 
 
 def chunk_of(x_BT: torch.Tensor, group=None) -> torch.Tensor:

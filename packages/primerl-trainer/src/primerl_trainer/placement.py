@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from primerl_models import Attention, ModelArgs, MoEMLP, Transformer, load_model, read_config, resolve_model_folder
+from primerl_models import ModelArgs, MoEMLP, Transformer, load_model, read_config, resolve_model_folder
 from primerl_models.common.moe import MoE
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -112,14 +112,12 @@ def check_fits(args: ModelArgs, ep: int, cp: int) -> None:
             raise ValueError(f"trainer.parallel.ep = {ep} does not divide the model's {bad[0]} experts per MoE layer")
     if cp > 1:
         for i, layer in enumerate(layers):
-            if layer.mixer is None:  # an MLP alone (Nemotron-H): nothing along the sequence
+            mixer = layer.mixer
+            if mixer is None:  # an MLP alone (Nemotron-H): nothing along the sequence
                 continue
-            if not isinstance(layer.mixer, Attention):
-                raise ValueError(f"trainer.parallel.cp = {cp}: layer {i}'s mixer "
-                                 f"({type(layer.mixer).__name__}) has no context parallelism yet")
-            if layer.mixer.num_heads % cp:
-                raise ValueError(f"trainer.parallel.cp = {cp} does not divide layer {i}'s "
-                                 f"{layer.mixer.num_heads} attention heads (num_attention_heads)")
+            for count, what in mixer.cp_splits():  # what context parallelism splits over the ranks
+                if count % cp:
+                    raise ValueError(f"trainer.parallel.cp = {cp} does not divide layer {i}'s {count} {what}")
 
 
 @dataclass

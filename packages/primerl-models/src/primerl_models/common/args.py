@@ -83,6 +83,10 @@ class Attention:
         if self.window is not None and self.window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {self.window}")
 
+    def cp_splits(self) -> list[tuple[int, str]]:
+        """What context parallelism splits over its ranks (each count must divide)."""
+        return [(self.num_heads, "attention heads (num_attention_heads)")]
+
     def num_params(self, dim: int) -> int:
         h, g, k = self.num_heads, self.num_kv_heads, self.head_dim
         params = dim * h * k * 2 + dim * g * k * 2
@@ -122,6 +126,10 @@ class GatedDeltaNet:
     @property
     def conv_dim(self) -> int:
         return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    def cp_splits(self) -> list[tuple[int, str]]:
+        return [(self.num_k_heads, "key heads (linear_num_key_heads)"),
+                (self.num_v_heads, "value heads (linear_num_value_heads)")]
 
     def num_params(self, dim: int) -> int:
         value = self.num_v_heads * self.head_v_dim
@@ -167,6 +175,9 @@ class Mamba2:
     @property
     def conv_dim(self) -> int:
         return self.inner + 2 * self.n_groups * self.state_size
+
+    def cp_splits(self) -> list[tuple[int, str]]:
+        return [(self.num_heads, "heads (mamba_num_heads)"), (self.n_groups, "groups (n_groups)")]
 
     def num_params(self, dim: int) -> int:
         projections = dim * (self.inner + self.conv_dim + self.num_heads) + self.inner * dim

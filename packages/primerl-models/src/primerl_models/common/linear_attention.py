@@ -170,24 +170,57 @@ class GatedDeltaNetMixer(nn.Module):
     def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend) -> torch.Tensor:
         s = self.spec
         b, t, _ = x_BTD.shape
-        n, hv, hk = b * t, s.num_v_heads, s.num_k_heads
-        qkv_NC = self.in_proj_qkv(x_BTD).reshape(n, -1)
+        split = HeadSplit(backend)
+        hv, hk, dk, dv = s.num_v_heads, s.num_k_heads, s.head_k_dim, s.head_v_dim
+        key = hk * dk
+        q, k, v = self.in_proj_qkv(x_BTD).split([key, key, hv * dv], dim=-1)
+        q, k, v = (split.heads(y.reshape(b, t, -1, d)) for y, d in ((q, dk), (k, dk), (v, dv)))
+        ba = split.heads(torch.stack([self.in_proj_b(x_BTD), self.in_proj_a(x_BTD)], dim=-1))  # [B, T', hv', 2]
+        hk, hv = q.shape[2], v.shape[2]  # this rank's heads (all of them without CP)
+        n = q.shape[0] * q.shape[1]
+        w_q, w_k, w_v = self.conv1d.weight[:, 0].split([key, key, s.num_v_heads * dv])
+        w = torch.cat([split.part(w_q, s.num_k_heads), split.part(w_k, s.num_k_heads), split.part(w_v, s.num_v_heads)])
+        qkv_NC = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         # the conv accumulates in fp32 (as the fused causal-conv kernels do), one rounding after the SiLU
-        conv_NC = causal_conv(qkv_NC.float(), self.conv1d.weight[:, 0].float(), doc_positions(seqs))
-        qkv_NC = F.silu(conv_NC).to(qkv_NC.dtype)
-        key = hk * s.head_k_dim
-        q, k, v = qkv_NC.split([key, key, hv * s.head_v_dim], dim=-1)
-        q, k = q.reshape(n, hk, s.head_k_dim), k.reshape(n, hk, s.head_k_dim)
+        qkv_NC = F.silu(causal_conv(qkv_NC.float(), w.float(), doc_positions(seqs))).to(qkv_NC.dtype)
+        q, k, v = qkv_NC.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k = q.reshape(n, hk, dk), k.reshape(n, hk, dk)
         if hv > hk:  # each key head serves hv / hk value heads
             q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
-        beta_NH = torch.sigmoid(self.in_proj_b(x_BTD).float()).reshape(n, hv)
-        a_NH = self.in_proj_a(x_BTD).float().reshape(n, hv)
-        g_NH = -self.A_log.float().exp() * F.softplus(a_NH + self.dt_bias.float())
-        q = l2norm(q.float()) * s.head_k_dim**-0.5
-        o_NHV = gated_delta_rule(q, l2norm(k.float()), v.float().reshape(n, hv, s.head_v_dim), g_NH, beta_NH, seqs)
-        z_NHV = self.in_proj_z(x_BTD).reshape(n, hv, s.head_v_dim)
-        o_NHV = self.norm(o_NHV.to(z_NHV.dtype), z_NHV)
-        return self.out_proj(o_NHV.reshape(b, t, -1))
+        beta_NH = torch.sigmoid(ba[..., 0].float()).reshape(n, hv)
+        dt_bias, a_log = (split.part(p, s.num_v_heads).float() for p in (self.dt_bias, self.A_log))
+        g_NH = -a_log.exp() * F.softplus(ba[..., 1].float().reshape(n, hv) + dt_bias)
+        q = l2norm(q.float()) * dk**-0.5
+        o = gated_delta_rule(q, l2norm(k.float()), v.float().reshape(n, hv, dv), g_NH, beta_NH, seqs)
+        o_BTHV = split.tokens(o.reshape(ba.shape[0], ba.shape[1], hv, dv))
+        z_BTHV = self.in_proj_z(x_BTD).reshape(b, t, -1, dv)
+        o_BTHV = self.norm(o_BTHV.to(z_BTHV.dtype), z_BTHV)
+        return self.out_proj(o_BTHV.reshape(b, t, -1))
+
+
+class HeadSplit:
+    """Context parallelism around a recurrent mixer: when the attention back-end offers Ulysses'
+    all-to-alls (`to_heads`, `to_tokens`, `rank`, `size`), each rank runs the conv and the scan
+    over the whole rows for its share of the heads (its rows of the per-channel conv weights
+    and of the per-head parameters); otherwise every head, on the rows given."""
+
+    def __init__(self, backend):
+        self.backend = backend if hasattr(backend, "to_heads") else None
+        self.rank, self.size = (backend.rank, backend.size) if self.backend else (0, 1)
+
+    def heads(self, x_BTHK: torch.Tensor) -> torch.Tensor:
+        return x_BTHK if self.backend is None else self.backend.to_heads(x_BTHK)
+
+    def tokens(self, x_BTHK: torch.Tensor) -> torch.Tensor:
+        return x_BTHK if self.backend is None else self.backend.to_tokens(x_BTHK)
+
+    def part(self, w: torch.Tensor, heads: int) -> torch.Tensor:
+        """This rank's rows of `w`, whose rows are `heads` equal blocks, one per head."""
+        if self.size == 1:
+            return w
+        if heads % self.size:
+            raise ValueError(f"{heads} heads cannot be split over a context-parallel group of {self.size}")
+        return w.reshape(self.size, -1, *w.shape[1:])[self.rank]
 
 
 def ssd_scan(c_NHS, b_NHS, v_NHP, a_NH, seqs: PackedSeqs, chunk: int = CHUNK) -> torch.Tensor:
@@ -226,20 +259,34 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend) -> torch.Tensor:
         s = self.spec
         b, t, _ = x_BTD.shape
-        n, h, groups = b * t, s.num_heads, s.n_groups
-        z, xbc, dt = self.in_proj(x_BTD).reshape(n, -1).split([s.inner, s.conv_dim, h], dim=-1)
-        bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
-        xbc = F.silu(causal_conv(xbc.float(), self.conv1d.weight[:, 0].float(), doc_positions(seqs), bias))
-        x, b_in, c_in = xbc.split([s.inner, groups * s.state_size, groups * s.state_size], dim=-1)
-        dt_NH = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=s.dt_min)
+        split = HeadSplit(backend)
+        z, xbc, dt = self.in_proj(x_BTD).split([s.inner, s.conv_dim, s.num_heads], dim=-1)
+        x, b_in, c_in = xbc.split([s.inner, s.n_groups * s.state_size, s.n_groups * s.state_size], dim=-1)
+        x, b_in, c_in, dt = (split.heads(y.reshape(b, t, -1, d)) for y, d in
+                             ((x, s.head_dim), (b_in, s.state_size), (c_in, s.state_size), (dt, 1)))
+        rows, n_tokens = x.shape[0], x.shape[1]
+        n, h, groups = rows * n_tokens, x.shape[2], b_in.shape[2]  # this rank's heads and groups
+        w_x, w_b, w_c = self.conv1d.weight[:, 0].split([s.inner, s.n_groups * s.state_size, s.n_groups * s.state_size])
+        w = torch.cat([split.part(w_x, s.num_heads), split.part(w_b, s.n_groups), split.part(w_c, s.n_groups)])
+        bias = None
+        if self.conv1d.bias is not None:
+            c_x, c_b, c_c = self.conv1d.bias.split([s.inner, s.n_groups * s.state_size, s.n_groups * s.state_size])
+            bias = torch.cat([split.part(c_x, s.num_heads), split.part(c_b, s.n_groups),
+                              split.part(c_c, s.n_groups)]).float()
+        xbc = torch.cat([x.reshape(n, -1), b_in.reshape(n, -1), c_in.reshape(n, -1)], dim=-1)
+        xbc = F.silu(causal_conv(xbc.float(), w.float(), doc_positions(seqs), bias))
+        x, b_in, c_in = xbc.split([h * s.head_dim, groups * s.state_size, groups * s.state_size], dim=-1)
+        dt_bias, a_log, d_skip = (split.part(p, s.num_heads).float() for p in (self.dt_bias, self.A_log, self.D))
+        dt_NH = F.softplus(dt.reshape(n, h).float() + dt_bias).clamp(min=s.dt_min)
         x_NHP = x.reshape(n, h, s.head_dim)
         per_group = h // groups  # heads sharing a group's B and C
         b_NHS = b_in.reshape(n, groups, s.state_size).repeat_interleave(per_group, dim=1)
         c_NHS = c_in.reshape(n, groups, s.state_size).repeat_interleave(per_group, dim=1)
-        a_NH = -self.A_log.float().exp() * dt_NH
-        y = ssd_scan(c_NHS, b_NHS, x_NHP * dt_NH[..., None], a_NH, seqs) + self.D.float()[:, None] * x_NHP
+        a_NH = -a_log.exp() * dt_NH
+        y = ssd_scan(c_NHS, b_NHS, x_NHP * dt_NH[..., None], a_NH, seqs) + d_skip[:, None] * x_NHP
+        y = split.tokens(y.reshape(rows, n_tokens, h, s.head_dim)).reshape(b * t, s.inner)
         # gate, then RMS over each group of inner / n_groups channels, in fp32
-        y = (y.reshape(n, s.inner) * F.silu(z.float())).view(n, groups, -1)
-        y = (y * torch.rsqrt(y.pow(2).mean(dim=-1, keepdim=True) + self.eps)).view(n, s.inner)
+        y = (y * F.silu(z.reshape(b * t, -1).float())).view(b * t, s.n_groups, -1)
+        y = (y * torch.rsqrt(y.pow(2).mean(dim=-1, keepdim=True) + self.eps)).view(b * t, s.inner)
         y = self.norm.weight.float() * y
         return self.out_proj(y.to(x_BTD.dtype).reshape(b, t, -1))
