@@ -82,6 +82,18 @@ class ParallelConfig(Config):
         return dp, self.cp, self.ep
 
 
+class LoRAConfig(Config):
+    """Low-rank adapters: W x + (alpha / rank) B A dropout(x) on the chosen linear layers, the
+    base weights frozen (issue 24: the trainer, publishing and serving parts are still to come)."""
+
+    rank: Positive = 16
+    alpha: Annotated[float, msgspec.Meta(gt=0)] = 32.0
+    dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
+    targets: list[str] = msgspec.field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Linear layers by the last part of their name (a glob, e.g. "*_proj"); every layer's that matches."""
+
+
 class TrainerConfig(Config):
     """The FSDP2 trainer."""
 

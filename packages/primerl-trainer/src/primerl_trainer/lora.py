@@ -1,0 +1,81 @@
+"""Low-rank adapters applied to a model from outside: each chosen `nn.Linear` becomes a
+`LoRALinear` in place (the same class of module, its `weight` and `bias` where they were, so
+checkpoint names do not move), with `lora_A.weight` [r, in] and `lora_B.weight` [out, r] beside
+them, PEFT's names:
+
+    y = x W^T (+ b) + (alpha / r) dropout(x) A^T B^T
+
+A starts as PEFT's (Kaiming-uniform), B at zero, so a fresh adapter changes nothing. Every
+other parameter is frozen (requires_grad False), so the optimizer holds only the adapters.
+
+    n = apply_lora(model, LoRAConfig(rank=16, alpha=32))   # adapted layers
+    merged = merged_state_dict(model)                      # W + (alpha / r) B A, adapters gone
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from primerl_trainer.config import LoRAConfig
+
+
+class LoRALinear(nn.Linear):
+    """nn.Linear plus a low-rank update (see the module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.lora_scale
+
+    def delta(self) -> torch.Tensor:
+        """(alpha / r) B A: what the adapter adds to the weight [out, in]."""
+        return (self.lora_B.weight @ self.lora_A.weight) * self.lora_scale
+
+
+def _adapt(linear: nn.Linear, cfg: LoRAConfig) -> None:
+    linear.__class__ = LoRALinear
+    w = linear.weight
+    linear.lora_A = nn.Linear(linear.in_features, cfg.rank, bias=False, device=w.device, dtype=w.dtype)
+    linear.lora_B = nn.Linear(cfg.rank, linear.out_features, bias=False, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        nn.init.kaiming_uniform_(linear.lora_A.weight, a=math.sqrt(5))
+        linear.lora_B.weight.zero_()
+    linear.lora_dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
+    linear.lora_scale = cfg.alpha / cfg.rank
+
+
+def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
+    """Adapt the linear layers whose last name part matches `cfg.targets`; freeze every other
+    parameter. Returns the adapted layers' names; a ValueError when none matches (naming the
+    targets and the linear layers there are)."""
+    chosen = [(name, m) for name, m in model.named_modules()
+              if type(m) is nn.Linear and any(fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], t) for t in cfg.targets)]
+    if not chosen:
+        kinds = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"trainer.lora.targets = {cfg.targets} matches no linear layer of the model "
+                         f"(its linear layers: {', '.join(kinds)})")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for _, linear in chosen:
+        _adapt(linear, cfg)
+    return [name for name, _ in chosen]
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every adapter folded into its weight (W + (alpha / r) B A)
+    and the adapter tensors left out: the full model's names and shapes, for export."""
+    state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            state[f"{name}.weight"] = m.weight + m.delta().to(m.weight.dtype)
+    return state
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the adapters' tensors (`<layer>.lora_A.weight`, `<layer>.lora_B.weight`)."""
+    return {k: v for k, v in model.state_dict().items() if ".lora_" in k}

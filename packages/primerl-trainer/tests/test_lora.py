@@ -1,0 +1,86 @@
+"""Low-rank adapters on a tiny model (CPU, fp32): the adapted model is the merged model, its
+adapter gradients are the merged weight's gradient through B A, and training moves only the
+adapters."""
+
+import pytest
+import torch
+from primerl_models import Transformer
+from primerl_models.families import FAMILIES, TinyShape
+from primerl_trainer.config import LoRAConfig
+from primerl_trainer.lora import LoRALinear, adapter_state_dict, apply_lora, merged_state_dict
+
+
+def tiny(family="qwen3", seed=0):
+    cfg = FAMILIES[family].tiny_config(TinyShape(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4,
+                                                 num_kv_heads=2, head_dim=8, moe_intermediate_size=16))
+    model = Transformer(FAMILIES[family].args_from_hf(cfg))
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 48, (1, 20), generator=g)
+    pos = torch.cat([torch.arange(n) for n in (12, 8)])[None]
+    return ids, pos, torch.roll(ids, -1, dims=1), torch.randn(1, 20, generator=g)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_adapted_model_is_the_merged_model_and_its_gradients_go_through_b_a(family):
+    model = tiny(family)
+    adapted = apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets=["q_proj", "v_proj", "*_proj"]))
+    assert adapted and all(isinstance(model.get_submodule(n), LoRALinear) for n in adapted)
+    with torch.no_grad():  # a trained-looking adapter: B away from its zero start
+        for name in adapted:
+            model.get_submodule(name).lora_B.weight.normal_(0.0, 0.1)
+    merged = tiny(family)
+    merged.load_state_dict(merged_state_dict(model))
+    ids, pos, targets, weights = batch()
+    lp, _ = model(ids, pos, targets)
+    (lp * weights).sum().backward()
+    lp_merged, _ = merged(ids, pos, targets)
+    (lp_merged * weights).sum().backward()
+    torch.testing.assert_close(lp, lp_merged, atol=1e-5, rtol=0)
+    for name in adapted:
+        layer, ref = model.get_submodule(name), merged.get_submodule(name)
+        a, b, s, g_w = layer.lora_A.weight, layer.lora_B.weight, layer.lora_scale, ref.weight.grad
+        # W' = W + s B A: dL/dA = s B^T dL/dW', dL/dB = s dL/dW' A^T
+        torch.testing.assert_close(a.grad, s * b.detach().T @ g_w, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(b.grad, s * g_w @ a.detach().T, atol=1e-5, rtol=1e-5, msg=name)
+        assert layer.weight.grad is None  # frozen
+    assert all(p.grad is None for n, p in model.named_parameters() if ".lora_" not in n)
+
+
+def test_training_moves_only_the_adapters():
+    model = tiny()
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0))
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" not in n}
+    before = {n: t.clone() for n, t in adapter_state_dict(model).items()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(trainable) == len(before)  # the optimizer sees the adapters alone
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    ids, pos, targets, weights = batch()
+    for _ in range(3):
+        lp, _ = model(ids, pos, targets)
+        (-(lp * weights.abs()).sum()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert len(opt.state) == len(before)
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), n  # bit-identical
+    after = adapter_state_dict(model)
+    assert all(not torch.equal(after[n], before[n]) for n in before if n.endswith("lora_B.weight"))
+    # the names stay the model's: the adapted layer keeps `weight`, the adapter sits beside it
+    assert "layers.0.self_attn.q_proj.weight" in model.state_dict()
+    assert "layers.0.self_attn.q_proj.lora_A.weight" in after
+
+
+def test_a_fresh_adapter_changes_nothing_and_bad_targets_are_named():
+    model, ref = tiny(), tiny()
+    apply_lora(model, LoRAConfig(rank=2, alpha=4.0, targets=["o_proj"]))
+    ids, pos, targets, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, pos, targets)[0], ref(ids, pos, targets)[0], atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"trainer.lora.targets = \['qkv'\] matches no linear layer .*q_proj"):
+        apply_lora(tiny(), LoRAConfig(targets=["qkv"]))
