@@ -95,6 +95,17 @@ def _sections(t: mi.StructType, path: str, instance) -> typing.Iterator[tuple[st
             child = getattr(instance, f.name) if instance is not None else _default(f)
             yield from _sections(sub, f"{path}.{f.encode_name}".lstrip("."),
                                  None if child is msgspec.NODEFAULT else child)
+        elif (table := _optional_table(sub)) is not None:  # off by default; its keys when given
+            yield from _sections(table, f"{path}.{f.encode_name}".lstrip("."), None)
+
+
+def _optional_table(t) -> mi.StructType | None:
+    """The table of a `Table | None` field (e.g. trainer.lora), else None."""
+    if isinstance(t, mi.UnionType):
+        tables = [x for x in t.types if isinstance(x, mi.StructType)]
+        if len(tables) == 1 and len(t.types) == 2 and any(isinstance(x, mi.NoneType) for x in t.types):
+            return tables[0]
+    return None
 
 
 def _table(path: str, t: mi.StructType, instance) -> list[str]:

@@ -83,12 +83,17 @@ class ParallelConfig(Config):
 
 
 class LoRAConfig(Config):
-    """Low-rank adapters: W x + (alpha / rank) B A dropout(x) on the chosen linear layers, the
-    base weights frozen (issue 24: the trainer, publishing and serving parts are still to come)."""
+    """Low-rank adapters on the chosen linear layers; the base weights frozen, without optimizer state.
+
+    Each chosen layer computes W x + (alpha / rank) B A dropout(x). Published today as merged
+    full weights (what vLLM reloads like any update); publishing the adapters alone is to come."""
 
     rank: Positive = 16
+    """Rank r of each adapter (A: [r, in], B: [out, r])."""
     alpha: Annotated[float, msgspec.Meta(gt=0)] = 32.0
+    """The update is scaled by alpha / r."""
     dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
+    """Dropout on the adapter's input (training only)."""
     targets: list[str] = msgspec.field(default_factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Linear layers by the last part of their name (a glob, e.g. "*_proj"); every layer's that matches."""
@@ -121,6 +126,8 @@ class TrainerConfig(Config):
     """Checkpoints."""
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     """Weight publishing."""
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters instead of the whole model (the `[trainer.lora]` table turns it on)."""
 
 
 class SFTDataConfig(Config):

@@ -13,9 +13,9 @@ from primerl_trainer.config import OptimizerConfig, SchedulerConfig
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
     # Fused AdamW on GPUs (one kernel for all parameters); foreach elsewhere.
     fused = device.type == "cuda" and not cfg.cpu_offload
-    return torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused
-    )
+    # only what trains (with LoRA: the adapters; frozen weights keep no optimizer state)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
 
 
 def lr_factor(step: int, cfg: SchedulerConfig, max_steps: int | None) -> float:

@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from primerl_trainer.config import ParallelConfig, SFTRunConfig, TrainerRunConfig
 from primerl_trainer.context_parallel import UlyssesAttention
+from primerl_trainer.lora import apply_lora
 from primerl_trainer.distributed import Dist
 from primerl_trainer.expert_parallel import shard_experts
 
@@ -134,6 +135,8 @@ def load_for_training(cfg: TrainerRunConfig | SFTRunConfig, d: Dist, mesh: Mesh)
     tcfg = cfg.trainer
     model = load_model(folder, device="cpu", attn_backend=tcfg.attention)
     model.train()
+    if tcfg.lora is not None:  # before FSDP2 wraps the layers: adapters and frozen weights shard alike
+        apply_lora(model, tcfg.lora)
     check_fits(model.args, mesh.ep, mesh.cp)
     parallelize(
         model,

@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+
 from primerl_models import carried_tensors, published_config, save_hf
 from primerl_protocol import PolicyReady, rundir
 from primerl_protocol.weights import write_marker
 
 from primerl_trainer.distributed import Dist
+from primerl_trainer.lora import LoRALinear
 
 # Files of a HF model folder that travel with the weights (tokenizer, generation settings).
 SIDE_FILES = (
@@ -37,6 +39,17 @@ class WeightPublisher(Protocol):
     def publish(self, model: torch.nn.Module, step: int) -> PolicyReady | None:
         """Make the weights of `step` available to inference; every rank calls it.
         Returns the message to send (on rank 0), else None."""
+
+
+def fold_adapters(state: dict[str, torch.Tensor], model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """LoRA layers' full weights W + (alpha / r) B A (summed in fp32, then cast), the adapter
+    tensors left out: what vLLM loads as an ordinary weight update."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            a, b = state.pop(f"{name}.lora_A.weight"), state.pop(f"{name}.lora_B.weight")
+            w = state[f"{name}.weight"]
+            state[f"{name}.weight"] = (w.float() + module.lora_scale * (b.float() @ a.float())).to(dtype)
+    return state
 
 
 class FolderPublisher:
@@ -58,12 +71,15 @@ class FolderPublisher:
         Buffers keep their dtype (router correction biases stay fp32 in bf16 weights)."""
         out = {}
         buffers = {name for name, _ in model.named_buffers()}
+        adapted = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, LoRALinear)}
         for name, tensor in model.state_dict().items():
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             if self.d.is_main:
-                out[name] = full.detach().to(full.dtype if name in buffers else self.dtype).cpu()
+                # LoRA layers' weights and adapters stay in their dtype until folded (below)
+                keep = full.dtype if name in buffers or name in adapted or ".lora_" in name else self.dtype
+                out[name] = full.detach().to(keep).cpu()
             del full
-        return out
+        return fold_adapters(out, model, self.dtype) if self.d.is_main else out
 
     def publish(self, model: torch.nn.Module, step: int) -> PolicyReady | None:
         t0 = time.monotonic()
