@@ -120,3 +120,15 @@ def test_cross_checks_refuse_naming_the_keys(overrides, message):
 ], ids=["rows-equal", "keep-one-more", "keep-on-policy", "gpus-exact", "plugins", "mesh-8"])
 def test_cross_checks_accept_their_boundary(overrides):
     load(RLConfig, *overrides)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.lora.rank=0", "trainer.lora.rank"),
+    ("trainer.lora.dropout=1.0", "trainer.lora.dropout"),
+    ("trainer.lora.alpha=-2", "trainer.lora.alpha"),
+])
+def test_bad_lora_values_are_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load(RLConfig, override)
+    assert key in str(err.value), str(err.value)
+    assert load(RLConfig, "trainer.lora.rank=4").trainer.lora.rank == 4  # a good one builds the table

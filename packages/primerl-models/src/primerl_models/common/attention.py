@@ -57,6 +57,9 @@ class PackedSeqs:
     layer that needs it."""
     padded: torch.Tensor | None = None
     """The padded layout's indices (see `padded_layout`), built by the first layer that needs it."""
+    chunk_layouts: dict = field(default_factory=dict)
+    """The recurrent mixers' chunk layouts by chunk size (linear_attention.chunk_layout), built
+    once per forward: each costs a host sync."""
 
     @property
     def num_docs(self) -> int:

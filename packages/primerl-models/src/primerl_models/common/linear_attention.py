@@ -48,15 +48,17 @@ def causal_conv(x_NC: torch.Tensor, weight_CK: torch.Tensor, pos_N: torch.Tensor
 
 def chunk_layout(seqs: PackedSeqs, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(slot_N, starts_L): where token n goes in the [L * C] layout in which every document
-    starts a chunk, and which chunks start a document."""
-    cu = seqs.cu_seqlens.long()
-    chunks_S = (cu[1:] - cu[:-1] + chunk - 1) // chunk
-    first_S = chunks_S.cumsum(0) - chunks_S
-    total = int(chunks_S.sum())  # one host sync per forward (the loop below needs it)
-    slot_N = first_S[seqs.doc_ids_BT.flatten().long()] * chunk + doc_positions(seqs)
-    starts_L = torch.zeros(total, dtype=torch.bool, device=cu.device)
-    starts_L[first_S] = True
-    return slot_N, starts_L
+    starts a chunk, and which chunks start a document. Built once per forward (kept on `seqs`)."""
+    if chunk not in seqs.chunk_layouts:
+        cu = seqs.cu_seqlens.long()
+        chunks_S = (cu[1:] - cu[:-1] + chunk - 1) // chunk
+        first_S = chunks_S.cumsum(0) - chunks_S
+        total = int(chunks_S.sum())  # the host sync: the number of chunks
+        slot_N = first_S[seqs.doc_ids_BT.flatten().long()] * chunk + doc_positions(seqs)
+        starts_L = torch.zeros(total, dtype=torch.bool, device=cu.device)
+        starts_L[first_S] = True
+        seqs.chunk_layouts[chunk] = (slot_N, starts_L)
+    return seqs.chunk_layouts[chunk]
 
 
 class _Chunks:

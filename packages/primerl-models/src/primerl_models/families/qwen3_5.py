@@ -21,6 +21,7 @@ classes) keep the usual `model.` names.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -78,13 +79,12 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     return args
 
 
+@dataclass(frozen=True)
 class Qwen35Checkpoint(Checkpoint):
     """q_proj split into q and gate (and fused back), and the VLM's `model.language_model.`
     prefix when `nested`."""
 
-    def __init__(self, nested: bool, **kw):
-        super().__init__(**kw)
-        object.__setattr__(self, "nested", nested)
+    nested: bool = False
 
     def to_ours(self, hf: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
         if self.nested:
