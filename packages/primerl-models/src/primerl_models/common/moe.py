@@ -20,8 +20,8 @@ from primerl_models.common.args import MoEMLP
 
 
 class SwiGLU(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). The dense MLP of every family so
-    far, and the shared expert of MoE layers."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). The dense MLP and shared expert of every
+    family so far but Nemotron-H (ReluSquaredMLP)."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()

@@ -25,7 +25,7 @@ from primerl_models.common.args import GatedDeltaNet, Layer, Mamba2, ModelArgs, 
 from primerl_models.common.attention import Backend, PackedSeqs, attention
 from primerl_models.common.linear_attention import GatedDeltaNetMixer, Mamba2Mixer
 from primerl_models.common.logprobs import chunked_logprobs
-from primerl_models.common.moe import MoE, SwiGLU, dense_mlp
+from primerl_models.common.moe import MoE, dense_mlp
 from primerl_models.common.rope import apply_rope, attention_factor, inv_freq, rope_cos_sin
 
 
@@ -87,9 +87,6 @@ class Attention(nn.Module):
         if self.spec.gate == "sigmoid":
             return torch.sigmoid(g).to(dtype)
         return F.softplus(g.float()).to(dtype)
-
-
-MLP = SwiGLU  # the dense MLP
 
 
 class DecoderLayer(nn.Module):
