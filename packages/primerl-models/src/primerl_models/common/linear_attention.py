@@ -70,14 +70,11 @@ class _Chunks:
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """[N, H, ...] -> [H, L, C, ...], zeros in the padding."""
-        n_chunks = len(self.starts_L)
-        padded = x.new_zeros((n_chunks * self.chunk, *x.shape[1:])).index_copy(0, self.slot_N, x)
-        return padded.view(n_chunks, self.chunk, *x.shape[1:]).movedim(2, 0)
+        return _split(x, self.slot_N, len(self.starts_L), self.chunk)
 
     def join(self, y: torch.Tensor) -> torch.Tensor:
         """[H, L, C, ...] -> [N, H, ...], the padding dropped."""
-        h, n_chunks, chunk = y.shape[:3]
-        return y.movedim(0, 2).reshape(n_chunks * chunk, h, *y.shape[3:]).index_select(0, self.slot_N)
+        return _join(y, self.slot_N)
 
 
 def segment_sums(g: torch.Tensor) -> torch.Tensor:
@@ -87,6 +84,32 @@ def segment_sums(g: torch.Tensor) -> torch.Tensor:
     lower = torch.ones(c, c, dtype=torch.bool, device=g.device).tril(-1)
     sums = terms.masked_fill(~lower, 0.0).cumsum(dim=-2)  # over r <= t, keeping r > s
     return sums.masked_fill(~torch.ones(c, c, dtype=torch.bool, device=g.device).tril(), float("-inf"))
+
+
+class _UnitLowerSolve(torch.autograd.Function):
+    """X = (I + tril(A, -1))^-1 R by the inverse T, which one triangular solve of C columns
+    gives; the backward is products with T (dR = T^T dX, dA = -dR X^T below the diagonal)
+    instead of a second solve: batched triangular solves are among the slowest kernels of a
+    GPU step, and their cost grows with the right-hand side's columns (here 2 x 128 to 64)."""
+
+    @staticmethod
+    def forward(ctx, a, r):
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(a)
+        t = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
+        x = t @ r
+        ctx.save_for_backward(t, x)
+        return x
+
+    @staticmethod
+    def backward(ctx, dx):
+        t, x = ctx.saved_tensors
+        dr = t.transpose(-1, -2) @ dx
+        return -(dr @ x.transpose(-1, -2)).tril(-1), dr
+
+
+def unit_lower_solve(a: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 R for A's part below the diagonal (its diagonal and upper part are not read)."""
+    return _UnitLowerSolve.apply(a, r)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -112,7 +135,20 @@ def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk
 
 def _gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk: int) -> torch.Tensor:
     layout = _Chunks(seqs, chunk)
-    q, k, v, g, beta = (layout.split(x) for x in (q_NHK, k_NHK, v_NHV, g_NH, beta_NH))
+    fused = _fused if q_NHK.is_cuda else _plain
+    strict, rhs, attn, q_decayed, k_to_end, g_end = fused(_delta_chunks)(
+        q_NHK, k_NHK, v_NHV, g_NH, beta_NH, layout.slot_N, len(layout.starts_L), chunk)
+    # U and Kc: one solve with both right-hand sides side by side
+    UK = unit_lower_solve(strict, rhs)
+    U, Kc = UK.split([v_NHV.shape[-1], k_NHK.shape[-1]], dim=-1)
+    m, b = fused(_delta_transitions)(g_end, k_to_end, U, Kc)
+    states = chunk_states(m, b, layout.starts_L)
+    return fused(_delta_outputs)(q_decayed, attn, Kc, U, states, layout.slot_N)
+
+
+def _delta_chunks(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, slot_N, n_chunks: int, chunk: int):
+    """Everything inside the chunks that does not need the state (see gated_delta_rule)."""
+    q, k, v, g, beta = (_split(x, slot_N, n_chunks, chunk) for x in (q_NHK, k_NHK, v_NHV, g_NH, beta_NH))
     G = g.cumsum(dim=-1)  # [H, L, C]: log-decay from the chunk's start through t
     # exp(G_t - G_s) for s <= t, 0 above the diagonal. The exponent is summed directly over
     # s < r <= t (every term <= 0), never as G_t - G_s: with strong decays |G| reaches
@@ -121,21 +157,51 @@ def _gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chun
     # exp(G_C - G_t): the log-decay after t to the chunk's end, summed the same way
     to_end = F.pad(g.flip(-1).cumsum(dim=-1).flip(-1)[..., 1:], (0, 1))
     k_beta = k * beta[..., None]
-    strict = (k_beta @ k.transpose(-1, -2)) * decay_CC  # A; its diagonal is ignored below
-    U = torch.linalg.solve_triangular(strict, v * beta[..., None], upper=False, unitriangular=True)
-    Kc = torch.linalg.solve_triangular(strict, k_beta * G.exp()[..., None], upper=False, unitriangular=True)
+    strict = (k_beta @ k.transpose(-1, -2)) * decay_CC  # A; its diagonal is ignored
+    rhs = torch.cat([v * beta[..., None], k_beta * G.exp()[..., None]], dim=-1)
     attn = (q @ k.transpose(-1, -2)) * decay_CC
-    q_decayed = q * G.exp()[..., None]
-    k_to_end = k * to_end.exp()[..., None]
-    # Over a whole chunk the state goes S -> M S + B: M = exp(G_C) I - (k_to_end)^T Kc,
-    # B = (k_to_end)^T U; the states entering the chunks come from one scan over them.
-    k_dim = q.shape[-1]
-    eye = torch.eye(k_dim, dtype=q.dtype, device=q.device)
-    m = G[..., -1].exp()[..., None, None] * eye - k_to_end.transpose(-1, -2) @ Kc  # [H, L, K, K]
-    b = k_to_end.transpose(-1, -2) @ U  # [H, L, K, V]
-    states = chunk_states(m, b, layout.starts_L)
+    return strict, rhs, attn, q * G.exp()[..., None], k * to_end.exp()[..., None], G[..., -1]
+
+
+def _delta_transitions(g_end, k_to_end, U, Kc):
+    """Over a whole chunk the state goes S -> M S + B: M = exp(G_C) I - (k_to_end)^T Kc,
+    B = (k_to_end)^T U."""
+    eye = torch.eye(Kc.shape[-1], dtype=Kc.dtype, device=Kc.device)
+    m = g_end.exp()[..., None, None] * eye - k_to_end.transpose(-1, -2) @ Kc  # [H, L, K, K]
+    return m, k_to_end.transpose(-1, -2) @ U  # B [H, L, K, V]
+
+
+def _delta_outputs(q_decayed, attn, Kc, U, states, slot_N):
     o = (q_decayed - attn @ Kc) @ states + attn @ U  # [H, L, C, V]
-    return layout.join(o)
+    return _join(o, slot_N)
+
+
+def _split(x: torch.Tensor, slot_N: torch.Tensor, n_chunks: int, chunk: int) -> torch.Tensor:
+    """[N, H, ...] -> [H, L, C, ...] in the chunk layout, zeros in the padding."""
+    padded = x.new_zeros((n_chunks * chunk, *x.shape[1:])).index_copy(0, slot_N, x)
+    return padded.view(n_chunks, chunk, *x.shape[1:]).movedim(2, 0)
+
+
+def _join(y: torch.Tensor, slot_N: torch.Tensor) -> torch.Tensor:
+    """[H, L, C, ...] -> [N, H, ...], the padding dropped."""
+    h, n_chunks, chunk = y.shape[:3]
+    return y.movedim(0, 2).reshape(n_chunks * chunk, h, *y.shape[3:]).index_select(0, slot_N)
+
+
+def _plain(fn):
+    return fn
+
+
+_COMPILED: dict = {}
+
+
+def _fused(fn):
+    """`fn` compiled (on CUDA): the chunks' elementwise work fused around the matmuls, which
+    as separate kernels took half a layer's time (bench/scan_kernel.py's profile). Shapes
+    marked dynamic: the number of chunks changes with every batch's documents."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
 
 
 class GatedRMSNorm(nn.Module):

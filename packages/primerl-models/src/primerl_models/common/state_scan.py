@@ -38,53 +38,60 @@ def _triton_scan():
 
     @triton.jit
     def kernel(a_ptr, x_ptr, keep_ptr, y_ptr, n, K, V, s_ah, s_al, s_ar, s_ac, s_xh, s_xl, s_xk, s_xv,
-               KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr):
-        # One program per (head, block of BV value columns) walks the chunks in order. The
-        # state block [K, BV] is re-read each step from the previous step's output (in L2): a
-        # whole [K, K] transition in registers would spill. Blocks of BK x BK keep the tiles small.
+               KP: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr, TRANSPOSE: tl.constexpr,
+               SHIFT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+        # One program per (head, block of BV value columns) walks the chunks in order, its
+        # block of the state [K, BV] held in registers from step to step. The transitions do
+        # not depend on the state, so their loads run STAGES steps ahead of the products.
+        # SHIFT: step i reads A and X of chunk i - 1 (zeros at i = 0), Y_i = keep_i (X_{i-1} +
+        # A_{i-1} Y_{i-1}), without a shifted copy of the inputs.
         h, vb = tl.program_id(0), tl.program_id(1)
+        rk = tl.arange(0, KP)
         rv = vb * BV + tl.arange(0, BV)
-        for step in tl.range(0, n):
-            if REVERSE:
-                i = n - 1 - step
-                prev = i + 1
-            else:
-                i = step
-                prev = i - 1
-            has_prev = step > 0
+        a_mask = (rk[:, None] < K) & (rk[None, :] < K)
+        x_mask = (rk[:, None] < K) & (rv[None, :] < V)
+        a_offs = h * s_ah + rk[:, None] * s_ar + rk[None, :] * s_ac
+        x_offs = h * s_xh + rk[:, None] * s_xk + rv[None, :] * s_xv
+        state = tl.zeros([KP, BV], dtype=tl.float32)
+        for step in tl.range(0, n, num_stages=STAGES):
+            i = n - 1 - step if REVERSE else step
             keep = tl.load(keep_ptr + i)
-            for rb in tl.static_range(0, KP, BK):
-                rr = rb + tl.arange(0, BK)
-                out_mask = (rr[:, None] < K) & (rv[None, :] < V)
-                offs = h * s_xh + i * s_xl + rr[:, None] * s_xk + rv[None, :] * s_xv
-                acc = tl.load(x_ptr + offs, mask=out_mask, other=0.0)
-                for kb in tl.static_range(0, KP, BK):
-                    rk = kb + tl.arange(0, BK)
-                    a = tl.load(a_ptr + h * s_ah + i * s_al + rr[:, None] * s_ar + rk[None, :] * s_ac,
-                                mask=(rr[:, None] < K) & (rk[None, :] < K), other=0.0)
-                    y_prev = tl.load(y_ptr + h * s_xh + prev * s_xl + rk[:, None] * s_xk + rv[None, :] * s_xv,
-                                     mask=has_prev & (rk[:, None] < K) & (rv[None, :] < V), other=0.0,
-                                     cache_modifier=".cg")
-                    acc += tl.dot(a, y_prev, input_precision="ieee")
-                tl.store(y_ptr + offs, keep * acc, mask=out_mask)
-            tl.debug_barrier()  # this step's rows are the next step's input
+            j = i - SHIFT
+            a = tl.load(a_ptr + a_offs + j * s_al, mask=a_mask & (j >= 0), other=0.0)
+            x = tl.load(x_ptr + x_offs + j * s_xl, mask=x_mask & (j >= 0), other=0.0)
+            if TRANSPOSE:
+                a = tl.trans(a)
+            state = keep * (x + tl.dot(a, state, input_precision=PRECISION))
+            tl.store(y_ptr + x_offs + i * s_xl, state, mask=x_mask)
 
     return triton, kernel
 
 
-def _scan(a, x, keep_L, reverse: bool, transpose: bool) -> torch.Tensor:
+SCAN_TUNING = {"bv": 16, "num_warps": 8, "stages": 1, "precision": "tf32x3"}
+"""The GPU kernel's settings (bench/scan_kernel.py sweeps them): value columns per program
+(16: 128 programs for 16 heads of 128), warps, loads in flight ahead, and the dots' precision.
+"tf32x3" (three tensor-core products of the operands' high and low parts) keeps fp32's
+accuracy within a few ulps; "ieee" (fp32 FMAs) spills the [K, K] transition out of registers
+and is 5-60x slower on the H200 (bench/results/scan-kernel-*.json)."""
+
+
+def _scan(a, x, keep_L, reverse: bool, transpose: bool, shift: bool = False) -> torch.Tensor:
+    """Y_i = keep_i (X_j + A_j Y_prev), j = i (i - 1 with `shift`, forward only, zeros at 0)."""
     if not x.is_cuda:
+        if shift:
+            a, x = (torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1) for t in (a, x))
         return _scan_loop(a, x, keep_L, reverse, transpose)
     triton, kernel = _triton_scan()
     h, n, k, v = x.shape
     x = x.contiguous()
     y = torch.empty_like(x)
-    s_ah, s_al, s_ar, s_ac = a.stride()
-    if transpose:
-        s_ar, s_ac = s_ac, s_ar
-    bk, bv = 32, 32
-    kernel[(h, triton.cdiv(v, bv))](a, x, keep_L.contiguous(), y, n, k, v, s_ah, s_al, s_ar, s_ac, *x.stride(),
-                                    KP=triton.cdiv(k, bk) * bk, BK=bk, BV=bv, REVERSE=reverse)
+    t = SCAN_TUNING
+    kp = max(16, triton.next_power_of_2(k))
+    kernel[(h, triton.cdiv(v, t["bv"]))](
+        a, x, keep_L.contiguous(), y, n, k, v, *a.stride(), *x.stride(),
+        KP=kp, BV=t["bv"], REVERSE=reverse, TRANSPOSE=transpose, SHIFT=int(shift), PRECISION=t["precision"],
+        STAGES=t["stages"],
+        num_warps=t["num_warps"])
     return y
 
 
@@ -92,9 +99,7 @@ class _ChunkStates(torch.autograd.Function):
     @staticmethod
     def forward(ctx, m_HLKK, b_HLKV, keep_L):
         # S_i = keep_i (B_{i-1} + M_{i-1} S_{i-1}): the inputs shifted by one chunk
-        a = torch.cat([torch.zeros_like(m_HLKK[:, :1]), m_HLKK[:, :-1]], dim=1)
-        x = torch.cat([torch.zeros_like(b_HLKV[:, :1]), b_HLKV[:, :-1]], dim=1)
-        states = _scan(a, x, keep_L, reverse=False, transpose=False)
+        states = _scan(m_HLKK, b_HLKV, keep_L, reverse=False, transpose=False, shift=True)
         ctx.save_for_backward(m_HLKK, keep_L, states)
         return states
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Issue 23's figures on one H200 (same call): the GPU tests of the recurrent mixers, the scan
+# kernel's settings and one layer's profile, then Qwen3.5-0.8B's text shape at 8,192 and 16,384
+# tokens and Qwen3.5-35B-A3B's cut to 4 layers, ours against transformers' torch fallback.
+#   bash bench/qwen3_5_figures.sh OUT_DIR
+set -u
+out=${1:?output folder}
+export PYTHONPATH=packages/primerl-models/src:packages/primerl-models/tests
+python3 -m pytest -q packages/primerl-models/tests/test_cuda.py -s -p no:cacheprovider -k "delta_rule or bf16_model" \
+  > "$out/test_cuda.log" 2>&1
+grep -E "ratio|passed|failed|Error" "$out/test_cuda.log" | tail -12
+python3 bench/scan_kernel.py --heads 16 --tokens 16384 --out "$out/scan16.json" > "$out/scan16.log" 2>&1
+grep -E "best|gated_delta_rule" "$out/scan16.log"
+python3 bench/model_step.py --models qwen3.5-0.8b --runs ours --steps 5 --seq 16384 --profile \
+  --out "$out/q08-16k.json" > "$out/q08-16k.log" 2>&1
+tail -2 "$out/q08-16k.log"
+python3 bench/model_step.py --models qwen3.5-0.8b --runs ours,transformers --steps ${STEPS:-5} --seq 8192 \
+  --out "$out/q08-8k.json" 2>&1 | tail -3
+python3 bench/model_step.py --models qwen3.5-35b-a3b-4l --runs ours,transformers --steps ${STEPS:-5} --seq 8192 \
+  --out "$out/q35-8k.json" 2>&1 | tail -3
