@@ -132,3 +132,29 @@ def test_bad_lora_values_are_refused_naming_the_key(override, key):
         load(RLConfig, override)
     assert key in str(err.value), str(err.value)
     assert load(RLConfig, "trainer.lora.rank=4").trainer.lora.rank == 4  # a good one builds the table
+
+
+def test_published_adapters_turn_on_lora_serving():
+    """trainer.lora publishing adapters (the default): the servers load them, with room for an
+    adapter per policy rollouts may still run on; publishing merged weights leaves them alone."""
+    cfg = load(RLConfig, "trainer.lora.rank=8", "orchestrator.max_async_level=2", "trainer.weights.keep=3")
+    assert (cfg.inference.enable_lora, cfg.inference.max_loras, cfg.inference.max_lora_rank) == (True, 3, None)
+    merged = load(RLConfig, "trainer.lora.rank=8", 'trainer.lora.publish="merged"').inference
+    assert (merged.enable_lora, merged.max_loras) == (None, None)
+    assert load(RLConfig).inference.enable_lora is None  # no LoRA: nothing turned on
+    kept = load(RLConfig, "trainer.lora.rank=8", "inference.max_lora_rank=64", "inference.max_loras=4").inference
+    assert (kept.max_lora_rank, kept.max_loras) == (64, 4)  # what the user set, where it fits
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.lora.rank=8", "inference.enable_lora=false"],
+     r"inference.enable_lora = false, but trainer.lora.publish = \"adapter\" .* trainer.lora.publish = \"merged\""),
+    (["trainer.lora.rank=32", "inference.max_lora_rank=16"],
+     r"inference.max_lora_rank = 16 is below trainer.lora.rank = 32, .* set it >= 32"),
+    (["trainer.lora.rank=1024"], r"trainer.lora.rank = 1024 is above the largest rank vLLM serves \(512\)"),
+    (["inference.max_lora_rank=12"], r"inference.max_lora_rank"),  # vLLM takes 8 or 16, not 12
+], ids=["lora-off", "rank-too-small", "rank-too-large", "rank-vllm-refuses"])
+def test_serving_settings_that_contradict_published_adapters_are_refused_naming_the_keys(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load(RLConfig, *overrides)
+    assert re.search(message, str(err.value)), str(err.value)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 import transformers
-from primerl_inference.testing import TOKEN
+from primerl_inference.testing import TOKEN, write_lora
 from primerl_protocol.serving import HEALTH_ROUTE
 from primerl_protocol.weights import write_marker
 from safetensors.torch import load_file, save_file
@@ -101,31 +101,6 @@ def assert_matches(got, want):
     tokens, logprobs = got[:2]
     assert tokens == want[0]
     assert max(abs(a - b) for a, b in zip(logprobs, want[1])) <= 1e-3
-
-
-
-
-def write_lora(folder: Path, base: Path, r: int = 8, alpha: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A PEFT-layout LoRA adapter on q_proj and v_proj; returns the weight deltas it adds."""
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((base / "config.json").read_text())
-    g = torch.Generator().manual_seed(seed)
-    tensors, deltas = {}, {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for proj, out_dim in (("q_proj", cfg["num_attention_heads"] * cfg["head_dim"]),
-                              ("v_proj", cfg["num_key_value_heads"] * cfg["head_dim"])):
-            a = torch.randn(r, cfg["hidden_size"], generator=g) * 0.2
-            b = torch.randn(out_dim, r, generator=g) * 0.2
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
-            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
-            deltas[f"model.layers.{layer}.self_attn.{proj}.weight"] = (alpha / r) * b @ a
-    save_file(tensors, folder / "adapter_model.safetensors")
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "lora_dropout": 0.0,
-        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False,
-        "base_model_name_or_path": str(base), "modules_to_save": None, "use_rslora": False, "use_dora": False,
-    }))
-    return deltas
 
 
 
@@ -259,12 +234,8 @@ def test_a_lora_adapter_serves_like_transformers_with_the_merged_weights(shared,
     status, _, body = request(url, "/admin/lora/load", {"name": "ad", "path": str(tmp_path / "adapter")}, token=TOKEN)
     assert status == 200, body
     try:
-        merged = transformers.AutoModelForCausalLM.from_pretrained(models["v1"], torch_dtype=torch.float32).eval()
-        with torch.no_grad():
-            for key, delta in deltas.items():
-                merged.get_parameter(key).add_(delta)
         got = complete(url, "ad")
-        want = reference(models["v1"], model=merged)
+        want = reference(models["v1"], model=merged_reference(models["v1"], deltas))
         assert got[0] == want[0] and max(abs(a - b) for a, b in zip(got[1], want[1])) <= 1e-3
         assert complete(url, name)[0] == reference(models["v1"])[0]  # the base model is unchanged
     finally:
@@ -274,3 +245,53 @@ def test_a_lora_adapter_serves_like_transformers_with_the_merged_weights(shared,
     assert request(url, "/v1/load_lora_adapter", lora)[0] == 401
     assert request(url, "/v1/load_lora_adapter", lora, token="wrong")[0] == 401
     assert request(url, "/v1/unload_lora_adapter", {"lora_name": "ad"})[0] == 401
+
+
+def merged_reference(base: Path, deltas: dict):
+    """transformers with `base`'s weights plus the adapter's deltas (fp32)."""
+    merged = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for key, delta in deltas.items():
+            merged.get_parameter(key).add_(delta)
+    return merged
+
+
+def test_a_published_adapter_is_the_policy_and_a_corrupt_one_is_refused_keeping_the_old(shared, tmp_path):
+    """An adapter published as policy 1 (marker, checksum) serves like transformers with the
+    merged weights, under its name, with step 1 in the policy route and the step header; the
+    base model's name still gets the base weights. Policy 2's adapter folder with one changed
+    byte, and one without its marker (half written), are refused with 409 naming the fault, and
+    adapter 1 keeps serving as the policy."""
+    from primerl_inference.testing import published_adapter
+
+    url, name, models = shared
+    deltas = write_lora(tmp_path / "adapter1", models["base"], seed=1)
+    digest = published_adapter(tmp_path / "adapter1", tmp_path / "step_0", 1)
+    status, _, body = request(url, "/admin/lora/load", {"name": "policy-1", "path": str(tmp_path / "step_0"),
+                                                         "step": 1, "checksum": digest}, token=TOKEN)
+    assert status == 200 and body["step"] == 1, body
+    policy = request(url, "/admin/policy", token=TOKEN)[2]
+    assert (policy["step"], policy["adapter"], policy["checksum"]) == (1, "policy-1", digest)
+    want = reference(models["base"], model=merged_reference(models["base"], deltas))
+    got = complete(url, "policy-1")
+    assert got[2] == 1 and got[0] == want[0] and max(abs(a - b) for a, b in zip(got[1], want[1])) <= 1e-3
+    base = complete(url, name)
+    assert base[0] == reference(models["base"])[0] and base[2] == 0  # the base model's name: the base weights
+
+    write_lora(tmp_path / "adapter2", models["base"], seed=2)
+    bad = tmp_path / "step_1"
+    published_adapter(tmp_path / "adapter2", bad, 2)
+    data = bytearray((bad / "adapter_model.safetensors").read_bytes())
+    data[-10] ^= 0xFF
+    (bad / "adapter_model.safetensors").write_bytes(bytes(data))
+    status, _, body = request(url, "/admin/lora/load", {"name": "policy-2", "path": str(bad), "step": 2}, token=TOKEN)
+    assert status == 409 and "refused LoRA adapter 'policy-2' for step 2" in body["error"] and "checksum" in body["error"]
+    (bad / "primerl.json").unlink()
+    status, _, body = request(url, "/admin/lora/load", {"name": "policy-2", "path": str(bad), "step": 2}, token=TOKEN)
+    assert status == 409 and "not a complete published weights folder" in body["error"]
+    policy = request(url, "/admin/policy", token=TOKEN)[2]
+    assert (policy["step"], policy["adapter"]) == (1, "policy-1")
+    again = complete(url, "policy-1")
+    assert again[:3] == got[:3]
+    status, _, body = request(url, "/v1/models")
+    assert sorted(m["id"] for m in body["data"]) == sorted([name, "policy-1"])  # policy-2 never got in

@@ -141,3 +141,30 @@ def test_inference_command_names_a_server_that_does_not_come_up(tmp_path):
     assert result.exit_code == 1
     assert f"inference replica 0 (http://127.0.0.1:{port}) exited with code" in result.output
     assert (tmp_path / "logs" / "inference-0.log").exists()
+
+
+def test_the_servers_lora_rank_fits_the_published_adapters_before_anything_starts():
+    """`primerl rl` with published adapters sets vLLM's --max-lora-rank from the model: the
+    smallest vLLM takes that holds the adapter's largest module (GLM-4's gate_up_proj holds two
+    adapted layers: twice the rank); one set too low, or targets that match nothing, stop the
+    run before it starts, naming the keys."""
+    from primerl.launch import RunError, fit_lora_rank
+    from primerl_models.families import FAMILIES, TinyShape
+
+    shape = TinyShape(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    qwen3, glm4 = (FAMILIES[f].tiny_config(shape) for f in ("qwen3", "glm4"))
+
+    def fitted(hf_config, *overrides):
+        cfg = load_config(RLConfig, ["model.name=m", *overrides])
+        return fit_lora_rank(cfg, hf_config).inference.max_lora_rank
+
+    assert fitted(qwen3, "trainer.lora.rank=8") == 8
+    assert fitted(qwen3, "trainer.lora.rank=12") == 16  # vLLM takes 8 or 16, nothing between
+    assert fitted(glm4, "trainer.lora.rank=8") == 16
+    assert fitted(glm4, "trainer.lora.rank=8", 'trainer.lora.targets=["q_proj", "up_proj"]') == 8
+    assert fitted(glm4, "trainer.lora.rank=8", 'trainer.lora.publish="merged"') is None
+    with pytest.raises(RunError, match=r"inference.max_lora_rank = 8, but the adapters trainer.lora publishes have rank "
+                                       r"16 \(trainer.lora.rank = 8 x 2 layers the checkpoint fuses\): set it to 16"):
+        fitted(glm4, "trainer.lora.rank=8", "inference.max_lora_rank=8")
+    with pytest.raises(RunError, match=r"trainer.lora.publish = \"adapter\": trainer.lora.targets = \['qkv'\] matches"):
+        fitted(qwen3, 'trainer.lora.targets=["qkv"]')

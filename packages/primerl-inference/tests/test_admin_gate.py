@@ -16,7 +16,7 @@ import pytest
 from primerl_inference.admin import VLLM_LORA_ROUTES, AdminMiddleware
 from primerl_inference.config import ADMIN_TOKEN_ENV
 from primerl_protocol import serving
-from primerl_protocol.weights import write_marker
+from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_marker
 
 TOKEN = "s3cret-admin-token"
 GENERATE = "/v1/completions"
@@ -442,5 +442,105 @@ def test_every_generation_response_carries_the_step_of_its_policy_engine_stood_i
         assert step_of((await done(waiting))[1]) == 9
         _, _, policy = await server.admin("GET", serving.POLICY_ROUTE)
         assert (policy["step"], policy["path"], policy["paused"]) == (9, path9, False)
+
+    asyncio.run(main())
+
+
+# -- adapters as policies -------------------------------------------------------------------
+
+
+class ModelsStandIn:
+    """Stands in for vLLM's model registry (`app.state.openai_serving_models`): records the
+    adapters loaded and unloaded; the real one answers in tests/test_inference_server.py."""
+
+    def __init__(self) -> None:
+        self.lora_requests: dict[str, str] = {}
+        self.calls: list[tuple] = []
+
+    async def load_lora_adapter(self, request):
+        self.calls.append(("load", request.lora_name, request.lora_path, request.load_inplace))
+        self.lora_requests[request.lora_name] = request.lora_path
+        return "Success"
+
+    async def unload_lora_adapter(self, request):
+        self.calls.append(("unload", request.lora_name))
+        self.lora_requests.pop(request.lora_name)
+        return "Success"
+
+
+@pytest.fixture
+def adapters(tmp_path):
+    """publish(step) -> a folder of a published adapter (fake bytes; the marker is real)."""
+
+    def publish(step: int) -> tuple[str, str]:
+        folder = tmp_path / f"adapter_{step}"
+        folder.mkdir()
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            (folder / name).write_bytes(f"{name} of step {step}".encode() * 16)
+        return str(folder), write_marker(folder, step, [ADAPTER_CONFIG, ADAPTER_WEIGHTS], 0.0, format=ADAPTER)
+
+    return publish
+
+
+def test_a_published_adapter_becomes_the_policy_and_each_request_carries_its_adapters_step_engine_stood_in(
+        token, weights, adapters):
+    """A LoraLoad with a step: the checksum verified, the adapter loaded under its name and
+    reported as the policy, no gate closed. A request naming an adapter carries that adapter's
+    step (an older one's too: requests in flight on it keep it), one naming the base model the
+    weights' step. A wrong checksum or a full-weights folder is refused with 409, the policy
+    unchanged; a weight swap drops the policy adapters."""
+    import vllm.entrypoints.serve.lora.protocol  # noqa: F401  (the routes import it; seconds, outside TIMEOUT_S)
+
+    async def main():
+        server = Server()
+        models = server.state.state.openai_serving_models = ModelsStandIn()
+
+        async def step_for(model: str) -> int:
+            status, headers, _ = await done(server.start("POST", GENERATE, {"id": model, "model": model}))
+            assert status == 200
+            return step_of(headers)
+
+        path3, digest3 = adapters(3)
+        status, _, answer = await server.admin("POST", serving.LORA_LOAD_ROUTE,
+                                               {"name": "policy-3", "path": path3, "step": 3, "checksum": digest3})
+        assert status == 200 and (answer["name"], answer["step"]) == ("policy-3", 3)
+        _, _, policy = await server.admin("GET", serving.POLICY_ROUTE)
+        assert (policy["step"], policy["adapter"], policy["checksum"], policy["path"]) == (3, "policy-3", digest3, path3)
+        assert server.closed() == 0 and server.engine.calls == []  # no gate closed, no weights reloaded
+        assert await step_for("policy-3") == 3 and await step_for("base") == serving.BASE_STEP
+        assert server.app.served[-2:] == ["policy-3", "base"]  # the body read for the step reached the app whole
+
+        path4, digest4 = adapters(4)
+        await server.admin("POST", serving.LORA_LOAD_ROUTE, {"name": "policy-4", "path": path4, "step": 4})
+        assert await step_for("policy-3") == 3 and await step_for("policy-4") == 4
+
+        # refused before anything changed: a checksum that does not match, a full-weights folder
+        path5, _ = adapters(5)
+        status, _, answer = await server.admin("POST", serving.LORA_LOAD_ROUTE,
+                                               {"name": "policy-5", "path": path5, "step": 5, "checksum": "0" * 32})
+        assert status == 409 and "refused LoRA adapter 'policy-5' for step 5" in answer["error"]
+        assert "is not the expected" in answer["error"]
+        status, _, answer = await server.admin("POST", serving.LORA_LOAD_ROUTE,
+                                               {"name": "policy-6", "path": weights(6), "step": 6})
+        assert status == 409 and "holds 'hf-safetensors' weights, not an adapter" in answer["error"]
+        _, _, policy = await server.admin("GET", serving.POLICY_ROUTE)
+        assert (policy["step"], policy["adapter"]) == (4, "policy-4") and sorted(models.lora_requests) == \
+            ["policy-3", "policy-4"]
+
+        # the same name again (the same policy and content) is reloaded in place
+        await server.admin("POST", serving.LORA_LOAD_ROUTE, {"name": "policy-4", "path": path4, "step": 4})
+        assert models.calls[-1] == ("load", "policy-4", path4, True)
+
+        # unloading the older adapter leaves the policy; a weight swap drops the rest
+        await server.admin("POST", serving.LORA_UNLOAD_ROUTE, {"name": "policy-3"})
+        assert await step_for("policy-4") == 4 and await step_for("policy-3") == serving.BASE_STEP
+        await server.admin("POST", serving.LOAD_WEIGHTS_ROUTE, {"path": weights(7), "step": 7})
+        assert models.lora_requests == {} and await step_for("policy-4") == 7
+        _, _, policy = await server.admin("GET", serving.POLICY_ROUTE)
+        assert (policy["step"], policy["adapter"]) == (7, None)
+        # an adapter applies to the base weights: on a published full-weights policy it is refused
+        status, _, answer = await server.admin("POST", serving.LORA_LOAD_ROUTE,
+                                               {"name": "policy-8", "path": adapters(8)[0], "step": 8})
+        assert status == 409 and "serves the full weights of policy 7" in answer["error"]
 
     asyncio.run(main())

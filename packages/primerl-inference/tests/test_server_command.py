@@ -117,3 +117,14 @@ def test_a_cpu_server_reads_the_model_class_in_process_and_learns_what_the_subpr
     assert out.returncode == 0, out.stderr[-3000:]
     from_subprocess, in_process = json.loads(out.stdout.strip().splitlines()[-1])
     assert from_subprocess == in_process and "is_text_generation_model=True" in in_process
+
+
+def test_the_lora_ranks_the_config_takes_are_the_ones_vllm_takes():
+    """inference.max_lora_rank is checked when the config loads (without vLLM): against vLLM's
+    own list, so that the two cannot drift apart."""
+    import typing
+
+    from primerl_inference.config import LORA_RANKS
+    from vllm.config.lora import MaxLoRARanks
+
+    assert LORA_RANKS == typing.get_args(MaxLoRARanks)

@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import sys
+import urllib.request
 from pathlib import Path
 
 import msgspec
@@ -113,6 +114,104 @@ def test_max_async_level_0_is_on_policy(servers, tmp_path):
     run(Orchestrator(cfg), trainer)
     for s in trainer.steps:
         assert set(s.policy_steps) == {s.step}
+
+
+def sample_logprobs(model, mb):
+    """Per sample of a packed row: (inference logprobs, the model's logprobs at each token's
+    temperature) at the tokens the policy sampled."""
+    out = []
+    start = 0
+    for n in mb.seq_lens.tolist():
+        ids = torch.tensor(mb.input_ids[start:start + n], dtype=torch.long)
+        mask, temps = mb.loss_mask[start:start + n], torch.tensor(mb.temperatures[start:start + n])
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0, :-1].float()
+        mine = torch.log_softmax(logits / temps[1:, None], -1).gather(1, ids[1:, None])[:, 0]
+        keep = torch.from_numpy(mask[1:].copy())
+        out.append((torch.from_numpy(mb.inference_logprobs[start + 1:start + n].copy())[keep], mine[keep]))
+        start += n
+    return out
+
+
+def test_adapter_policies_are_served_under_their_names_and_unloaded_when_done(servers, tmp_path):
+    """The trainer double publishes a LoRA adapter (far from the base: std 0.2) as each step's
+    policy, k = 1. Every sample the servers generated for policy >= 1 has the logprobs of the
+    base weights plus the adapter (transformers, 1e-3), those of policy 0 the base weights':
+    rollouts named the adapter of their policy. The off-policy bound holds, each server ends
+    on the last policy's adapter, and older adapters were unloaded (one older at most is left,
+    its rollouts cut short by the end of the run)."""
+    from primerl_inference.testing import admin, write_lora
+    from primerl_protocol.serving import POLICY_ROUTE, adapter_name
+    from transformers import AutoModelForCausalLM
+
+    running, model = servers
+    deltas = write_lora(tmp_path / "adapter", model)
+    cfg = make_cfg(tmp_path / "run", model, running.urls, k=1, max_steps=4)
+    trainer = double(cfg, model, step_time_s=0.5, adapter=tmp_path / "adapter")
+    run(Orchestrator(cfg), trainer)
+    assert [s.step for s in trainer.steps] == [0, 1, 2, 3]
+    for s in trainer.steps:
+        assert s.step - 1 <= min(s.policy_steps) and max(s.policy_steps) <= s.step, (s.step, s.policy_steps)
+    base = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    merged = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for key, delta in deltas.items():
+            merged.get_parameter(key).add_(delta)
+    worst, apart, counted = {0: 0.0, 1: 0.0}, 0.0, {0: 0, 1: 0}
+    for s in trainer.steps:
+        for mb in s.rows:
+            by_base, by_merged = sample_logprobs(base, mb), sample_logprobs(merged, mb)
+            for sample, policy, (theirs, mine), (_, if_base) in zip(mb.sample_ids.tolist(), mb.policy_steps.tolist(),
+                                                                     by_merged, by_base):
+                if sample < 0 or not len(theirs):  # padding
+                    continue
+                kind = int(policy > 0)
+                worst[kind] = max(worst[kind], float((theirs - (mine if kind else if_base)).abs().max()))
+                counted[kind] += 1
+                if kind:
+                    apart = max(apart, float((theirs - if_base).abs().max()))
+    assert counted[0] and counted[1], counted
+    assert worst[0] <= 1e-3 and worst[1] <= 1e-3, worst
+    assert apart > 0.1  # the base weights would not have given them: the adapter is far from it
+    checksum = json.loads((tmp_path / "run" / "weights" / "step_3" / "primerl.json").read_text())["checksum"]
+    for url in running.urls:
+        policy = admin(url, POLICY_ROUTE)
+        assert (policy["step"], policy["adapter"]) == (4, adapter_name(4, checksum))
+        served = [m["id"] for m in json.loads(urllib.request.urlopen(url + "/v1/models").read())["data"]]
+        assert policy["adapter"] in served and len([m for m in served if m.startswith("policy-")]) <= 2, served
+
+
+def test_a_server_that_lost_its_adapter_loads_it_again_before_it_serves(servers, tmp_path):
+    """Revival with adapters: a server back on its base weights (restarted; here reset by a
+    weight load, which drops its adapters) loads the current policy's adapter before it is
+    healthy again, and requests name it."""
+    from primerl_inference.testing import admin, published_adapter, write_lora
+    from primerl_protocol.serving import POLICY_ROUTE, adapter_name
+    from primerl_protocol.weights import ADAPTER
+
+    running, model = servers
+    url = running.urls[0]
+    write_lora(tmp_path / "adapter", model)
+    digest = published_adapter(tmp_path / "adapter", tmp_path / "step_2", 3)
+    name = adapter_name(3, digest)
+
+    async def go():
+        pool = ServerPool([url], str(model), TOKEN, logprobs_mode=LOGPROBS_MODE)
+        try:
+            await pool.start()
+            server = pool.servers[0]
+            await pool.load_weights(str(tmp_path / "step_2"), 3, digest, ADAPTER)
+            assert (admin(url, POLICY_ROUTE)["adapter"], server.model) == (name, name)
+            pool.mark_unhealthy(server, "killed")
+            running.serve_base(url)
+            assert admin(url, POLICY_ROUTE)["adapter"] is None
+            await pool.revive()
+            assert server.healthy and (admin(url, POLICY_ROUTE)["step"], server.model) == (3, name)
+            assert admin(url, POLICY_ROUTE)["adapter"] == name
+        finally:
+            await pool.close()
+
+    asyncio.run(go())
 
 
 def test_a_group_older_than_max_async_level_allows_is_dropped_counted_and_refilled(servers, tmp_path):

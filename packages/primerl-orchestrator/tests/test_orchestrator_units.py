@@ -291,3 +291,79 @@ def test_the_pool_waits_for_a_server_that_is_still_starting_and_only_for_that():
     nobody = f"http://127.0.0.1:{_unused_port()}"
     with pytest.raises(NoServerError, match=rf"{nobody}: ConnectError"):
         asyncio.run(_start([nobody], wait_s=1.0))
+
+
+class _AdapterServer(BaseHTTPRequestHandler):
+    """A stand-in for a primerl server with LoRA on: it loads and unloads adapters (recording
+    each admin POST in `posts`) and its policy route reports the last adapter loaded as a
+    policy. The real servers: test_orchestrator_on_vllm.py."""
+
+    posts: list = []
+    policy: dict = {}
+
+    def do_GET(self):
+        payload = {"/health": {}, "/v1/models": {"data": [{"id": "m"}]},
+                   "/admin/policy": {"logprobs_mode": "processed_logprobs", **self.policy}}.get(self.path)
+        self._answer(payload)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        type(self).posts.append((self.path, body))
+        if self.path == "/admin/lora/load" and body.get("step") is not None:
+            type(self).policy = {"step": body["step"], "adapter": body["name"], "checksum": body["checksum"]}
+        self._answer({})
+
+    def _answer(self, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(200 if payload is not None else 404)
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_adapter_policies_are_loaded_named_by_rollouts_and_unloaded_once_idle():
+    """Each policy is an adapter of its own name (version and checksum); a rollout names the
+    adapter its server served when it started, to its end; an older adapter is unloaded once
+    the last rollout on it ends (at once when none runs), never while one does."""
+    from primerl_orchestrator.generate import Generator
+    from primerl_protocol.serving import adapter_name
+    from primerl_protocol.weights import ADAPTER
+
+    handler = type("Adapters", (_AdapterServer,), {"posts": [], "policy": {"step": -1}})
+
+    async def go(url):
+        pool = ServerPool([url], "m", "t", logprobs_mode="processed_logprobs")
+        gen = Generator(pool, "m", "tok")
+        try:
+            await pool.start()
+            server = pool.servers[0]
+            assert server.model == "m"  # the base weights: requests name the base model
+            names = {v: adapter_name(v, f"{v:032x}") for v in (1, 2, 3)}
+            await pool.load_weights("/w/step_0", 1, f"{1:032x}", ADAPTER)
+            assert handler.posts[-1] == ("/admin/lora/load", {"name": names[1], "path": "/w/step_0", "step": 1,
+                                                              "checksum": f"{1:032x}"})
+            async with pool.lease() as leased:
+                assert (leased.version, leased.model) == (1, names[1])
+                assert gen.context(leased.url, 24, {"temperature": 1.0}, leased.model).model == names[1]
+                await pool.load_weights("/w/step_1", 2, f"{2:032x}", ADAPTER)
+                assert server.model == names[2] and server.adapters == {1: names[1], 2: names[2]}
+                assert not any(path == "/admin/lora/unload" for path, _ in handler.posts)  # policy 1 still runs
+            for _ in range(200):  # the lease's end unloads it, in a task of its own
+                if handler.posts[-1][0] == "/admin/lora/unload":
+                    break
+                await asyncio.sleep(0.01)
+            assert handler.posts[-1] == ("/admin/lora/unload", {"name": names[1]}) and server.adapters == {2: names[2]}
+            assert gen.context(server.url, 24, {"temperature": 1.0}, server.model).model == names[2]
+            await pool.load_weights("/w/step_2", 3, f"{3:032x}", ADAPTER)  # nothing runs on 2: unloaded at once
+            assert [p for p, _ in handler.posts[-2:]] == ["/admin/lora/load", "/admin/lora/unload"]
+            assert handler.posts[-1][1] == {"name": names[2]} and server.adapters == {3: names[3]}
+            # the server's own answer is what counts: a probe finds it serving policy 3's adapter
+            assert await pool.probe(server) is None and server.model == names[3]
+        finally:
+            await pool.close()
+
+    with stand_in(handler) as url:
+        asyncio.run(go(url))

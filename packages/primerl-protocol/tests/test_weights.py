@@ -62,3 +62,16 @@ def test_durable_rename_syncs_every_file_before_the_rename(tmp_path, monkeypatch
     assert synced == {"a.safetensors", "primerl.json", "sub/rank0.pt", "sub", "."}
     assert events[cut + 1:] == [str(tmp_path)]  # the parent, after the rename
     assert (tmp_path / "step_3" / "sub" / "rank0.pt").read_bytes() == b"x" * 10
+
+
+def test_the_marker_says_what_the_folder_holds(folder, tmp_path):
+    """Full weights or a LoRA adapter (what the loader does with it differs); markers written
+    before formats existed read as full weights; an unknown format is refused when written."""
+    from primerl_protocol.weights import ADAPTER, FULL, format_of
+
+    assert format_of(verify(folder)) == FULL
+    write_marker(folder, 7, ["model.safetensors"], 0.0, format=ADAPTER)
+    assert format_of(verify(folder)) == ADAPTER
+    assert format_of({"step": 1, "files": [], "checksum": ""}) == FULL
+    with pytest.raises(ValueError, match="unknown published-folder format 'gguf'"):
+        write_marker(folder, 7, ["model.safetensors"], 0.0, format="gguf")

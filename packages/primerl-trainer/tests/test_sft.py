@@ -175,16 +175,21 @@ targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.mark.slow
-def test_sft_with_lora_trains_only_the_adapters_and_resumes_exactly(tmp_path, model_dir):
-    """2 ranks (FSDP2 over frozen weights and adapters): the loss falls; the published (merged)
-    weights equal the source's bit for bit wherever no adapter sits (k_proj, norms,
-    embeddings), and differ where one does; 4 + 4 steps with a restart give the same losses
-    as 8 straight (adapters and their optimizer state restored)."""
+def test_sft_with_lora_trains_only_the_adapters_resumes_exactly_and_publishes_either_way(tmp_path, model_dir):
+    """2 ranks (FSDP2 over frozen weights and adapters): the loss falls; 4 + 4 steps with a
+    restart give the same losses as 8 straight (adapters and their optimizer state restored).
+    The straight run publishes merged weights: equal to the source's bit for bit wherever no
+    adapter sits (k_proj, norms, embeddings), different where one does. The resumed run
+    publishes its adapter (the default), gathered from both ranks' shards: merged onto the
+    source by PEFT's rules, it is the straight run's merged weights (1e-6)."""
+    from primerl_protocol.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER
+    from primerl_trainer.testing import merge_peft_adapter
     from safetensors.torch import load_file
 
     write_data(tmp_path)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_sft(sft_config(tmp_path, model_dir, straight, 8, interval=4, extra=LORA))
+    merged = LORA + 'publish = "merged"\n'
+    run_sft(sft_config(tmp_path, model_dir, straight, 8, interval=4, extra=merged))
     run_sft(sft_config(tmp_path, model_dir, resumed, 4, interval=4, extra=LORA))
     run_sft(sft_config(tmp_path, model_dir, resumed, 8, interval=4, extra=LORA))
 
@@ -206,3 +211,8 @@ def test_sft_with_lora_trains_only_the_adapters_and_resumes_exactly(tmp_path, mo
             assert not torch.equal(published[name], tensor), name
         else:
             assert torch.equal(published[name], tensor), name
+    adapter = resumed / "weights" / "step_7"
+    assert sorted(p.name for p in adapter.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER]
+    from_adapter = merge_peft_adapter(source, adapter)
+    for name, tensor in published.items():
+        torch.testing.assert_close(from_adapter[name], tensor, atol=1e-6, rtol=0, msg=name)

@@ -105,7 +105,7 @@ def _render_rl(config):
     from primerl.slurm import SlurmError, render_rl
 
     try:
-        check(config)
+        config = check(config)
     except RunError as err:
         raise SlurmError(str(err)) from None
     return render_rl(config)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 from primerl_envs.config import EnvsConfig
-from primerl_inference.config import InferenceConfig, InferenceRunConfig
+from primerl_inference.config import LORA_RANKS, InferenceConfig, InferenceRunConfig, lora_rank_for
 from primerl_orchestrator.config import EvalRunConfig, OrchestratorConfig, OrchRunConfig
 from primerl_protocol.config import Config, NonNegative, Port, Positive, SharedConfig
 from primerl_trainer.config import SFTRunConfig, TrainerConfig, TrainerRunConfig
@@ -96,6 +96,29 @@ class RLConfig(SharedConfig):
                 f"{k} steps past the policy the servers are loading, so a kept window of {keep} can remove the folder "
                 f"they still need; set trainer.weights.keep >= {k + 1}"
             )
+        self._serve_adapters()
+
+    def _serve_adapters(self) -> None:
+        """A trainer that publishes LoRA adapters needs servers that load them: LoRA on, room
+        for the adapters of every policy rollouts may still run on (max_async_level + 1), and a
+        rank that holds them (checked against the model by `primerl rl` before it starts:
+        launch.check). Settings that contradict it are refused, naming the keys."""
+        lora, inf = self.trainer.lora, self.inference
+        if lora is None or lora.publish != "adapter":
+            return
+        why = 'trainer.lora.publish = "adapter" (the default with [trainer.lora]): the servers load each step\'s adapter'
+        if inf.enable_lora is False:
+            raise ValueError(f"inference.enable_lora = false, but {why}; leave inference.enable_lora unset (or true), "
+                             f'or publish merged weights: trainer.lora.publish = "merged"')
+        if inf.max_lora_rank is not None and inf.max_lora_rank < lora.rank:
+            raise ValueError(f"inference.max_lora_rank = {inf.max_lora_rank} is below trainer.lora.rank = {lora.rank}, "
+                             f"and {why}; leave inference.max_lora_rank unset, or set it >= {lora.rank}")
+        if lora_rank_for(lora.rank) is None:
+            raise ValueError(f"trainer.lora.rank = {lora.rank} is above the largest rank vLLM serves ({LORA_RANKS[-1]}), "
+                             f'and {why}; use a smaller rank, or trainer.lora.publish = "merged"')
+        inf.enable_lora = True
+        if inf.max_loras is None:
+            inf.max_loras = self.orchestrator.max_async_level + 1
 
 
 class SFTConfig(SFTRunConfig, kw_only=True):

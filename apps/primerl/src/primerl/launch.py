@@ -60,8 +60,9 @@ class Proc:
             return "(no log)"
 
 
-def check(cfg: RLConfig) -> None:
-    """Everything that can fail before a process starts, named."""
+def check(cfg: RLConfig) -> RLConfig:
+    """Everything that can fail before a process starts, named; the config with what depends on
+    the model resolved (inference.max_lora_rank for published adapters)."""
     from primerl_envs.environment import EnvLoadError, resolve_taskset_id
     from primerl_models import family_for, is_hub_id, read_config, resolve_model_folder
 
@@ -88,6 +89,34 @@ def check(cfg: RLConfig) -> None:
                 resolve_taskset_id(env.id)
             except EnvLoadError as err:
                 raise RunError(f"{section}[{i}].id: {err}") from None
+    return fit_lora_rank(cfg, hf_config)
+
+
+def fit_lora_rank(cfg: RLConfig, hf_config: dict) -> RLConfig:
+    """With published adapters, the servers' --max-lora-rank must hold the adapter's largest
+    rank: trainer.lora.rank, or k times it where the checkpoint fuses k adapted layers into one
+    (GLM-4's gate_up_proj). Unset, it is set to the smallest vLLM takes; set too low, refused."""
+    lora, have = cfg.trainer.lora, cfg.inference.max_lora_rank
+    if lora is None or lora.publish != "adapter":
+        return cfg
+    from primerl_inference.config import LORA_RANKS, lora_rank_for
+    from primerl_trainer.adapters import published_rank
+
+    try:
+        need = published_rank(hf_config, lora)
+    except ValueError as err:
+        raise RunError(f'trainer.lora.publish = "adapter": {err}') from None
+    fit = lora_rank_for(need)
+    why = f"the adapters trainer.lora publishes have rank {need}" + (
+        f" (trainer.lora.rank = {lora.rank} x {need // lora.rank} layers the checkpoint fuses)" if need != lora.rank else "")
+    if fit is None:
+        raise RunError(f"{why}, above the largest vLLM serves ({LORA_RANKS[-1]}): lower trainer.lora.rank, or set "
+                       'trainer.lora.publish = "merged"')
+    if have is None:
+        return msgspec.structs.replace(cfg, inference=msgspec.structs.replace(cfg.inference, max_lora_rank=fit))
+    if have < need:
+        raise RunError(f"inference.max_lora_rank = {have}, but {why}: set it to {fit} or more, or leave it unset")
+    return cfg
 
 
 def gpu_plan(cfg: RLConfig, device: str) -> tuple[list[int], list[int]]:
@@ -185,7 +214,7 @@ def trainer_threads(cfg: RLConfig, trainer_gpus: list[int]) -> int:
 
 def run_rl(cfg: RLConfig) -> None:
     """Run the whole RL run; raises RunError naming the failed process."""
-    check(cfg)
+    cfg = check(cfg)
     run_dir = Path(cfg.run_dir)
     (run_dir / "configs").mkdir(parents=True, exist_ok=True)
     logs = run_dir / "logs"

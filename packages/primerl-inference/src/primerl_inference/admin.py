@@ -7,10 +7,10 @@ everyone). The routes, and the fields of every request and answer, are defined i
 primerl_protocol.serving, which the orchestrator uses too (JSON in, JSON out):
 
   POST /admin/load_weights  LoadWeights {"path", "step", "checksum"?}   swap in a published folder
-  POST /admin/lora/load     LoraLoad {"name", "path"}                    load a LoRA adapter
+  POST /admin/lora/load     LoraLoad {"name", "path", "step"?, "checksum"?}   load a LoRA adapter
   POST /admin/lora/unload   LoraUnload {"name"}
   POST /admin/pause  /  POST /admin/resume                              stop / restart admitting requests
-  GET  /admin/policy        PolicyAnswer {"step", "path", "checksum", "paused", "logprobs_mode"}
+  GET  /admin/policy        PolicyAnswer {"step", "path", "checksum", "paused", "logprobs_mode", "adapter"}
   GET  /admin/health        HealthAnswer {"ready", "paused", "step", "in_flight", "held"}
 
 A request body with a missing, mistyped or unknown field is answered 400 naming the field.
@@ -22,6 +22,15 @@ and the old weights keep serving), reloads the weights in place, drops the prefi
 entry computed with old weights survives), and reopens the gate. So every response was
 produced by exactly one policy, and each response carries it in the header
 `x-primerl-policy-step`.
+
+Adapters as policies (a LoRA trainer publishes adapters, not models): a LoraLoad with a
+`step` is a published adapter folder; its checksum is verified first (refused with 409, the
+old policy kept), it is loaded under its own name beside the base weights (which must be the
+base ones: an adapter applies to them), and it becomes the policy the policy route reports,
+with the name requests must give as their `model`. No gate is closed: requests in flight on
+an older adapter keep it (they named it), new ones name the new one. The step header of a
+request is then the step of the adapter it named (the served weights' step for the base
+model's name). A weight swap drops the policy adapters (they adapted the old weights).
 """
 
 from __future__ import annotations
@@ -41,12 +50,13 @@ from primerl_protocol.serving import (
     HealthAnswer,
     LoadAnswer,
     LoadWeights,
+    LoraAnswer,
     LoraLoad,
     LoraUnload,
     PolicyAnswer,
     decode_request,
 )
-from primerl_protocol.weights import verify
+from primerl_protocol.weights import ADAPTER, format_of, verify
 
 log = logging.getLogger("primerl.inference")
 
@@ -67,7 +77,31 @@ class Policy:
     """BASE_STEP: the weights the server started with."""
     path: str | None = None
     checksum: str | None = None
+    adapter: str | None = None
+    """The LoRA adapter holding this policy (None: the served weights are the policy)."""
     loaded_at: float = field(default_factory=time.time)
+
+
+class _Model(msgspec.Struct):
+    model: str | None = None
+
+
+def _model_of(body: bytes) -> str | None:
+    """The `model` a generation request's JSON body names (None if it names none or is not JSON)."""
+    try:
+        return msgspec.json.decode(body, type=_Model).model
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _replay(body: bytes, receive):
+    """An ASGI `receive` that gives `body` (already read) first, then whatever `receive` gives."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def again():
+        return pending.pop() if pending else await receive()
+
+    return again
 
 
 class Gate:
@@ -143,7 +177,12 @@ class AdminMiddleware:
     def __init__(self, app) -> None:
         self.app = app
         self.token = os.environ.get(ADMIN_TOKEN_ENV)
-        self.policy = Policy()
+        self.weights = Policy()
+        """The weights the engine serves (the base ones, or a published folder loaded in place)."""
+        self.policy = self.weights
+        """The current policy: `weights`, or the adapter last loaded as a policy."""
+        self.adapter_steps: dict[str, int] = {}
+        """Adapters loaded as policies: name -> step (for the step header of requests naming them)."""
         self.gate: Gate | None = None  # made inside the server's event loop
         self.swap_lock: asyncio.Lock | None = None
         self.paused = False
@@ -160,8 +199,12 @@ class AdminMiddleware:
             return await _respond(send, 401, {"error": "missing or wrong bearer token for the LoRA routes"})
         if scope["method"] != "POST":  # health, models, metrics: never gated
             return await self.app(scope, receive, send)
+        model = None
+        if self.adapter_steps:  # the step is the adapter's the request names: read its body
+            body = await _read_body(receive)
+            model, receive = _model_of(body), _replay(body, receive)
         await self.gate.enter()
-        step = str(self.policy.step).encode()
+        step = str(self.adapter_steps.get(model, self.weights.step)).encode()
 
         async def send_with_step(message):
             if message["type"] == "http.response.start":
@@ -191,7 +234,7 @@ class AdminMiddleware:
             engine = scope["app"].state.engine_client
             match route:
                 case ("POST", serving.LOAD_WEIGHTS_ROUTE):
-                    result = await self._load_weights(engine, _parse(LoadWeights, body))
+                    result = await self._load_weights(scope["app"], engine, _parse(LoadWeights, body))
                 case ("POST", serving.PAUSE_ROUTE):
                     if not self.paused:
                         self.paused = True
@@ -205,7 +248,7 @@ class AdminMiddleware:
                 case ("GET", serving.POLICY_ROUTE):
                     p = self.policy
                     result = PolicyAnswer(step=p.step, path=p.path, checksum=p.checksum, paused=self.paused,
-                                          logprobs_mode=_logprobs_mode(scope["app"]))
+                                          logprobs_mode=_logprobs_mode(scope["app"]), adapter=p.adapter)
                 case ("GET", serving.HEALTH_ROUTE):
                     result = HealthAnswer(ready=not self.paused and not self.swap_lock.locked(), paused=self.paused,
                                           step=self.policy.step, in_flight=self.gate.active, held=self.gate.held)
@@ -222,7 +265,7 @@ class AdminMiddleware:
             return await _respond(send, 500, {"error": f"{type(err).__name__}: {err}"})
         await _respond(send, 200, result)
 
-    async def _load_weights(self, engine, req: LoadWeights) -> LoadAnswer:
+    async def _load_weights(self, app, engine, req: LoadWeights) -> LoadAnswer:
         path, step, expected = req.path, req.step, req.checksum
         async with self.swap_lock:
             # Checked before anything changes: a bad folder leaves the old weights serving.
@@ -239,33 +282,76 @@ class AdminMiddleware:
                 # if vLLM still declines, force it rather than serve blocks of old weights.
                 if not await engine.reset_prefix_cache():
                     await engine.reset_prefix_cache(reset_running_requests=True)
-                self.policy = Policy(step=step, path=path, checksum=meta["checksum"])
+                self.weights = self.policy = Policy(step=step, path=path, checksum=meta["checksum"])
+                await self._drop_policy_adapters(app)
             finally:
                 await self.gate.open()
             return LoadAnswer(step=step, path=path, drain_s=waited, drained=drained,
                               swap_s=time.monotonic() - t0 - waited)
 
-    async def _load_lora(self, app, req: LoraLoad) -> dict:
+    async def _load_lora(self, app, req: LoraLoad) -> LoraAnswer:
         # Through vLLM's own model registry, so that requests can then name the adapter as
         # their `model`.
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
-        name, path = req.name, req.path
+        name, path, step = req.name, req.path, req.step
         if not os.path.isdir(path):
             raise AdminError(400, f"LoRA adapter folder {path} does not exist")
         models = getattr(app.state, "openai_serving_models", None)
         if models is None:
             raise AdminError(409, "this server does not serve LoRA adapters (start it with inference.enable_lora = true)")
-        result = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
-        if not isinstance(result, str):
-            raise AdminError(400, f"vLLM refused LoRA adapter {name!r} from {path}: {result.error.message}")
-        return {"name": name, "path": path}
+        async with self.swap_lock:
+            t0 = time.monotonic()
+            checksum = None
+            if step is not None or req.checksum is not None:
+                # Checked before anything changes: a bad folder leaves the old policy serving.
+                try:
+                    meta = await asyncio.to_thread(verify, path, req.checksum)
+                except ValueError as err:
+                    raise AdminError(409, f"refused LoRA adapter {name!r} for step {step}: {err}") from None
+                if format_of(meta) != ADAPTER:
+                    raise AdminError(409, f"refused LoRA adapter {name!r}: {path} holds {format_of(meta)!r} "
+                                          f"weights, not an adapter (load those with {serving.LOAD_WEIGHTS_ROUTE})")
+                checksum = meta["checksum"]
+            if step is not None and self.weights.step not in (serving.BASE_STEP, 0):
+                raise AdminError(409, f"refused LoRA adapter {name!r} for step {step}: this server serves the full "
+                                      f"weights of policy {self.weights.step} ({self.weights.path}), and a published "
+                                      "adapter applies to the base weights; load those first")
+            # The same name again is the same policy and content (adapter_name): replace it in place.
+            again = step is not None and name in models.lora_requests
+            result = await models.load_lora_adapter(
+                LoadLoRAAdapterRequest(lora_name=name, lora_path=path, load_inplace=again))
+            if not isinstance(result, str):
+                raise AdminError(400, f"vLLM refused LoRA adapter {name!r} from {path}: {result.error.message}")
+            if step is not None:
+                self.adapter_steps[name] = step
+                self.policy = Policy(step=step, path=path, checksum=checksum, adapter=name)
+            return LoraAnswer(name=name, path=path, step=step, load_s=time.monotonic() - t0)
 
     async def _unload_lora(self, app, req: LoraUnload) -> dict:
         from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
 
         name = req.name
-        result = await app.state.openai_serving_models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
-        if not isinstance(result, str):
-            raise AdminError(404, f"cannot unload LoRA adapter {name!r}: {result.error.message}")
+        models = getattr(app.state, "openai_serving_models", None)
+        if models is None:
+            raise AdminError(409, "this server does not serve LoRA adapters (start it with inference.enable_lora = true)")
+        async with self.swap_lock:
+            result = await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+            if not isinstance(result, str):
+                raise AdminError(404, f"cannot unload LoRA adapter {name!r}: {result.error.message}")
+            self.adapter_steps.pop(name, None)
+            if self.policy.adapter == name:  # the policy falls back to the served weights
+                self.policy = self.weights
         return {"name": name, "unloaded": True}
+
+    async def _drop_policy_adapters(self, app) -> None:
+        """Unload the adapters loaded as policies (they adapted the weights just replaced)."""
+        if not self.adapter_steps:
+            return
+        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+        models = getattr(app.state, "openai_serving_models", None)
+        for name in list(self.adapter_steps):
+            if models is not None:  # an adapter vLLM no longer knows is gone already
+                await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+            del self.adapter_steps[name]

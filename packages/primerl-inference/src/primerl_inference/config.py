@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import typing
 from typing import Annotated, Literal
 
 import msgspec
@@ -10,6 +11,17 @@ from primerl_protocol.config import Config, Port, Positive, SharedConfig
 
 
 ADMIN_TOKEN_ENV = "PRIMERL_ADMIN_TOKEN"
+MaxLoRARank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+"""The values vLLM's --max-lora-rank takes (vllm/config/lora.py MaxLoRARanks; a test keeps
+the two the same)."""
+LORA_RANKS: tuple[int, ...] = typing.get_args(MaxLoRARank)
+DEFAULT_MAX_LORA_RANK = 16
+DEFAULT_MAX_LORAS = 1
+
+
+def lora_rank_for(rank: int) -> int | None:
+    """The smallest --max-lora-rank vLLM takes that holds adapters of `rank` (None: none does)."""
+    return next((r for r in LORA_RANKS if r >= rank), None)
 
 
 class DisaggregationConfig(Config):
@@ -61,12 +73,17 @@ class InferenceConfig(Config):
     """Disable CUDA graphs / compilation (always on for CPU)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of shared prefixes (reset whenever weights change)."""
-    enable_lora: bool = False
-    """Allow loading LoRA adapters at run time."""
-    max_lora_rank: Positive = 16
-    """Largest LoRA rank that can be loaded."""
-    max_loras: Positive = 1
-    """LoRA adapters held at once."""
+    enable_lora: bool | None = None
+    """Allow loading LoRA adapters at run time. None: off, except under `primerl rl` with
+    trainer.lora.publish = "adapter", which turns it on (the servers load each step's adapter)."""
+    max_lora_rank: MaxLoRARank | None = None
+    """Largest LoRA rank that can be loaded (vLLM takes only these values). None: 16, except
+    under `primerl rl` with published adapters: the smallest that holds them (trainer.lora.rank,
+    or a multiple of it where the model's checkpoint fuses adapted layers into one module)."""
+    max_loras: Positive | None = None
+    """LoRA adapters one batch may mix (vLLM's --max-loras). None: 1, except under `primerl rl`
+    with published adapters: orchestrator.max_async_level + 1 (rollouts of that many policies
+    may be in flight, each on its own adapter)."""
     admin_token: str | None = None
     """Bearer token for the admin routes (default: $PRIMERL_ADMIN_TOKEN)."""
     startup_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0

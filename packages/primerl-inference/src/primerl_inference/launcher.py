@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from primerl_inference.config import ADMIN_TOKEN_ENV, InferenceConfig
+from primerl_inference.config import ADMIN_TOKEN_ENV, DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, InferenceConfig
 from primerl_inference.serve import INSPECT_ENV
 from primerl_protocol.serving import LOGPROBS_MODE
 
@@ -133,7 +133,8 @@ def server_command(
         if cfg.enforce_eager:
             argv += ["--enforce-eager"]
     if cfg.enable_lora:
-        argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", str(cfg.max_loras)]
+        argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank or DEFAULT_MAX_LORA_RANK),
+                 "--max-loras", str(cfg.max_loras or DEFAULT_MAX_LORAS)]
     argv += list(cfg.extra_args)
     env.update(cfg.extra_env)
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host

@@ -5,7 +5,7 @@ every test of a pytest session that needs one uses the same replicas (the root c
     shared.reset()    # every replica alive, unpaused, serving the base weights as policy 0
 
 A test that changes more than the weights (loads a LoRA adapter, pauses a server) undoes it
-itself; a test that kills a replica is run last (the `kills_a_server` marker), and should one
+itself (adapters loaded as policies are dropped by the reset's weight load); a test that kills a replica is run last (the `kills_a_server` marker), and should one
 run earlier anyway, `reset` starts the dead replica again.
 """
 
@@ -23,9 +23,10 @@ from primerl_inference.config import InferenceConfig
 from primerl_inference.launcher import Servers, launch
 from primerl_inference.launcher import healthy as is_up
 from primerl_protocol.serving import LOAD_WEIGHTS_ROUTE, POLICY_ROUTE, RESUME_ROUTE, bearer
-from primerl_protocol.weights import write_marker
+from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_marker
 
-__all__ = ["TOKEN", "SharedServers", "admin", "is_up", "published_copy", "start_shared"]
+__all__ = ["TOKEN", "SharedServers", "admin", "is_up", "published_adapter", "published_copy", "start_shared",
+           "write_lora"]
 
 TOKEN = "test-admin-token"
 """The admin token of the shared servers."""
@@ -45,6 +46,41 @@ def published_copy(model: str | Path, folder: str | Path, step: int) -> str:
     folder = Path(folder)
     shutil.copytree(model, folder)
     return write_marker(folder, step, [p.name for p in folder.glob("*.safetensors")], 0.0)
+
+
+def published_adapter(adapter: str | Path, folder: str | Path, step: int) -> str:
+    """The LoRA adapter folder `adapter` copied to `folder` as a published adapter of policy
+    `step` (the marker the trainer writes); its checksum."""
+    folder = Path(folder)
+    shutil.copytree(adapter, folder)
+    return write_marker(folder, step, [ADAPTER_CONFIG, ADAPTER_WEIGHTS], 0.0, format=ADAPTER)
+
+
+def write_lora(folder: Path, base: Path, r: int = 8, alpha: int = 16, seed: int = 0) -> dict:
+    """A PEFT-layout LoRA adapter on q_proj and v_proj of the (Qwen3/Llama) model in `base`,
+    random (std 0.2: far from the base model); returns the weight deltas it adds, by HF name."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((base / "config.json").read_text())
+    g = torch.Generator().manual_seed(seed)
+    tensors, deltas = {}, {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj, out_dim in (("q_proj", cfg["num_attention_heads"] * cfg["head_dim"]),
+                              ("v_proj", cfg["num_key_value_heads"] * cfg["head_dim"])):
+            a = torch.randn(r, cfg["hidden_size"], generator=g) * 0.2
+            b = torch.randn(out_dim, r, generator=g) * 0.2
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+            deltas[f"model.layers.{layer}.self_attn.{proj}.weight"] = (alpha / r) * b @ a
+    save_file(tensors, folder / ADAPTER_WEIGHTS)
+    (folder / ADAPTER_CONFIG).write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False,
+        "base_model_name_or_path": str(base), "modules_to_save": None, "use_rslora": False, "use_dora": False,
+    }))
+    return deltas
 
 
 @dataclass

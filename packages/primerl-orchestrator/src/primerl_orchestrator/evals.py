@@ -98,13 +98,17 @@ async def evaluate(
     return out
 
 
-def published_steps(run: str | Path) -> list[tuple[int, Path, str]]:
-    """(step, folder, checksum) of every complete published weights folder of a run, in order."""
+def published_steps(run: str | Path) -> list[tuple[int, Path, str, str]]:
+    """(step, folder, checksum, format) of every complete published folder of a run, in order
+    (format: full weights or a LoRA adapter, primerl_protocol.weights)."""
     from primerl_protocol import rundir
-    from primerl_protocol.weights import MARKER
+    from primerl_protocol.weights import MARKER, format_of
 
-    return [(step, folder, json.loads((folder / MARKER).read_text())["checksum"])
-            for step, folder in rundir.complete_steps(Path(run) / rundir.WEIGHTS, MARKER)]
+    out = []
+    for step, folder in rundir.complete_steps(Path(run) / rundir.WEIGHTS, MARKER):
+        meta = json.loads((folder / MARKER).read_text())
+        out.append((step, folder, meta["checksum"], format_of(meta)))
+    return out
 
 
 async def eval_run(cfg: EvalRunConfig, urls: list[str], admin_token: str | None) -> list[dict]:
@@ -124,17 +128,17 @@ async def eval_run(cfg: EvalRunConfig, urls: list[str], admin_token: str | None)
         envs = await open_environments(stack, cfg.envs.eval, cfg.seed)
         gen = await start_generator(stack, cfg.model, urls, admin_token)
         if cfg.run is None:
-            targets = [(0, None, None)]
+            targets = [(0, None, None, None)]
         else:
-            targets = [(step + 1, folder, digest) for step, folder, digest in published_steps(cfg.run)]
+            targets = [(step + 1, *published) for step, *published in published_steps(cfg.run)]
             if not targets:
                 raise ValueError(f"{cfg.run} has no published weights (weights/step_N folders)")
-        for policy, folder, digest in targets:
+        for policy, folder, digest, fmt in targets:
             if policy in done:
                 log.info("policy %d already evaluated in %s", policy, out_path)
                 continue
             if folder is not None:
-                await gen.pool.load_weights(str(folder), policy, digest)
+                await gen.pool.load_weights(str(folder), policy, digest, fmt)
             metrics = await evaluate(envs, gen, e, max_tokens=e.max_tokens or 1024, concurrency=256)
             record = {"policy": policy, "model": cfg.model.name if folder is None else str(folder), **metrics}
             with out_path.open("a") as f:

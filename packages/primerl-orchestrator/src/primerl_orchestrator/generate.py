@@ -43,15 +43,20 @@ class Generator:
         self.retries = 0
         """Rollouts run again because their server failed."""
 
-    def context(self, url: str, max_tokens: int, sampling: dict):
+    def context(self, url: str, max_tokens: int, sampling: dict, model: str | None = None):
+        """The verifiers context for requests to `url` naming `model` (default: the base model;
+        a server serving an adapter policy: its adapter, `Server.model`)."""
+        model = model or self.model
         key = (url, max_tokens, tuple(sorted(sampling.items())))
-        if key not in self._contexts:  # one per server and sampling: verifiers reuses its client
+        held = self._contexts.get(key)
+        if held is None or held[0] != model:  # one per server and sampling: verifiers reuses its client
             extra = {k: v for k, v in sampling.items() if k != "temperature"}
-            self._contexts[key] = model_context(
-                url, self.model, self.tokenizer, temperature=sampling["temperature"],
+            # a new adapter replaces the context of the old one (rollouts still running hold theirs)
+            held = self._contexts[key] = (model, model_context(
+                url, model, self.tokenizer, temperature=sampling["temperature"],
                 max_tokens=max_tokens, extra_sampling=extra,
-            )
-        return self._contexts[key]
+            ))
+        return held[1]
 
     async def play(
         self, env: Environment, task, *, sample_id: int, group_id: int, max_tokens: int, sampling: dict,
@@ -84,7 +89,7 @@ class Generator:
         attempt = 0
         while True:
             async with self.pool.lease() as server:
-                rollouts = await run(server, self.context(server.url, max_tokens, sampling))
+                rollouts = await run(server, self.context(server.url, max_tokens, sampling, server.model))
             if rollouts is None:
                 return None
             failed = next((r.error for r in rollouts if is_model_error(r.error)), None)

@@ -15,7 +15,8 @@ Three tasks share the state below:
   packing, and each trainer rank gets its TrainBatch over ZeroMQ; a slow trainer blocks the
   send (and so, through the rule above, the producer).
 - the policy listener takes the trainer's PolicyReady(step N) and has every server load it
-  as policy N + 1 (the weights after N + 1 optimizer steps). Online evals run at policy
+  as policy N + 1 (the weights after N + 1 optimizer steps): full weights in place of the
+  old ones, or a LoRA adapter beside the base weights (servers.py) that requests then name. Online evals run at policy
   versions that are multiples of `eval.interval`, beside training rollouts of the same policy;
   the next weight load waits for them, so each eval sees one policy.
 
@@ -410,7 +411,7 @@ class Orchestrator:
             if self._eval_task is not None:
                 await asyncio.shield(self._eval_task)  # an eval sees one policy
             version = msg.step + 1
-            self._load_s += await self.pool.load_weights(msg.location, version, msg.checksum)
+            self._load_s += await self.pool.load_weights(msg.location, version, msg.checksum, msg.format)
             self.version = version
             log.info("servers serve policy %d (%s)", version, msg.location)
             self._maybe_eval(version)

@@ -18,6 +18,13 @@ revival) asks it. A server that serves some other policy than the current one (i
 on its base weights, or was left on another run's step) loads the current weights before it
 gets another rollout; at the start of a fresh run, when there is no published folder to
 load, a server that serves anything but its base weights is refused, naming what it serves.
+
+Adapters (a LoRA trainer publishes them instead of full weights: format "peft-lora"): each
+policy is loaded on every server as a LoRA adapter of its own name (serving.adapter_name),
+and a rollout's requests name the adapter of the policy its server served when the rollout
+started (`Server.model`), as they name the base model otherwise. An older adapter is
+unloaded from a server once no rollout leased on it is still running (at once if none is).
+Versions, the policy route, the off-policy bound and revival are the same as with full weights.
 """
 
 from __future__ import annotations
@@ -26,20 +33,27 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import msgspec
 from primerl_protocol.serving import (
     BASE_STEP,
     LOAD_WEIGHTS_ROUTE,
+    LORA_LOAD_ROUTE,
+    LORA_UNLOAD_ROUTE,
     POLICY_ROUTE,
     LoadWeights,
+    LoraLoad,
+    LoraUnload,
     PolicyAnswer,
+    adapter_name,
     bearer,
     decode_answer,
 )
+from primerl_protocol.weights import ADAPTER, FULL, FORMATS
 
 log = logging.getLogger("primerl.orchestrator")
 
@@ -69,6 +83,14 @@ class Server:
     """Rollouts started on it so far."""
     failures: int = 0
     """Times it was marked unhealthy."""
+    model: str = ""
+    """What requests for policy `version` name as their model: the base model's name, or the
+    policy's adapter."""
+    leases: Counter = field(default_factory=Counter)
+    """Rollouts running on it, by the policy version they started on."""
+    adapters: dict[int, str] = field(default_factory=dict)
+    """Policy adapters loaded on it (version -> name), the current one and older ones that
+    rollouts still use."""
 
 
 @dataclass
@@ -76,6 +98,13 @@ class Weights:
     path: str
     version: int
     checksum: str | None
+    format: str = FULL
+    """primerl_protocol.weights.FULL (whole weights) or ADAPTER (a LoRA adapter)."""
+
+    @property
+    def adapter(self) -> str | None:
+        """The name the adapter is served under (None: full weights)."""
+        return adapter_name(self.version, self.checksum) if self.format == ADAPTER else None
 
 
 class ServerPool:
@@ -93,7 +122,7 @@ class ServerPool:
     ) -> None:
         if not urls:
             raise NoServerError("no inference servers configured (inference.urls, or inference.port/num_replicas)")
-        self.servers = [Server(url.rstrip("/"), i) for i, url in enumerate(urls)]
+        self.servers = [Server(url.rstrip("/"), i, model=model) for i, url in enumerate(urls)]
         self.model = model
         self.admin_token = admin_token
         self.probe_timeout_s = probe_timeout_s
@@ -110,6 +139,7 @@ class ServerPool:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(probe_timeout_s))
         self._changed = asyncio.Event()
         self._last_revive = time.monotonic()
+        self._unloads: set[asyncio.Task] = set()
 
     # -- health -----------------------------------------------------------------------
 
@@ -155,12 +185,14 @@ class ServerPool:
             # Step 0 is policy 0, the base weights loaded from a folder (a reset).
             if policy.step in (BASE_STEP, 0) or self.any_policy:
                 server.version = max(policy.step, 0)
+                server.model = policy.adapter or self.model
                 return None
             return (f"serves policy {policy.step} (from {policy.path}), not the base weights this run starts "
                     "from, and there is no published folder of those to load: restart it, or resume the run "
                     "that left it there")
-        if policy.step == w.version and (w.checksum is None or policy.checksum == w.checksum):
-            server.version = w.version
+        if policy.step == w.version and (w.checksum is None or policy.checksum == w.checksum) \
+                and policy.adapter == w.adapter:
+            server.version, server.model = w.version, w.adapter or self.model
             return None
         log.warning("inference server %s serves policy %d (%s), not the current policy %d: loading it",
                     server.url, policy.step, policy.path, w.version)
@@ -251,12 +283,19 @@ class ServerPool:
                 self._changed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), timeout=min(self.revive_interval_s, 2.0))
+        version = server.version
         server.in_flight += 1
         server.rollouts += 1
+        server.leases[version] += 1
         try:
             yield server
         finally:
             server.in_flight -= 1
+            server.leases[version] -= 1
+            if not server.leases[version]:
+                del server.leases[version]
+                if version != server.version and version in server.adapters:  # the last rollout on it
+                    self._spawn_unload(server)
 
     async def maybe_revive(self) -> None:
         """Revive unhealthy servers if the interval has passed (cheap to call often)."""
@@ -265,29 +304,58 @@ class ServerPool:
 
     # -- weights ----------------------------------------------------------------------
 
-    async def _load(self, server: Server, w: Weights) -> None:
+    async def _post(self, server: Server, route: str, body, timeout_s: float) -> None:
+        """POST an admin request; RuntimeError saying what went wrong."""
         if not self.admin_token:
             raise RuntimeError("no admin token (inference.admin_token or $PRIMERL_ADMIN_TOKEN) to load weights with")
         try:
-            r = await self._http.post(
-                server.url + LOAD_WEIGHTS_ROUTE,
-                content=msgspec.json.encode(LoadWeights(path=w.path, step=w.version, checksum=w.checksum)),
-                headers={**bearer(self.admin_token), "content-type": "application/json"},
-                timeout=self.load_timeout_s,
-            )
+            r = await self._http.post(server.url + route, content=msgspec.json.encode(body),
+                                      headers={**bearer(self.admin_token), "content-type": "application/json"},
+                                      timeout=timeout_s)
         except httpx.HTTPError as err:
-            raise RuntimeError(f"{LOAD_WEIGHTS_ROUTE}: {type(err).__name__}: {err}") from None
+            raise RuntimeError(f"{route}: {type(err).__name__}: {err}") from None
         if r.status_code != 200:
-            raise RuntimeError(f"{LOAD_WEIGHTS_ROUTE} answered HTTP {r.status_code}: {r.text[:300]}")
-        server.version = w.version
+            raise RuntimeError(f"{route} answered HTTP {r.status_code}: {r.text[:300]}")
 
-    async def load_weights(self, path: str, version: int, checksum: str | None = None) -> float:
+    async def _load(self, server: Server, w: Weights) -> None:
+        if w.adapter is None:
+            await self._post(server, LOAD_WEIGHTS_ROUTE, LoadWeights(path=w.path, step=w.version, checksum=w.checksum),
+                             self.load_timeout_s)
+            server.adapters.clear()  # the server dropped them: they adapted the weights it replaced
+        else:
+            await self._post(server, LORA_LOAD_ROUTE,
+                             LoraLoad(name=w.adapter, path=w.path, step=w.version, checksum=w.checksum),
+                             self.load_timeout_s)
+            server.adapters[w.version] = w.adapter
+        server.version, server.model = w.version, w.adapter or self.model
+        await self._unload_idle(server)
+
+    async def _unload_idle(self, server: Server) -> None:
+        """Unload the adapters of older policies that no rollout on `server` still uses."""
+        for version, name in list(server.adapters.items()):
+            if version != server.version and not server.leases[version] \
+                    and server.adapters.pop(version, None) is not None:  # (not another task's already)
+                try:
+                    await self._post(server, LORA_UNLOAD_ROUTE, LoraUnload(name=name), self.probe_timeout_s)
+                except RuntimeError as err:  # gone already (the server restarted): nothing to free
+                    log.info("inference server %s: unloading adapter %s of policy %d: %s", server.url, name, version, err)
+
+    def _spawn_unload(self, server: Server) -> None:
+        task = asyncio.get_running_loop().create_task(self._unload_idle(server))
+        self._unloads.add(task)
+        task.add_done_callback(self._unloads.discard)
+
+    async def load_weights(self, path: str, version: int, checksum: str | None = None, format: str = FULL) -> float:
         """Every healthy server loads the weights at `path` as policy `version`; seconds taken.
+        `format` (primerl_protocol.weights): FULL weights replace the served ones; an ADAPTER
+        is loaded beside the base weights, and requests name it from then on.
 
         A server that fails to load is marked unhealthy (it would serve an old policy);
         weights refused by every server raise NoServerError."""
+        if format not in FORMATS:
+            raise ValueError(f"policy {version} at {path} has format {format!r}, not one of {', '.join(FORMATS)}")
         t0 = time.monotonic()
-        self.weights = w = Weights(path, version, checksum)
+        self.weights = w = Weights(path, version, checksum, format)
         servers = self.healthy()
         results = await asyncio.gather(*(self._load(s, w) for s in servers), return_exceptions=True)
         for server, result in zip(servers, results):
@@ -310,4 +378,7 @@ class ServerPool:
         }
 
     async def close(self) -> None:
+        for task in list(self._unloads):
+            task.cancel()
+        await asyncio.gather(*self._unloads, return_exceptions=True)
         await self._http.aclose()

@@ -4,7 +4,8 @@
 each step's TrainBatch on every rank, records what it would train on (steps, sample ids,
 policy steps, metrics), sleeps `step_time_s` (a deliberately slow trainer), then publishes
 "new" weights: a copy of the unchanged model folder as `weights/step_N` with the real marker
-and checksum, so inference servers load it through the real admin route. It writes
+and checksum, so inference servers load it through the real admin route (or, given an
+`adapter` folder, a copy of that LoRA adapter, published as an adapter). It writes
 checkpoints' `meta.json` as the trainer does (with the orchestrator's state), resumes from
 them, and can stop abruptly after a given step (a crash). `garbage_server` is a broken
 inference server.
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from primerl_protocol import BatchMessage, PolicyMessage, PolicyReady, Receiver, Sender, Shutdown, TrainBatch
 from primerl_protocol import rundir
-from primerl_protocol.weights import write_marker
+from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, FULL, write_marker
 
 
 @dataclass
@@ -33,6 +34,8 @@ class TrainedStep:
     policy_steps: list[int]
     metrics: dict
     received_at: float
+    rows: list = field(default_factory=list)
+    """The micro-batches every rank received (to check what the servers generated)."""
 
 
 @dataclass
@@ -50,6 +53,9 @@ class TrainerDouble:
     publish: bool = True
     """Publish weights after each step (off: only after the last one, so the servers keep
     their weights during the run; for benchmarks)."""
+    adapter: Path | None = None
+    """A LoRA adapter folder (PEFT's layout) for `model`: republished as every step's adapter
+    (format peft-lora) instead of the model."""
     steps: list[TrainedStep] = field(default_factory=list)
     published: list[int] = field(default_factory=list)
     error: BaseException | None = None
@@ -82,13 +88,14 @@ class TrainerDouble:
                     return
                 batches = [b for b in batches if isinstance(b, TrainBatch)]
                 assert all(b.step == step for b in batches), [b.step for b in batches]
-                ids, steps = [], []
+                ids, steps, rows = [], [], []
                 for b in batches:
+                    rows += b.micro_batches
                     for mb in b.micro_batches:
                         keep = mb.sample_ids >= 0
                         ids += mb.sample_ids[keep].tolist()
                         steps += mb.policy_steps[keep].tolist()
-                self.steps.append(TrainedStep(step, ids, steps, dict(batches[0].metrics), time.time()))
+                self.steps.append(TrainedStep(step, ids, steps, dict(batches[0].metrics), time.time(), rows))
                 time.sleep(self.step_time_s)
                 if self.crash_after == step:
                     return
@@ -108,12 +115,13 @@ class TrainerDouble:
         root = Path(self.run_dir) / rundir.WEIGHTS
         final, tmp = rundir.step_folder(root, step), rundir.staging_folder(root, step)
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(self.model, tmp)
-        files = [p.name for p in tmp.glob("*.safetensors")]
-        digest = write_marker(tmp, step, files, time.time())
+        shutil.copytree(self.adapter or self.model, tmp)
+        fmt = FULL if self.adapter is None else ADAPTER
+        files = [p.name for p in tmp.glob("*.safetensors")] + ([ADAPTER_CONFIG] if self.adapter else [])
+        digest = write_marker(tmp, step, files, time.time(), format=fmt)
         rundir.publish(tmp, final)
         self.published.append(step)
-        return PolicyReady(step=step, location=str(final.resolve()), checksum=digest)
+        return PolicyReady(step=step, location=str(final.resolve()), checksum=digest, format=fmt)
 
     def _checkpoint(self, step: int, orchestrator_state: dict) -> None:
         root = Path(self.run_dir) / rundir.CHECKPOINTS

@@ -150,7 +150,9 @@ class PolicyReady(Message):
     checksum: str
     """Hex digest over the published files, checked by the loader before it swaps weights."""
     format: str = "hf-safetensors"
-    """Layout of the weights at `location`."""
+    """Layout of the weights at `location` (primerl_protocol.weights): "hf-safetensors", a whole
+    model the servers load in place of theirs; "peft-lora", a LoRA adapter they load beside the
+    base weights, and generation requests then name it as their model."""
     created_at: float = msgspec.field(default_factory=time.time)
 
 

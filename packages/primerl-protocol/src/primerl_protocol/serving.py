@@ -37,13 +37,22 @@ POLICY_ROUTE = "/admin/policy"
 HEALTH_ROUTE = "/admin/health"
 """GET -> HealthAnswer."""
 LORA_LOAD_ROUTE = "/admin/lora/load"
-"""POST LoraLoad: load a LoRA adapter under a name requests can then use as their `model`."""
+"""POST LoraLoad: load a LoRA adapter under a name requests can then use as their `model`;
+with a `step`, a published adapter folder that becomes the policy (409: refused, the old
+policy kept)."""
 LORA_UNLOAD_ROUTE = "/admin/lora/unload"
 """POST LoraUnload."""
 STEP_HEADER = "x-primerl-policy-step"
 """Response header of every generation request: the policy step that produced it."""
 BASE_STEP = -1
 """The policy step a server reports before it has loaded any published folder."""
+
+
+def adapter_name(step: int, checksum: str | None) -> str:
+    """The name a published adapter of policy `step` is served under: one per policy and
+    content, so that requests name the policy they want (those of an older policy still in
+    flight keep theirs) and two different folders never share a name, nor a prefix-cache entry."""
+    return f"policy-{step}" + (f"-{checksum[:12]}" if checksum else "")
 
 
 def bearer(token: str | None) -> dict[str, str]:
@@ -77,7 +86,24 @@ class LoadAnswer(_Body):
 
 class LoraLoad(_Body):
     name: str
+    """What generation requests name as their `model` to use the adapter."""
     path: str
+    """A folder in PEFT's layout (adapter_config.json, adapter_model.safetensors)."""
+    step: int | None = None
+    """The policy step of a published adapter folder (primerl_protocol.weights): its marker is
+    verified (and `checksum` with it), and the adapter becomes the policy the policy route
+    reports. None: an adapter loaded beside the policy, the policy unchanged."""
+    checksum: str | None = None
+    """The folder's checksum as published; a folder that does not match is refused."""
+
+
+class LoraAnswer(_Body):
+    name: str
+    path: str
+    step: int | None = None
+    """The policy step it serves as (None: not a policy)."""
+    load_s: float = 0.0
+    """Seconds the checks and the load took."""
 
 
 class LoraUnload(_Body):
@@ -92,6 +118,9 @@ class PolicyAnswer(_Body):
     path: str | None = None
     checksum: str | None = None
     paused: bool = False
+    adapter: str | None = None
+    """The LoRA adapter that holds the policy, which generation requests must name as their
+    `model`; None: the policy is the served weights themselves (requests name the base model)."""
 
 
 class HealthAnswer(_Body):

@@ -4,7 +4,13 @@ inference servers that load it.
 A folder `weights/step_N` (names, staging and renaming: rundir.py) is complete when its
 marker `primerl.json` exists (written last, before the folder is renamed into place); the
 marker lists the weight files and their checksum: xxh3-128 over each file's name and bytes,
-in name order (several GB/s; blake2b's ~1 GB/s alone took seconds for a 2B model).
+in name order (several GB/s; blake2b's ~1 GB/s alone took seconds for a 2B model), and the
+folder's format:
+
+  FULL     "hf-safetensors": a whole model in Hugging Face layout (config.json, *.safetensors),
+           loaded in place of the served weights (/admin/load_weights);
+  ADAPTER  "peft-lora": a LoRA adapter in PEFT's layout (ADAPTER_CONFIG + ADAPTER_WEIGHTS, the
+           served base model's names), loaded beside the base weights (/admin/lora/load).
 """
 
 from __future__ import annotations
@@ -16,6 +22,15 @@ import xxhash
 
 MARKER = "primerl.json"
 ALGORITHM = "xxh3_128"
+FULL = "hf-safetensors"
+"""Format of a folder of whole-model weights (Hugging Face layout)."""
+ADAPTER = "peft-lora"
+"""Format of a folder holding a LoRA adapter in PEFT's layout."""
+FORMATS = (FULL, ADAPTER)
+ADAPTER_CONFIG = "adapter_config.json"
+"""PEFT's adapter config (peft_type, r, lora_alpha, target_modules, rank_pattern, ...)."""
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""PEFT's adapter tensors: `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]."""
 
 
 def checksum(folder: str | Path, files: list[str]) -> str:
@@ -29,10 +44,13 @@ def checksum(folder: str | Path, files: list[str]) -> str:
     return h.hexdigest()
 
 
-def write_marker(folder: str | Path, step: int, files: list[str], created_at: float) -> str:
+def write_marker(folder: str | Path, step: int, files: list[str], created_at: float, format: str = FULL) -> str:
     """Checksum `files` and write the marker; returns the checksum."""
+    if format not in FORMATS:
+        raise ValueError(f"unknown published-folder format {format!r} (one of {', '.join(FORMATS)})")
     digest = checksum(folder, files)
-    marker = {"step": step, "files": sorted(files), "checksum": digest, "algorithm": ALGORITHM, "time": created_at}
+    marker = {"step": step, "files": sorted(files), "checksum": digest, "algorithm": ALGORITHM, "time": created_at,
+              "format": format}
     (Path(folder) / MARKER).write_text(json.dumps(marker))
     return digest
 
@@ -59,3 +77,8 @@ def verify(folder: str | Path, expected: str | None = None) -> dict:
     if expected is not None and expected != got:
         raise ValueError(f"{folder}: checksum {got} is not the expected {expected}")
     return meta
+
+
+def format_of(meta: dict) -> str:
+    """The format of a verified folder's marker (FULL for markers written before formats existed)."""
+    return meta.get("format", FULL)

@@ -85,8 +85,9 @@ class ParallelConfig(Config):
 class LoRAConfig(Config):
     """Low-rank adapters on the chosen linear layers; the base weights frozen, without optimizer state.
 
-    Each chosen layer computes W x + (alpha / rank) B A dropout(x). Published today as merged
-    full weights (what vLLM reloads like any update); publishing the adapters alone is to come."""
+    Each chosen layer computes W x + (alpha / rank) B A dropout(x). Published as the adapter
+    alone (PEFT's layout, the servers load it beside the base weights) or folded into full
+    weights (`publish`)."""
 
     rank: Positive = 16
     """Rank r of each adapter (A: [r, in], B: [out, r])."""
@@ -97,6 +98,12 @@ class LoRAConfig(Config):
     targets: list[str] = msgspec.field(default_factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Linear layers by the last part of their name (a glob, e.g. "*_proj"); every layer's that matches."""
+    publish: Literal["adapter", "merged"] = "adapter"
+    """What each step publishes for inference. adapter: the adapter alone, in PEFT's layout
+    (adapter_config.json, adapter_model.safetensors, the served model's Hugging Face names),
+    which the servers load beside their base weights: megabytes a step instead of the whole
+    model. merged: full weights W + (alpha / rank) B A, loaded like any full update, for layer
+    kinds vLLM does not serve as adapters or servers started without LoRA."""
 
 
 class TrainerConfig(Config):

@@ -31,7 +31,8 @@ from primerl_trainer.distributed import all_reduce_sum, all_reduce_tensor_sum, i
 from primerl_trainer.metrics import MetricsLogger
 from primerl_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from primerl_trainer.placement import build_mesh, load_for_training
-from primerl_trainer.publish import FolderPublisher
+from primerl_trainer.adapters import AdapterPublisher
+from primerl_trainer.publish import FolderPublisher, StepFolders
 
 log = logging.getLogger("primerl.trainer")
 
@@ -81,6 +82,19 @@ def expert_load(routed_LE: torch.Tensor) -> dict[str, float]:
     return {"moe/max_load": float(ratio_L.max()), "moe/mean_max_load": float(ratio_L.mean())}
 
 
+def make_publisher(cfg: TrainerRunConfig | SFTRunConfig, model: torch.nn.Module, loaded, d) -> StepFolders:
+    """The adapters alone with trainer.lora.publish = "adapter", else full weights (LoRA folded in);
+    SetupError when the adapters cannot be published in PEFT's layout."""
+    tcfg = cfg.trainer
+    dtype = torch.float32 if tcfg.weights.dtype == "float32" else torch.bfloat16
+    if tcfg.lora is not None and tcfg.lora.publish == "adapter":
+        try:
+            return AdapterPublisher(cfg.run_dir, model, tcfg.lora, cfg.model.name, tcfg.weights.keep, dtype, d)
+        except ValueError as err:
+            raise SetupError(f"trainer.lora.publish = \"adapter\": {err}") from None
+    return FolderPublisher(cfg.run_dir, loaded.folder, loaded.hf_config, tcfg.weights.keep, dtype, d)
+
+
 class Session:
     def __init__(self, cfg: TrainerRunConfig | SFTRunConfig, job: str):
         self.cfg, self.tcfg = cfg, cfg.trainer
@@ -104,8 +118,7 @@ class Session:
             meta = self.ckpt.load(latest, self.model, self.opt, self.sched)
             self.start_step, self.data_state = meta["step"] + 1, meta["data"]
             log.info("resumed from %s; continuing at step %d", latest, self.start_step)
-        dtype = torch.float32 if self.tcfg.weights.dtype == "float32" else torch.bfloat16
-        self.publisher = FolderPublisher(self.run_dir, loaded.folder, loaded.hf_config, self.tcfg.weights.keep, dtype, d)
+        self.publisher = make_publisher(cfg, self.model, loaded, d)
         self.model_folder = loaded.folder
         self.metrics = MetricsLogger(self.run_dir, cfg.wandb, msgspec.to_builtins(cfg), d.is_main, job=job)
         self.peak = peak_flops(d.device)

@@ -5,8 +5,10 @@ large, config and tokenizer files beside them) to `run_dir/weights/step_N`, atom
 everything goes to a temporary folder, a checksum marker (`primerl.json`, xxh3-128 over the
 weight files: several GB/s, where blake2b's ~1 GB/s alone would take seconds for a 2B model)
 is written last, and the folder is renamed into place. Folders beyond `keep`
-are removed, oldest first. The returned PolicyReady(step, location, checksum) is what the
-orchestrator passes on to inference, which verifies the checksum before swapping weights.
+are removed, oldest first. The returned PolicyReady(step, location, checksum, format) is what
+the orchestrator passes on to inference, which verifies the checksum before swapping weights.
+A LoRA trainer publishes its adapters alone the same way (adapters.py, `AdapterPublisher`),
+unless trainer.lora.publish = "merged": then this one folds them into full weights.
 
 Publishers are interchangeable (`WeightPublisher`): a later one can broadcast over NCCL to
 GPU inference servers without the training loop changing.
@@ -23,7 +25,7 @@ import torch
 
 from primerl_models import carried_tensors, published_config, save_hf
 from primerl_protocol import PolicyReady, rundir
-from primerl_protocol.weights import write_marker
+from primerl_protocol.weights import FULL, write_marker
 
 from primerl_trainer.distributed import Dist
 from primerl_trainer.lora import LoRALinear
@@ -52,11 +54,16 @@ def fold_adapters(state: dict[str, torch.Tensor], model: torch.nn.Module, dtype:
     return state
 
 
-class FolderPublisher:
-    def __init__(self, run_dir: str | Path, source: Path, hf_config: dict, keep: int, dtype: torch.dtype, d: Dist):
+class StepFolders:
+    """What every folder publisher shares: `run_dir/weights/step_N` folders written in a staging
+    folder, checksummed (the marker, last), renamed into place, the oldest pruned."""
+
+    format = FULL
+    """The folders' format (primerl_protocol.weights), in their marker and in PolicyReady."""
+
+    def __init__(self, run_dir: str | Path, keep: int, d: Dist):
         self.root = Path(run_dir) / rundir.WEIGHTS
-        # hf_config: the source folder's config.json (published as published_config of it)
-        self.source, self.hf_config, self.keep, self.dtype, self.d = source, hf_config, keep, dtype, d
+        self.keep, self.d = keep, d
         self.last_timing: dict[str, float] = {}
         self.last: PolicyReady | None = None
         """The last weights this publisher wrote (on rank 0; None on the others)."""
@@ -64,6 +71,37 @@ class FolderPublisher:
         """Whether any weights were published yet (the same on every rank)."""
         if d.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
+
+    def commit(self, tmp: Path, step: int, files: list[str], timing: dict[str, float], written_from: float) -> PolicyReady:
+        """Mark the staging folder `tmp` of `step` complete and put it in place (rank 0)."""
+        t2 = time.monotonic()
+        digest = write_marker(tmp, step, files, time.time(), format=self.format)
+        t3 = time.monotonic()
+        self.last_timing = {**timing, "write": t2 - written_from, "checksum": t3 - t2}
+        final = rundir.step_folder(self.root, step)
+        rundir.publish(tmp, final)
+        # Folders newer than this step are from a history a resumed run left (published after
+        # its last checkpoint): kept, they would count against `keep` and push out the folder
+        # just announced (as Checkpointer._drop_newer does for checkpoints).
+        for n, folder in rundir.complete_steps(self.root, None):
+            if n > step:
+                shutil.rmtree(folder, ignore_errors=True)
+        rundir.prune(self.root, self.keep)
+        self.last = PolicyReady(step=step, location=str(final.resolve()), checksum=digest, format=self.format)
+        return self.last
+
+    def announce_again(self, step: int) -> PolicyReady | None:
+        """The last published weights, announced as those of `step` (which changed nothing)."""
+        if not self.d.is_main or self.last is None:
+            return None
+        return PolicyReady(step=step, location=self.last.location, checksum=self.last.checksum, format=self.format)
+
+
+class FolderPublisher(StepFolders):
+    def __init__(self, run_dir: str | Path, source: Path, hf_config: dict, keep: int, dtype: torch.dtype, d: Dist):
+        super().__init__(run_dir, keep, d)
+        # hf_config: the source folder's config.json (published as published_config of it)
+        self.source, self.hf_config, self.dtype = source, hf_config, dtype
 
     def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Full tensors on rank 0's CPU (empty elsewhere): each parameter is all-gathered on
@@ -88,7 +126,7 @@ class FolderPublisher:
         if not self.d.is_main:
             return None
         t1 = time.monotonic()
-        final, tmp = rundir.step_folder(self.root, step), rundir.staging_folder(self.root, step)
+        tmp = rundir.staging_folder(self.root, step)
         shutil.rmtree(tmp, ignore_errors=True)
         # what was dequantised at load is published plain (no quantization_config)
         config = dict(published_config(self.hf_config), torch_dtype=str(self.dtype).removeprefix("torch."))
@@ -96,26 +134,7 @@ class FolderPublisher:
         carried = carried_tensors(self.source, self.hf_config, self.dtype)
         files = [p.name for p in save_hf(state, config, tmp, carried=carried)]
         del carried
-        t2 = time.monotonic()
         for name in SIDE_FILES:
             if (self.source / name).exists():
                 shutil.copy2(self.source / name, tmp / name)
-        digest = write_marker(tmp, step, files, time.time())
-        t3 = time.monotonic()
-        self.last_timing = {"gather": t1 - t0, "write": t2 - t1, "checksum": t3 - t2}
-        rundir.publish(tmp, final)
-        # Folders newer than this step are from a history a resumed run left (published after
-        # its last checkpoint): kept, they would count against `keep` and push out the folder
-        # just announced (as Checkpointer._drop_newer does for checkpoints).
-        for n, folder in rundir.complete_steps(self.root, None):
-            if n > step:
-                shutil.rmtree(folder, ignore_errors=True)
-        rundir.prune(self.root, self.keep)
-        self.last = PolicyReady(step=step, location=str(final.resolve()), checksum=digest)
-        return self.last
-
-    def announce_again(self, step: int) -> PolicyReady | None:
-        """The last published weights, announced as those of `step` (which changed nothing)."""
-        if not self.d.is_main or self.last is None:
-            return None
-        return PolicyReady(step=step, location=self.last.location, checksum=self.last.checksum)
+        return self.commit(tmp, step, files, {"gather": t1 - t0}, t1)
