@@ -132,11 +132,18 @@ def build_transformers(name: str, ac: bool):
     return model, step
 
 
-def build_ours(name: str, ac: bool, compile_layers: bool, attn: str = "auto"):
+def build_ours(name: str, ac: bool, compile_layers: bool, attn: str = "auto", lora_rank: int = 0):
     args = our_args(name)
     with torch.device("cuda"):
         model = Transformer(args, attn_backend=attn)
     model.init_weights()
+    if lora_rank:  # the trainer's adapters (primerl_trainer.lora) on every attention and MLP projection
+        from types import SimpleNamespace
+
+        from primerl_trainer.lora import apply_lora
+
+        apply_lora(model, SimpleNamespace(rank=lora_rank, alpha=2.0 * lora_rank, dropout=0.0, targets=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     if ac:  # the trainer's own wrapper (needs primerl-trainer's dependencies: msgspec)
         from primerl_trainer.placement import apply_activation_checkpointing
 
@@ -169,7 +176,7 @@ def profile_step(run_step) -> None:
 
 
 def measure(model, step, seq: int, steps: int, docs: int = 1, vocab: int = VOCAB) -> dict:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, vocab, (1, seq), device="cuda", generator=g)
     bounds = torch.linspace(0, seq, docs + 1).long().tolist()
@@ -204,7 +211,7 @@ def measure(model, step, seq: int, steps: int, docs: int = 1, vocab: int = VOCAB
 
 
 def run(name: str, impl: str, steps: int, ac: bool, compile_layers: bool, docs: int = 1, cudnn: bool = False,
-        seq: int | None = None) -> dict:
+        seq: int | None = None, lora_rank: int = 0) -> dict:
     seq = seq or SHAPES[name][2]
     model = step = None
     # cudnn: SDPA may not pick flash or memory-efficient kernels, which leaves cuDNN's.
@@ -214,7 +221,7 @@ def run(name: str, impl: str, steps: int, ac: bool, compile_layers: bool, docs: 
         if impl == "transformers":
             model, step = build_transformers(name, ac)
         else:
-            model, step = build_ours(name, ac, compile_layers)
+            model, step = build_ours(name, ac, compile_layers, lora_rank=lora_rank)
         result = measure(model, step, seq, steps, docs, hf_dict(name)["vocab_size"])
     except torch.OutOfMemoryError:
         result = {"oom": True}
@@ -238,7 +245,7 @@ def main() -> None:
     parser.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (torch's global switch)")
     parser.add_argument("--seq", type=int, default=None, help="tokens in the row (default: the shape's)")
     parser.add_argument("--runs", default="transformers,ours",
-                        help="comma list of impl[:ac][:eager][:cudnn][:docsN], e.g. transformers:ac,ours,ours:docs8")
+                        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR], e.g. transformers:ac,ours,ours:docs8,ours:lora16")
     args = parser.parse_args()
     global PROFILE
     PROFILE = args.profile
@@ -248,8 +255,10 @@ def main() -> None:
         for spec in args.runs.split(","):
             impl, *flags = spec.split(":")
             docs = next((int(f[4:]) for f in flags if f.startswith("docs")), 1)
+            lora = next((int(f[4:]) for f in flags if f.startswith("lora")), 0)
             row = run(name, impl, args.steps, ac="ac" in flags, compile_layers=impl == "ours" and "eager" not in flags,
-                      docs=docs, cudnn="cudnn" in flags, seq=args.seq)
+                      docs=docs, cudnn="cudnn" in flags, seq=args.seq, lora_rank=lora)
+            row["lora_rank"] = lora
             row["tf32"] = args.tf32
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -17,11 +17,14 @@ from __future__ import annotations
 import fnmatch
 import math
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primerl_trainer.config import LoRAConfig
+if TYPE_CHECKING:  # the module runs on torch alone (bench/model_step.py on a GPU machine without msgspec)
+    from primerl_trainer.config import LoRAConfig
 
 
 class LoRALinear(nn.Linear):
