@@ -168,3 +168,15 @@ def test_the_servers_lora_rank_fits_the_published_adapters_before_anything_start
         fitted(glm4, "trainer.lora.rank=8", "inference.max_lora_rank=8")
     with pytest.raises(RunError, match=r"trainer.lora.publish = \"adapter\": trainer.lora.targets = \['qkv'\] matches"):
         fitted(qwen3, 'trainer.lora.targets=["qkv"]')
+
+
+def test_merge_lora_refuses_a_missing_adapter_naming_it(tmp_path):
+    """The command's errors are one line naming the folder, exit code non-zero, nothing written
+    (the merge itself: packages/primerl-trainer/tests/test_adapters.py)."""
+    from primerl_models.tiny import build_tiny_model
+
+    base = build_tiny_model(tmp_path / "base")
+    result = CliRunner().invoke(main, ["merge-lora", str(base), str(tmp_path / "nowhere"), str(tmp_path / "out")])
+    assert result.exit_code != 0
+    assert "primerl merge-lora:" in result.output and "nowhere" in result.output, result.output
+    assert not (tmp_path / "out").exists()

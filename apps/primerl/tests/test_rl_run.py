@@ -223,14 +223,14 @@ def assert_adapters_moved_the_policy(model: Path, run_dir: Path) -> None:
     weights' logprobs of a sequence are far (>> the KL bound) from those with it merged in."""
     import torch
     import transformers
-    from primerl_trainer.testing import merge_peft_adapter
+    from primerl_trainer.adapters import merge_adapter
 
     folder = run_dir / "weights" / "step_2"
     assert json.loads((folder / "primerl.json").read_text())["format"] == "peft-lora"
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "primerl.json"]
     base = transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
     merged = transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
-    merged.load_state_dict(merge_peft_adapter(merged.state_dict(), folder))
+    merged.load_state_dict(merge_adapter(merged.state_dict(), folder))
     ids = torch.randint(0, base.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         p, q = (torch.log_softmax(m(input_ids=ids).logits[0].float(), -1) for m in (base, merged))

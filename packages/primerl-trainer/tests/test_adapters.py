@@ -18,7 +18,7 @@ from primerl_trainer.adapters import AdapterLayout, AdapterPublisher, published_
 from primerl_trainer.config import LoRAConfig
 from primerl_trainer.distributed import Dist
 from primerl_trainer.lora import LoRALinear, adapter_state_dict, apply_lora, merged_state_dict
-from primerl_trainer.testing import merge_peft_adapter
+from primerl_trainer.adapters import merge_adapter
 from safetensors.torch import load_file, save_file
 
 SHAPE = TinyShape(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -111,7 +111,7 @@ def test_merging_the_published_adapter_onto_hf_weights_gives_the_trainers_merged
     layout = AdapterLayout.of(model, convert)
     (tmp_path / ADAPTER_CONFIG).write_text(json.dumps(layout.config(cfg, "base")))
     save_file(layout.tensors(adapter_state_dict(model), torch.float32), tmp_path / ADAPTER_WEIGHTS)
-    got = merge_peft_adapter(convert(base_state(model)), tmp_path)
+    got = merge_adapter(convert(base_state(model)), tmp_path)
     want = convert(merged_state_dict(model))
     assert sorted(got) == sorted(want)
     changed = 0
@@ -152,3 +152,41 @@ def test_the_published_rank_is_known_from_the_config_alone():
     assert published_rank(tiny_config("glm4"), LoRAConfig(rank=8, targets=["gate_proj", "down_proj"])) == 8
     with pytest.raises(ValueError, match="matches no linear layer"):
         published_rank(tiny_config("qwen3"), LoRAConfig(targets=["nothing"]))
+
+
+def test_export_merges_a_published_adapter_into_a_full_checkpoint_and_refuses_what_does_not_fit(tmp_path):
+    """`primerl merge-lora`'s function: a published adapter step merged into its base folder is
+    a HF checkpoint equal to the trainer's merged model (fp32, 1e-6), with the base's config and
+    tokenizer files. Refused, naming why, with nothing written: an existing output folder, an
+    adapter whose checksum does not match (a modified file), one of another model."""
+    from primerl_models import load_model, save_hf
+    from primerl_trainer.adapters import export_merged
+
+    cfg = LoRAConfig(rank=4, alpha=8.0)
+    model = adapted("qwen3", cfg)
+    base = tmp_path / "base"
+    save_hf(base_state(model), tiny_config("qwen3"), base)
+    (base / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    ready = AdapterPublisher(tmp_path / "run", model, cfg, str(base), keep=2, dtype=torch.float32,
+                             d=single()).publish(model, 3)
+    out = export_merged(base, ready.location, tmp_path / "merged")
+    got = load_model(out).state_dict()
+    for name, tensor in merged_state_dict(model).items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=0, msg=name)
+    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 64}'
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+
+    with pytest.raises(ValueError, match="exists"):
+        export_merged(base, ready.location, out)
+    other = adapted("glm4", cfg)  # gate_up_proj: no such module in a Qwen3
+    other_ready = AdapterPublisher(tmp_path / "other", other, cfg, "glm", keep=2, dtype=torch.float32,
+                                   d=single()).publish(other, 0)
+    with pytest.raises(ValueError, match="gate_up_proj has no weight in the base model"):
+        export_merged(base, other_ready.location, tmp_path / "wrong")
+    weights = Path(ready.location) / ADAPTER_WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        export_merged(base, ready.location, tmp_path / "corrupt")
+    assert not (tmp_path / "wrong").exists() and not (tmp_path / "corrupt").exists()

@@ -183,7 +183,7 @@ def test_sft_with_lora_trains_only_the_adapters_resumes_exactly_and_publishes_ei
     publishes its adapter (the default), gathered from both ranks' shards: merged onto the
     source by PEFT's rules, it is the straight run's merged weights (1e-6)."""
     from primerl_protocol.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER
-    from primerl_trainer.testing import merge_peft_adapter
+    from primerl_trainer.adapters import merge_adapter
     from safetensors.torch import load_file
 
     write_data(tmp_path)
@@ -213,6 +213,6 @@ def test_sft_with_lora_trains_only_the_adapters_resumes_exactly_and_publishes_ei
             assert torch.equal(published[name], tensor), name
     adapter = resumed / "weights" / "step_7"
     assert sorted(p.name for p in adapter.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER]
-    from_adapter = merge_peft_adapter(source, adapter)
+    from_adapter = merge_adapter(source, adapter)
     for name, tensor in published.items():
         torch.testing.assert_close(from_adapter[name], tensor, atol=1e-6, rtol=0, msg=name)

@@ -258,6 +258,27 @@ def report(run_dir: str, window: int) -> None:
     click.echo(f"plots and summary in {out}")
 
 
+@main.command("merge-lora", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("base", type=click.Path(file_okay=False))
+@click.argument("adapter", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path())
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True,
+              help="The merged weights' dtype (auto: the base config's torch_dtype).")
+def merge_lora(base: str, adapter: str, out: str, dtype: str) -> None:
+    """Merge a LoRA adapter (a run's published RUN_DIR/weights/step_N, or any PEFT LoRA adapter
+    folder) into its BASE model folder: a full Hugging Face checkpoint in OUT, for export or
+    for serving without LoRA."""
+    import torch
+    from primerl_trainer.adapters import export_merged
+
+    try:
+        folder = export_merged(base, adapter, out, None if dtype == "auto" else getattr(torch, dtype))
+    except (ValueError, FileNotFoundError) as err:
+        click.echo(f"primerl merge-lora: {err}", err=True)
+        sys.exit(EXIT_FAILED)
+    click.echo(f"merged model in {folder}")
+
+
 orch_main = config_command(
     "primerl-orch", OrchRunConfig, "The orchestrator: the asynchronous rollout loop.",
     _run_orchestrator,

@@ -3,6 +3,7 @@
     layout = AdapterLayout.of(model)                  # at setup: ValueError if it cannot be done
     tensors = layout.tensors(adapter_state, dtype)    # base_model.model.<hf module>.lora_A/B.weight
     config = layout.config(lora_cfg, base_model)      # adapter_config.json
+    export_merged(base, adapter_folder, out)          # a full HF checkpoint (`primerl merge-lora`)
 
 Our layers are named and shaped by the family's checkpoint rules (families/checkpoint.py):
 mostly HF's names without `model.`, but a family may fuse several of our layers into one HF
@@ -35,16 +36,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from primerl_models import Transformer, family_for, to_hf
+from primerl_models import Transformer, carried_tensors, family_for, published_config, save_hf, to_hf
+from primerl_models.hf import dequantize, read_config, read_tensors, to_ours
 from primerl_protocol import PolicyReady, rundir
-from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from safetensors.torch import save_file
+from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER, verify
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from primerl_trainer.config import LoRAConfig
 from primerl_trainer.distributed import Dist
 from primerl_trainer.lora import LoRALinear, apply_lora
-from primerl_trainer.publish import StepFolders
+from primerl_trainer.publish import SIDE_FILES, StepFolders
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a module's name in adapter_model.safetensors."""
@@ -207,3 +210,75 @@ class AdapterPublisher(StepFolders):
         save_file(self.layout.tensors(state, self.dtype), tmp / ADAPTER_WEIGHTS)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(self.adapter_config, indent=2))
         return self.commit(tmp, step, [ADAPTER_WEIGHTS, ADAPTER_CONFIG], {"gather": t1 - t0}, t1)
+
+
+def merge_adapter(hf: dict[str, torch.Tensor], folder: str | Path) -> dict[str, torch.Tensor]:
+    """HF weights `hf` with the PEFT LoRA adapter in `folder` merged in as PEFT merges it: each
+    module's weight += scale B A, scale = lora_alpha / r, or a module's alpha_pattern /
+    rank_pattern values where a pattern (a regular expression, matched as a suffix at a "."
+    boundary) names it; summed in fp32, cast back to the weight's dtype. Written from PEFT's
+    rules, not from the publisher's layout, so tests check one against the other. ValueError
+    naming what does not fit (an adapter for another model, a kind of adapter PEFT's LoRA
+    merge does not describe)."""
+    folder = Path(folder)
+    try:
+        cfg = json.loads((folder / ADAPTER_CONFIG).read_text())
+        tensors = load_file(folder / ADAPTER_WEIGHTS)
+    except (OSError, json.JSONDecodeError, SafetensorError) as err:
+        raise ValueError(f"{folder}: not a readable PEFT adapter folder ({err})") from None
+    if cfg.get("peft_type") != "LORA" or cfg.get("bias", "none") != "none" or cfg.get("use_rslora") \
+            or cfg.get("use_dora") or cfg.get("fan_in_fan_out"):
+        raise ValueError(f"{folder / ADAPTER_CONFIG}: only plain LoRA adapters merge here (peft_type LORA, bias "
+                         "none, no rsLoRA, DoRA or fan_in_fan_out)")
+
+    def pattern(values: dict, module: str, default):
+        return next((v for k, v in values.items() if re.match(rf"(.*\.)?({k})$", module)), default)
+
+    out = dict(hf)
+    for name in sorted(tensors):
+        if not name.endswith(".lora_A.weight"):
+            continue
+        module = name.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        b_name = name.replace(".lora_A.", ".lora_B.")
+        if b_name not in tensors:
+            raise ValueError(f"{folder / ADAPTER_WEIGHTS}: {name} has no {b_name}")
+        weight = out.get(f"{module}.weight")
+        if weight is None:
+            raise ValueError(f"adapter module {module} has no weight in the base model (an adapter of another model?)")
+        a, b = tensors[name].float(), tensors[b_name].float()
+        r = pattern(cfg.get("rank_pattern") or {}, module, cfg["r"])
+        alpha = pattern(cfg.get("alpha_pattern") or {}, module, cfg["lora_alpha"])
+        if not a.shape[0] == b.shape[1] == r or (b.shape[0], a.shape[1]) != tuple(weight.shape):
+            raise ValueError(f"adapter module {module}: A {tuple(a.shape)} and B {tuple(b.shape)} of rank {r} do not "
+                             f"fit the base weight {tuple(weight.shape)}")
+        out[f"{module}.weight"] = (weight.float() + (alpha / r) * (b @ a)).to(weight.dtype)
+    return out
+
+
+def export_merged(base: str | Path, adapter: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """A full HF checkpoint at `out`: the base model folder with the adapter folder (a published
+    `weights/step_N` of a LoRA run, whose checksum is verified, or any PEFT LoRA adapter) merged
+    in, with the base's config, tokenizer files and the tensors its family carries untrained.
+    dtype: the base config's torch_dtype by default. Written to a staging folder and renamed,
+    so `out` is whole or absent; an existing `out` is refused."""
+    base, adapter, out = Path(base), Path(adapter), Path(out)
+    if out.exists():
+        raise ValueError(f"{out} exists: choose a new folder for the merged model")
+    if (adapter / MARKER).exists():
+        verify(adapter)  # a published folder: its checksum, before anything is read from it
+    cfg = read_config(base)
+    if dtype is None:
+        dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
+    carried = carried_tensors(base, cfg, dtype)
+    hf = dequantize(read_tensors(base, keep=lambda name: name not in carried), cfg, dtype, str(base))
+    merged = merge_adapter({k: v.to(dtype) for k, v in hf.items()}, adapter)
+    del hf
+    state = to_ours(merged, family_for(cfg, str(base / "config.json")).args_from_hf(cfg))
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf(state, dict(published_config(cfg), torch_dtype=str(dtype).removeprefix("torch.")), tmp, carried=carried)
+    for name in SIDE_FILES:
+        if (base / name).exists():
+            shutil.copy2(base / name, tmp / name)
+    tmp.rename(out)
+    return out

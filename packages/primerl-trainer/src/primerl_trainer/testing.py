@@ -161,36 +161,3 @@ def run_on_ranks(entry: Path, out: Path, num_ranks: int = 2, timeout_s: float = 
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(Path(out) / f"rank_{r}.pt") for r in range(num_ranks)]
-
-
-def merge_peft_adapter(hf: dict, folder: str | Path) -> dict:
-    """HF weights `hf` with the PEFT LoRA adapter in `folder` merged in as PEFT merges it: each
-    module's weight += scale B A, scale = lora_alpha / r, or a module's alpha_pattern /
-    rank_pattern values where a pattern (a regular expression, matched as a suffix at a "."
-    boundary) names it. Written from PEFT's rules, independently of the publisher, so that a
-    test can check what the publisher wrote against them. Summed in fp32."""
-    import json
-    import re
-
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    cfg = json.loads((folder / "adapter_config.json").read_text())
-    assert cfg["peft_type"] == "LORA" and cfg["bias"] == "none" and not cfg.get("use_rslora")
-
-    def pattern(values: dict, module: str, default):
-        return next((v for k, v in values.items() if re.match(rf"(.*\.)?({k})$", module)), default)
-
-    tensors = load_file(folder / "adapter_model.safetensors")
-    out = dict(hf)
-    for name in tensors:
-        if not name.endswith(".lora_A.weight"):
-            continue
-        module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-        a, b = tensors[name].float(), tensors[name.replace(".lora_A.", ".lora_B.")].float()
-        r = pattern(cfg.get("rank_pattern") or {}, module, cfg["r"])
-        alpha = pattern(cfg.get("alpha_pattern") or {}, module, cfg["lora_alpha"])
-        assert a.shape[0] == b.shape[1] == r, (module, a.shape, b.shape, r)
-        weight = out[f"{module}.weight"]
-        out[f"{module}.weight"] = (weight.float() + (alpha / r) * (b @ a)).to(weight.dtype)
-    return out
