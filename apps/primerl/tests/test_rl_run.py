@@ -236,3 +236,55 @@ def assert_adapters_moved_the_policy(model: Path, run_dir: Path) -> None:
         p, q = (torch.log_softmax(m(input_ids=ids).logits[0].float(), -1) for m in (base, merged))
     kl = float((q.exp() * (q - p)).sum(-1).mean())
     assert kl > 1e-4, kl  # 100 x the bound each step's mismatch KL is held to
+
+
+def test_lora_trains_on_multi_turn_tool_use_with_tool_results_masked_out(tmp_path):
+    """3 on-policy LoRA steps of `primerl rl` on the tool-use environment's multi-turn episodes
+    (its tasks and tool server; tool_calls_rewarded.py rewards calls so that a random tiny
+    model's groups differ): the rollouts call tools over several turns (some are cut at
+    max_turns = 3, which takes two tool results between three model calls), the trainer
+    learns from every kept token the model sampled and from nothing else (the tool results
+    and prompts are in the rows, out of the loss: loss tokens == sampled tokens), and vLLM
+    serves the trainer's policy, adapter and all (mismatch KL < 1e-6)."""
+    model = build_tiny_model(tmp_path / "model", "qwen3", alphabet=string.ascii_lowercase + " ", hidden_size=128,
+                             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.05)
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3)
+    env = Path(__file__).parent / "tool_calls_rewarded.py"
+    cfg.write_text(cfg.read_text().replace('id = "reverse-text"\nargs = {num_tasks = 64}',
+                                           f'id = "{env}"\nargs = {{num_tasks = 64}}\nmax_turns = 3'))
+    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0", "seq_len=1024",
+                          "trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.optimizer.lr=5e-3"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = rows_of(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert max(r["rollouts/truncated_rate"] for r in rows) > 0, rows  # tool results between model calls
+    for r in rows:
+        assert r["batch/samples"] > 0 and not any(v for k, v in r.items() if k.startswith("filter/")), r
+        assert r["batch/loss_tokens"] == r["rollouts/completion_tokens/mean"] * r["rollouts/count"], r
+    assert max(r["mismatch_kl"] for r in rows) < 1e-6, [r["mismatch_kl"] for r in rows]
+    assert json.loads((run_dir / "weights" / "step_2" / "primerl.json").read_text())["format"] == "peft-lora"
+    assert not leftovers(run_dir)
+
+
+def test_sigterm_stops_every_process_of_the_run(model, tmp_path):
+    """A scheduler ends a job with SIGTERM (Slurm at its time limit or on preemption), which
+    reaches the launcher alone: its servers, trainer and orchestrator run in process groups of
+    their own. The launcher stops them all, says so, exits 143, and leaves nothing running
+    (before, the run's processes outlived it, holding their GPUs and ports)."""
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=40)
+    launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        wait_until(launcher, lambda: max(steps_of(run_dir), default=-1) >= 0, "step 0")
+        launcher.send_signal(signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 143, output
+    assert "stopping every process (SIGTERM)" in output
+    assert "primerl rl: stopped (SIGTERM); rerun the same command to resume" in output
+    assert not leftovers(run_dir)

@@ -6,11 +6,14 @@ Each command reads its config the same way (see primerl_protocol.config.load):
 
 and then hands it to its engine. Commands stay thin: config in, engine call, clear exit code.
 Exit codes: 0 done, 1 the engine failed (it says why), 2 bad config or arguments, 130 stopped
-with Ctrl-C.
+with Ctrl-C, 143 with SIGTERM (129 SIGHUP): `primerl rl` and `primerl-inference` stop every
+process they started first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import typing
 
@@ -143,6 +146,38 @@ def _run_sft(config: SFTConfig) -> None:
         sys.exit(EXIT_FAILED)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a scheduler ending or preempting the job, `kill`, a closed terminal),
+    raised as Ctrl-C's KeyboardInterrupt is, so that the command stops every process it started
+    (in their own process groups, a signal to this one does not reach them)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    def handler(signum, frame):
+        for s in (signal.SIGTERM, signal.SIGHUP):  # the clean-up that follows is not cut short by a second one
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _stopped(prog: str, err: KeyboardInterrupt, what: str) -> None:
+    """Exit after a stop: 128 + the signal's number, as a shell reports a process it killed."""
+    how = err.args[0] if isinstance(err, Stopped) else "Ctrl-C"
+    click.echo(f"{prog}: stopped ({how}){what}", err=True)
+    sys.exit(128 + (err.signum if isinstance(err, Stopped) else signal.SIGINT))
+
+
 def _run_inference(config: InferenceRunConfig) -> None:
     import time
 
@@ -156,11 +191,13 @@ def _run_inference(config: InferenceRunConfig) -> None:
     for url in servers.urls:
         click.echo(f"serving {config.model.name} at {url}")
     try:
-        while True:
-            servers.check_alive()
-            time.sleep(1.0)
-    except KeyboardInterrupt:
+        with stop_on_signals():
+            while True:
+                servers.check_alive()
+                time.sleep(1.0)
+    except KeyboardInterrupt as err:
         click.echo("stopping the inference servers")
+        _stopped("primerl-inference", err, "")  # SystemExit: the servers stop below
     except LaunchError as err:
         click.echo(f"primerl-inference: {err}", err=True)
         sys.exit(EXIT_FAILED)
@@ -172,13 +209,13 @@ def _run_rl(config: RLConfig) -> None:
     from primerl.launch import RunError, run_rl
 
     try:
-        run_rl(config)
+        with stop_on_signals():
+            run_rl(config)
     except RunError as err:
         click.echo(f"primerl rl: {err}", err=True)
         sys.exit(EXIT_FAILED)
-    except KeyboardInterrupt:
-        click.echo("primerl rl: stopped (Ctrl-C); rerun the same command to resume", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as err:
+        _stopped("primerl rl", err, "; rerun the same command to resume")
 
 
 def _run_orchestrator(config: OrchRunConfig) -> None:

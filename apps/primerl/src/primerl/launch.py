@@ -10,7 +10,7 @@
    `inference.startup_timeout_s`). A server that exits or is not healthy within that time
    stops the run, as before.
 4. Watches them: prints one line per step (step, reward, tokens/s, off-policy level, ETA);
-   when a process exits with an error, or on Ctrl-C, stops all of them (SIGTERM, then
+   when a process exits with an error, on Ctrl-C, SIGTERM or SIGHUP, stops all of them (SIGTERM, then
    SIGKILL) and says which one failed, its exit code and the end of its log.
 
 Rerunning the same command on the same run directory resumes: the trainer from its newest
@@ -257,8 +257,8 @@ def run_rl(cfg: RLConfig) -> None:
                             logs / "orchestrator.log", {"PYTHONUNBUFFERED": "1"}))
         print(f"trainer ({cfg.transport.trainer_ranks} rank(s)) and orchestrator started", flush=True)
         _watch(procs, Progress(run_dir, cfg.max_steps), startup)
-    except KeyboardInterrupt:
-        print("stopping every process (Ctrl-C)", flush=True)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP (cli.Stopped)
+        print(f"stopping every process ({err.args[0] if err.args else 'Ctrl-C'})", flush=True)
         raise
     finally:
         _stop(procs)
