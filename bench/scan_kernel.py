@@ -16,26 +16,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
+from attention import timed as attention_timed
 from primerl_models.common import state_scan
 from primerl_models.common.linear_attention import CHUNK
 
 
 def timed(fn, reps: int = 20) -> float:
-    """Median ms of `fn` over `reps` calls (after 3 warm-up calls)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of `fn` (bench/attention.py's timer, which gives seconds)."""
+    return attention_timed(fn, reps) * 1e3
 
 
 def scan_rows(heads: int, chunks: int, dim: int) -> list[dict]:

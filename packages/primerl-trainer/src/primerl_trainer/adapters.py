@@ -31,14 +31,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from primerl_models import Transformer, carried_tensors, family_for, published_config, save_hf, to_hf
 from primerl_models.hf import dequantize, read_config, read_tensors, to_ours
-from primerl_protocol import PolicyReady, rundir
 from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER, verify
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -197,19 +195,10 @@ class AdapterPublisher(StepFolders):
                     out[name] = full.detach().float().cpu()
         return out
 
-    def publish(self, model: nn.Module, step: int) -> PolicyReady | None:
-        t0 = time.monotonic()
-        state = self.gather(model)
-        self.published = True
-        if not self.d.is_main:
-            return None
-        t1 = time.monotonic()
-        tmp = rundir.staging_folder(self.root, step)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    def write(self, state: dict[str, torch.Tensor], tmp: Path) -> list[str]:
         save_file(self.layout.tensors(state, self.dtype), tmp / ADAPTER_WEIGHTS)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(self.adapter_config, indent=2))
-        return self.commit(tmp, step, [ADAPTER_WEIGHTS, ADAPTER_CONFIG], {"gather": t1 - t0}, t1)
+        return [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
 
 
 def merge_adapter(hf: dict[str, torch.Tensor], folder: str | Path) -> dict[str, torch.Tensor]:

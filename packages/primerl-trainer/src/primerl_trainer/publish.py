@@ -72,6 +72,28 @@ class StepFolders:
         if d.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
 
+    def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The tensors to publish, on rank 0's CPU (every rank takes part; empty elsewhere)."""
+        raise NotImplementedError
+
+    def write(self, state: dict[str, torch.Tensor], tmp: Path) -> list[str]:
+        """Write the gathered tensors (and what goes beside them) into the staging folder `tmp`;
+        the names of the files the checksum covers."""
+        raise NotImplementedError
+
+    def publish(self, model: torch.nn.Module, step: int) -> PolicyReady | None:
+        t0 = time.monotonic()
+        state = self.gather(model)  # every rank takes part
+        self.published = True
+        if not self.d.is_main:
+            return None
+        t1 = time.monotonic()
+        tmp = rundir.staging_folder(self.root, step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        files = self.write(state, tmp)
+        return self.commit(tmp, step, files, {"gather": t1 - t0}, t1)
+
     def commit(self, tmp: Path, step: int, files: list[str], timing: dict[str, float], written_from: float) -> PolicyReady:
         """Mark the staging folder `tmp` of `step` complete and put it in place (rank 0)."""
         t2 = time.monotonic()
@@ -119,15 +141,7 @@ class FolderPublisher(StepFolders):
             del full
         return fold_adapters(out, model, self.dtype) if self.d.is_main else out
 
-    def publish(self, model: torch.nn.Module, step: int) -> PolicyReady | None:
-        t0 = time.monotonic()
-        state = self.gather(model)  # every rank takes part
-        self.published = True
-        if not self.d.is_main:
-            return None
-        t1 = time.monotonic()
-        tmp = rundir.staging_folder(self.root, step)
-        shutil.rmtree(tmp, ignore_errors=True)
+    def write(self, state: dict[str, torch.Tensor], tmp: Path) -> list[str]:
         # what was dequantised at load is published plain (no quantization_config)
         config = dict(published_config(self.hf_config), torch_dtype=str(self.dtype).removeprefix("torch."))
         # tensors the family carries untrained (GLM-4.5's MTP layer) come from the source folder
@@ -137,4 +151,4 @@ class FolderPublisher(StepFolders):
         for name in SIDE_FILES:
             if (self.source / name).exists():
                 shutil.copy2(self.source / name, tmp / name)
-        return self.commit(tmp, step, files, {"gather": t1 - t0}, t1)
+        return files
