@@ -343,3 +343,27 @@ def test_gated_delta_rule_on_gpu_matches_fp64_cpu_with_gradients():
     for name, got, ref in [("out", out_gpu, out_cpu), *((f"grad {n}", a.grad, b.grad) for n, a, b in
                                                         zip("q k v g beta".split(), gpu, cpu))]:
         check_every_element(f"delta rule {name}", got.cpu(), ref, torch.full_like(ref, 1e-5 * max(1.0, float(ref.abs().max()))))
+
+
+def test_vision_frame_attention_varlen_matches_fp32_within_each_frame_with_gradients():
+    """The vision tower's attention on CUDA in bf16 (flash varlen, bidirectional within each
+    frame) against the same attention in fp32 on the same bf16 inputs (the padded SDPA path,
+    whose frames are checked on CPU against transformers by test_vision.py): images of
+    different grids, one of two frames. Each output is a convex combination of value rows,
+    and its gradients sums of such; the bf16 roundings of the probabilities, the output and
+    the gradients stay within 4 U of the largest value (or gradient) magnitude."""
+    from primerl_models.common.vision import ImageLayout, frame_attention
+
+    torch.manual_seed(0)
+    layout = ImageLayout.build(torch.tensor([[1, 8, 8], [1, 4, 12], [2, 6, 4]]), 2, torch.device(CUDA))
+    n = len(layout.rows_N)
+    inputs = [torch.randn(n, 4, 64, device=CUDA).bfloat16() for _ in range(3)]
+    bf = [x.clone().requires_grad_() for x in inputs]
+    fp = [x.float().requires_grad_() for x in inputs]
+    out_bf, out_fp = frame_attention(*bf, layout), frame_attention(*fp, layout)
+    weights = torch.randn_like(out_fp)
+    (out_bf.float() * weights).sum().backward()
+    (out_fp * weights).sum().backward()
+    for name, got, ref in [("out", out_bf, out_fp), *((f"grad {n}", a.grad, b.grad) for n, a, b in zip("qkv", bf, fp))]:
+        tol = torch.full_like(ref, 4 * U * float(ref.detach().abs().max()))
+        check_every_element(f"vision attention {name}", got.float(), ref, tol)

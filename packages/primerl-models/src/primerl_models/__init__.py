@@ -7,7 +7,7 @@ layer by layer (ModelArgs), HF conversion, tiny models.
     logprobs, entropy = chunked_logprobs(hidden[0], model.output_weight, targets, temperature)
 """
 
-from primerl_models.common.args import Attention, DenseMLP, Layer, ModelArgs, MoEMLP, Rope
+from primerl_models.common.args import Attention, DenseMLP, Layer, ModelArgs, MoEMLP, Rope, Vision
 from primerl_models.common.attention import BACKENDS, PackedSeqs, attention
 from primerl_models.common.logprobs import chunked_logprobs
 from primerl_models.common.transformer import Transformer
@@ -36,6 +36,7 @@ __all__ = [
     "PackedSeqs",
     "Rope",
     "Transformer",
+    "Vision",
     "attention",
     "build_model",
     "carried_tensors",

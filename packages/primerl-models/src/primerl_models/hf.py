@@ -234,12 +234,15 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     attn_backend: Backend = "auto",
+    freeze_vision: bool = True,
 ) -> Transformer:
-    """Our model with the weights of a HF checkpoint folder."""
+    """Our model with the weights of a HF checkpoint folder. A vision tower, when the model has
+    one, is frozen (requires_grad False) unless `freeze_vision` is False."""
     path = Path(path)
     cfg = read_config(path)
     family = family_for(cfg, str(path / "config.json"))
     args = family.args_from_hf(cfg)
+    args.freeze_vision = freeze_vision
     carried = _carried(cfg)
     tensors = read_tensors(path, keep=None if carried is None else lambda name: not carried(name))
     state = to_ours(dequantize(tensors, cfg, dtype, str(path)), args)

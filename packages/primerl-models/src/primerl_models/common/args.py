@@ -35,10 +35,17 @@ class Rope:
     """Llama-3 style frequency scaling ({"rope_type": "llama3", "factor": ..., ...}) or None."""
     interleaved: bool = False
     """Rotate pairs (0, 1), (2, 3), ... (GLM-4) instead of the two halves (Llama, Qwen)."""
+    mrope_section: tuple[int, int, int] | None = None
+    """Multi-axis RoPE (Qwen3-VL, Qwen3.5) for (t, h, w) positions, interleaved: frequency j
+    turns with the h position when j % 3 == 1 and j < 3 * section[1], with the w position when
+    j % 3 == 2 and j < 3 * section[2], else with the t position. Used only when the forward is
+    given 3-axis positions (images); text alone has t = h = w, the plain 1-D RoPE."""
 
     def __post_init__(self) -> None:
         if self.rotary_dim <= 0 or self.rotary_dim % 2:
             raise ValueError(f"rotary_dim must be a positive even number, got {self.rotary_dim}")
+        if self.mrope_section is not None and (len(self.mrope_section) != 3 or min(self.mrope_section) < 0):
+            raise ValueError(f"mrope_section must be 3 non-negative counts (t, h, w), got {self.mrope_section}")
 
 
 @dataclass(frozen=True)
@@ -286,6 +293,61 @@ MLPSpec = DenseMLP | MoEMLP
 
 
 @dataclass(frozen=True)
+class Vision:
+    """A ViT vision tower whose image features replace the image tokens' embeddings (Qwen3-VL
+    without deepstack, Qwen3.5): patches of temporal_patch_size frames x patch_size^2 pixels
+    embedded by one matrix, plus a learned square grid of position embeddings resampled
+    (bilinear) to each image's grid; `depth` pre-LayerNorm blocks of bidirectional attention
+    within each frame (2-D RoPE over the patch's row and column) and a GELU MLP; then each
+    spatial_merge_size^2 block of patches merged into one text-model token (LayerNorm, two
+    linears with a GELU between them)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    """The text model's hidden size: what a merged token becomes."""
+    image_token_id: int
+    """The placeholder token whose embeddings the image features replace, in order."""
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 2304
+    """Learned positions of a square grid (48 x 48 for 2304)."""
+    rope_theta: float = 10000.0
+    activation: Literal["gelu_tanh", "gelu"] = "gelu_tanh"
+    """The blocks' MLP activation (HF's "gelu_pytorch_tanh" or "gelu"); the merger's is exact GELU."""
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.num_heads <= 0 or self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ValueError(f"vision hidden_size ({self.hidden_size}) must be num_heads ({self.num_heads}) heads "
+                             "of a multiple of 4 dimensions (2-D RoPE: a quarter each for rows and columns, twice)")
+        side = round(self.num_position_embeddings**0.5)
+        if side * side != self.num_position_embeddings:
+            raise ValueError(f"vision num_position_embeddings ({self.num_position_embeddings}) must be a square")
+        if self.activation not in ("gelu_tanh", "gelu"):
+            raise ValueError(f"vision activation must be 'gelu_tanh' or 'gelu', got {self.activation!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values of one patch: channels x frames x pixels (pixel_values' columns)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    def num_params(self) -> int:
+        d, f, m = self.hidden_size, self.intermediate_size, self.hidden_size * self.spatial_merge_size**2
+        block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d * f + f + d
+        merger = 2 * d + m * m + m + m * self.out_hidden_size + self.out_hidden_size
+        return self.patch_dim * d + d + self.num_position_embeddings * d + self.depth * block + merger
+
+
+@dataclass(frozen=True)
 class Layer:
     """One decoder layer: pre-norm mixer and MLP, each added to the residual stream."""
 
@@ -325,6 +387,11 @@ class ModelArgs:
     zero_centered_norms: bool = False
     """The RMSNorms (layers', final, q/k) scale by 1 + weight, computed in fp32 (Qwen3.5); their
     weights start at 0."""
+    vision: Vision | None = None
+    """The vision tower of a vision-language model (its features replace the image tokens)."""
+    freeze_vision: bool = True
+    """The vision tower's parameters are built with requires_grad False (trained: set False
+    before building the model, or `model.visual.requires_grad_(True)`)."""
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -340,7 +407,8 @@ class ModelArgs:
         return [isinstance(layer.mlp, MoEMLP) for layer in self.layers]
 
     def num_params(self, embeddings: bool = True) -> int:
-        """Parameter count (without embeddings: the N of 6N FLOPs per token, lm_head kept)."""
+        """Parameter count (without embeddings: the N of 6N FLOPs per token, lm_head kept) of the
+        text model; a vision tower's is `vision.num_params()`."""
         d = self.hidden_size
         total = sum(layer.num_params(d) for layer in self.layers)
         total += d + self.vocab_size * d  # final norm, lm_head (or the tied embedding)

@@ -4,7 +4,10 @@ Each attention block has its `Rope` (args.py): how many dimensions of a head rot
 RoPE leaves the rest unchanged), the base, Llama-3 or YaRN scaling, and the layout: the two halves of
 the rotated part (Llama, Qwen: HF's `rotate_half`) or interleaved pairs (GLM-4).
 
-Legend: B batch, T tokens, H heads, K head_dim, R rotary dims.
+With images (Qwen3-VL, Qwen3.5), positions have three axes (t, h, w) and each frequency turns
+with one of them (`Rope.mrope_section`, `mrope_cos_sin`); text tokens have t = h = w.
+
+Legend: B batch, T tokens, H heads, K head_dim, R rotary dims, R2 = R / 2 frequencies.
 """
 
 from __future__ import annotations
@@ -96,6 +99,32 @@ def rope_cos_sin(
         emb_BTR = freqs_BTR2.repeat_interleave(2, dim=-1)
     else:
         emb_BTR = torch.cat([freqs_BTR2, freqs_BTR2], dim=-1)
+    if factor != 1.0:
+        return emb_BTR.cos() * factor, emb_BTR.sin() * factor
+    return emb_BTR.cos(), emb_BTR.sin()
+
+
+def mrope_axes(section: tuple[int, int, int], num_freqs: int) -> torch.Tensor:
+    """int64 [R2]: which position axis (0 t, 1 h, 2 w) each frequency turns with, interleaved
+    as transformers' Qwen3.5 text rotary embedding lays them out (t h w t h w ..., each axis
+    only within its 3 * section)."""
+    j = torch.arange(num_freqs)
+    axis = torch.zeros(num_freqs, dtype=torch.int64)
+    axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axis
+
+
+def mrope_cos_sin(
+    positions_3BT: torch.Tensor, inv_freq_R2: torch.Tensor, section: tuple[int, int, int], factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, R] float32 of 3-axis positions: frequency j at the position of its axis
+    (`mrope_axes`), the halves repeated (rotate-half layout)."""
+    inv_freq_R2 = inv_freq_R2.to(positions_3BT.device)
+    freqs_3BTR2 = positions_3BT[..., None].float() * inv_freq_R2
+    axis_R2 = mrope_axes(section, len(inv_freq_R2)).to(positions_3BT.device)
+    freqs_BTR2 = freqs_3BTR2.gather(0, axis_R2.expand(1, *freqs_3BTR2.shape[1:3], -1)).squeeze(0)
+    emb_BTR = torch.cat([freqs_BTR2, freqs_BTR2], dim=-1)
     if factor != 1.0:
         return emb_BTR.cos() * factor, emb_BTR.sin() * factor
     return emb_BTR.cos(), emb_BTR.sin()

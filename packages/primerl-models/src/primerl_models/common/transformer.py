@@ -9,7 +9,9 @@ small (families/).
 
 `forward(input_ids, position_ids)` takes packed rows and returns the final hidden states;
 logits are left to the caller (see logprobs.py for the chunked path that never holds
-[tokens x vocab] in fp32).
+[tokens x vocab] in fp32). A vision-language model (`args.vision`) takes images too: their
+patches and grids, whose features replace the image tokens' embeddings, and the (t, h, w)
+positions of the multi-axis RoPE (vision.py); without images, calls are the text model's.
 
 Legend: B batch, T tokens, D hidden, H heads, G kv heads, K head_dim, R rotary dims, V vocab.
 """
@@ -26,7 +28,8 @@ from primerl_models.common.attention import Backend, PackedSeqs, attention
 from primerl_models.common.linear_attention import GatedDeltaNetMixer, Mamba2Mixer
 from primerl_models.common.logprobs import chunked_logprobs
 from primerl_models.common.moe import MoE, dense_mlp
-from primerl_models.common.rope import apply_rope, attention_factor, inv_freq, rope_cos_sin
+from primerl_models.common.rope import apply_rope, attention_factor, inv_freq, mrope_cos_sin, rope_cos_sin
+from primerl_models.common.vision import VisionTower, mrope_positions, scatter_images
 
 
 class RMSNorm(nn.Module):
@@ -151,6 +154,9 @@ class Transformer(nn.Module):
                                     for spec in args.layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, zero_centered)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.visual = None if args.vision is None else VisionTower(args.vision)
+        if self.visual is not None:  # frozen unless asked (args.freeze_vision)
+            self.visual.requires_grad_(not args.freeze_vision)
         self._rope_specs = list(dict.fromkeys(layer.mixer.rope for layer in args.layers
                                               if layer.mixer is not None and layer.mixer.rope is not None))
         self._inv_freq: dict[tuple[Rope, torch.device], torch.Tensor] = {}
@@ -160,15 +166,46 @@ class Transformer(nn.Module):
         """[V, D]: the lm_head weight, or the embedding when they are tied."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def _ropes(self, position_ids_BT: torch.Tensor) -> dict[Rope, tuple[torch.Tensor, torch.Tensor]]:
-        """cos, sin of each distinct RoPE of the layers (most models have one)."""
+    def _ropes(self, position_ids_BT: torch.Tensor, mrope_3BT: torch.Tensor | None = None
+               ) -> dict[Rope, tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin of each distinct RoPE of the layers (most models have one), from the 1-D
+        positions or, when given, the (t, h, w) ones."""
         out = {}
         for spec in self._rope_specs:
             key = (spec, position_ids_BT.device)
             if key not in self._inv_freq:
                 self._inv_freq[key] = inv_freq(spec).to(position_ids_BT.device)
-            out[spec] = rope_cos_sin(position_ids_BT, self._inv_freq[key], spec.interleaved, attention_factor(spec))
+            if mrope_3BT is None:
+                out[spec] = rope_cos_sin(position_ids_BT, self._inv_freq[key], spec.interleaved, attention_factor(spec))
+            elif spec.mrope_section is None:
+                raise ValueError(f"{self.args.model_type}: 3-axis (t, h, w) positions were given, but its RoPE has "
+                                 "no mrope_section")
+            else:
+                out[spec] = mrope_cos_sin(mrope_3BT, self._inv_freq[key], spec.mrope_section, attention_factor(spec))
         return out
+
+    def _embed(self, input_ids_BT, seqs: PackedSeqs, pixel_values_NP, image_grid_thw_I3, mrope_3BT):
+        """Token embeddings with the images' features at their image tokens, and the 3-axis
+        positions (computed when images come without them)."""
+        x_BTD = self.embed_tokens(input_ids_BT)
+        if self.args.embed_scale != 1.0:
+            x_BTD = x_BTD * self.args.embed_scale
+        b, t = input_ids_BT.shape
+        if mrope_3BT is not None and tuple(mrope_3BT.shape) != (3, b, t):
+            raise ValueError(f"mrope_positions has shape {tuple(mrope_3BT.shape)}, expected [3, {b}, {t}] (t, h, w "
+                             "positions of every token)")
+        if (pixel_values_NP is None) != (image_grid_thw_I3 is None):
+            raise ValueError("pixel_values and image_grid_thw come together (the patches and each image's grid)")
+        if pixel_values_NP is None:
+            return x_BTD, mrope_3BT
+        if self.visual is None:
+            raise ValueError(f"{self.args.model_type}: pixel_values given, but the model has no vision tower "
+                             "(its config.json has no vision_config)")
+        spec = self.args.vision
+        x_BTD = scatter_images(x_BTD, input_ids_BT, self.visual(pixel_values_NP, image_grid_thw_I3), spec)
+        if mrope_3BT is None:
+            mrope_3BT = mrope_positions(input_ids_BT, seqs, image_grid_thw_I3, spec)
+        return x_BTD, mrope_3BT
 
     def forward(
         self,
@@ -178,6 +215,9 @@ class Transformer(nn.Module):
         temperatures_BT: torch.Tensor | None = None,
         chunk_size: int = 4096,
         seqs: PackedSeqs | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        mrope_positions: torch.Tensor | None = None,
     ):
         """Final hidden states [B, T, D] of packed rows (positions restart at each document).
 
@@ -189,14 +229,19 @@ class Transformer(nn.Module):
         `seqs`: the document boundaries, when the rows given are chunks of longer rows (context
         parallelism: the boundaries of the whole rows, and an attention back-end that sees them
         whole); by default they come from `position_ids`.
+
+        Images (vision-language models, vision.py): `pixel_values` [patches, C * Tp * P * P]
+        and `image_grid_thw` [images, 3] of every image in the rows, in order; their features
+        replace the image tokens' embeddings. `mrope_positions` [3, B, T]: the (t, h, w)
+        positions of the multi-axis RoPE; computed from the image tokens and grids when images
+        come without them. `position_ids` stay each token's index in its document (they mark
+        the documents).
         """
         if seqs is None:
             seqs = PackedSeqs.from_position_ids(position_ids_BT)
-        ropes = self._ropes(position_ids_BT)
+        x_BTD, mrope_3BT = self._embed(input_ids_BT, seqs, pixel_values, image_grid_thw, mrope_positions)
+        ropes = self._ropes(position_ids_BT, mrope_3BT)
         ropes[None] = (None, None)  # layers without positions
-        x_BTD = self.embed_tokens(input_ids_BT)
-        if self.args.embed_scale != 1.0:
-            x_BTD = x_BTD * self.args.embed_scale
         for layer in self.layers:
             x_BTD = layer(x_BTD, *ropes[getattr(layer.spec.mixer, "rope", None)], seqs, self.attn_backend)
         hidden_BTD = self.norm(x_BTD)
@@ -210,9 +255,10 @@ class Transformer(nn.Module):
         # Fresh tensors, not views: FSDP2 hooks a module's outputs for its backward.
         return logprobs_N.reshape(b, t).clone(), entropy_N.reshape(b, t).clone()
 
-    def logits(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.Tensor:
-        """Full logits [B, T, V]: for tests and small models; training uses logprobs.py."""
-        hidden_BTD = self(input_ids_BT, position_ids_BT)
+    def logits(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, **images) -> torch.Tensor:
+        """Full logits [B, T, V]: for tests and small models; training uses logprobs.py.
+        `images`: pixel_values, image_grid_thw, mrope_positions, as `forward` takes them."""
+        hidden_BTD = self(input_ids_BT, position_ids_BT, **images)
         return hidden_BTD @ self.output_weight.to(hidden_BTD.dtype).T
 
     @torch.no_grad()
@@ -228,6 +274,8 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm) and m.zero_centered:
                 m.weight.zero_()
+            elif isinstance(m, nn.LayerNorm):  # the vision tower's
+                m.weight.fill_(1.0)
         for name, buf in self.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.zero_()

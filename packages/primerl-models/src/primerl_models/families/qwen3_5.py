@@ -5,15 +5,17 @@ layer full, 3:1).
 Full attention: per-head qk-norm, partial RoPE (`partial_rotary_factor`, 0.25), and an
 element-wise sigmoid output gate that the checkpoint keeps inside q_proj: its rows are, per
 head, the head's query then its gate ([H, 2, K, D]); ours are q_proj and gate_proj. Text
-positions are 1-D (the M-RoPE sections only matter for images). Linear attention: see
-common/linear_attention.py. Every RMSNorm outside the DeltaNet is zero-centred (1 + weight).
+positions are 1-D; with images, 3-axis (t, h, w) ones turn the frequencies interleaved by
+`mrope_section` (default [11, 11, 10]; interleaved whatever `mrope_interleaved` says, as in
+transformers' Qwen3.5). Linear attention: see common/linear_attention.py. Every RMSNorm outside the DeltaNet is zero-centred (1 + weight).
 MoE: a softmax router whose top-k weights are renormalised, stacked experts, and a shared
 expert scaled by sigmoid(`shared_expert_gate`).
 
 The released checkpoints are vision-language models (`model_type` "qwen3_5" / "qwen3_5_moe",
 `Qwen3_5*ForConditionalGeneration`): the text model's keys are in `text_config` and its tensors
-under `model.language_model.`; the vision tower (`model.visual.`) and the multi-token
-prediction layers (`mtp.`) are carried through unchanged (hf.py). Text-only checkpoints
+under `model.language_model.`; the vision tower's keys are in `vision_config` and its tensors
+under `model.visual.` (ours: `visual.`, common/vision.py; frozen unless ModelArgs.freeze_vision
+is False). The multi-token prediction layers (`mtp.`) are carried through unchanged (hf.py). Text-only checkpoints
 ("qwen3_5_text" / "qwen3_5_moe_text", `Qwen3_5*ForCausalLM`, transformers' and vLLM's text
 classes) keep the usual `model.` names.
 """
@@ -21,11 +23,11 @@ classes) keep the usual `model.` names.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from primerl_models.common.args import DenseMLP, GatedDeltaNet, Layer, ModelArgs, MoEMLP
+from primerl_models.common.args import DenseMLP, GatedDeltaNet, Layer, ModelArgs, MoEMLP, Vision
 from primerl_models.families.base import (
     Family,
     TinyShape,
@@ -41,6 +43,8 @@ KINDS = ("linear_attention", "full_attention")
 _HF_Q = re.compile(r"^(layers\.\d+\.self_attn\.)q_proj\.weight$")
 _OUR_GATE = re.compile(r"^(layers\.\d+\.self_attn\.)gate_proj\.weight$")
 _LM = "model.language_model."
+_HF_VISUAL, _OUR_VISUAL = "model.visual.", "visual."
+_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 def text_config(cfg: dict) -> dict:
@@ -63,6 +67,8 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     default = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(text["num_hidden_layers"])]
     kinds = layer_kinds(text, "layer_types", KINDS, default)
     full = attention_from_hf(text, partial_default=0.25, qk_norm="head", gate="sigmoid")
+    section = (text.get("rope_parameters") or {}).get("mrope_section") or (11, 11, 10)
+    full = replace(full, rope=replace(full.rope, mrope_section=tuple(section)))
     linear = GatedDeltaNet(num_k_heads=text["linear_num_key_heads"], num_v_heads=text["linear_num_value_heads"],
                            head_k_dim=text["linear_key_head_dim"], head_v_dim=text["linear_value_head_dim"],
                            conv_kernel=text.get("linear_conv_kernel_dim", 4))
@@ -76,7 +82,35 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     mixer = {"linear_attention": linear, "full_attention": full}
     args = model_args(text, [Layer(mixer[k], mlp) for k in kinds])
     args.zero_centered_norms = True
+    if cfg.get("vision_config"):
+        args.vision = vision_from_hf(cfg, text["hidden_size"])
     return args
+
+
+def vision_from_hf(cfg: dict, text_hidden: int) -> Vision:
+    """The vision tower of a released (VLM) config: `vision_config`, and the image token id."""
+    v = {**cfg["vision_config"], "model_type": cfg["model_type"] + ".vision_config"}
+    if v.get("deepstack_visual_indexes"):
+        unsupported(v, "deepstack_visual_indexes", "Qwen3.5's tower has no deepstack layers")
+    if v.get("hidden_act", "gelu_pytorch_tanh") not in _ACTIVATIONS:
+        unsupported(v, "hidden_act", f"one of {', '.join(_ACTIVATIONS)}")
+    for key in ("patch_size", "temporal_patch_size"):
+        if not isinstance(v.get(key, 2), int):
+            unsupported(v, key, "one integer")
+    rope = v.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        unsupported(v, "rope_parameters", "the axial 2-D RoPE")
+    if v.get("out_hidden_size", text_hidden) != text_hidden:
+        raise ValueError(f"{cfg['model_type']}: vision_config.out_hidden_size ({v['out_hidden_size']}) is not the "
+                         f"text model's hidden_size ({text_hidden})")
+    return Vision(
+        depth=v.get("depth", 27), hidden_size=v.get("hidden_size", 1152), intermediate_size=v.get("intermediate_size", 4304),
+        num_heads=v.get("num_heads", 16), out_hidden_size=text_hidden, image_token_id=cfg.get("image_token_id", 248056),
+        patch_size=v.get("patch_size", 16), temporal_patch_size=v.get("temporal_patch_size", 2),
+        in_channels=v.get("in_channels", 3), spatial_merge_size=v.get("spatial_merge_size", 2),
+        num_position_embeddings=v.get("num_position_embeddings", 2304), rope_theta=float(rope.get("rope_theta", 10000.0)),
+        activation=_ACTIVATIONS[v.get("hidden_act", "gelu_pytorch_tanh")],
+    )
 
 
 @dataclass(frozen=True)
@@ -87,9 +121,13 @@ class Qwen35Checkpoint(Checkpoint):
     nested: bool = False
 
     def to_ours(self, hf: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
+        visual = {}
         if self.nested:
-            hf = {("model." + k.removeprefix(_LM)) if k.startswith(_LM) else k: t for k, t in hf.items()}
+            visual = {_OUR_VISUAL + k.removeprefix(_HF_VISUAL): t for k, t in hf.items() if k.startswith(_HF_VISUAL)}
+            hf = {("model." + k.removeprefix(_LM)) if k.startswith(_LM) else k: t
+                  for k, t in hf.items() if not k.startswith(_HF_VISUAL)}
         out = super().to_ours(hf, args)
+        out.update(visual)
         for name in [n for n in out if _HF_Q.match(n)]:
             layer = args.layers[int(name.split(".")[1])].mixer
             q_gate = out.pop(name).view(layer.num_heads, 2, layer.head_dim, -1)
@@ -99,7 +137,9 @@ class Qwen35Checkpoint(Checkpoint):
         return out
 
     def to_hf(self, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ours = dict(ours)
+        visual = {_HF_VISUAL + k.removeprefix(_OUR_VISUAL): t.contiguous()
+                  for k, t in ours.items() if k.startswith(_OUR_VISUAL)}
+        ours = {k: t for k, t in ours.items() if not k.startswith(_OUR_VISUAL)}
         for name in [n for n in ours if _OUR_GATE.match(n)]:
             prefix = _OUR_GATE.match(name)[1]
             gate = ours.pop(name)
@@ -110,12 +150,14 @@ class Qwen35Checkpoint(Checkpoint):
         out = super().to_hf(ours)
         if self.nested:
             out = {(_LM + k.removeprefix("model.")) if k.startswith("model.") else k: t for k, t in out.items()}
-        return out
+        return {**out, **visual}
 
 
 def carried(cfg: dict):
-    """The vision tower and the MTP layers: inference needs them, the text trainer does not."""
-    return lambda name: name.startswith(("model.visual.", "mtp."))
+    """The MTP layers (inference may use them, the trainer does not), and vision tensors that
+    a config without `vision_config` does not describe."""
+    prefixes = ("mtp.",) if cfg.get("vision_config") else ("mtp.", _HF_VISUAL)
+    return lambda name: name.startswith(prefixes)
 
 
 def tiny_text(shape: TinyShape, moe: bool) -> dict:
