@@ -4,6 +4,7 @@ adapters."""
 
 import pytest
 import torch
+from torch import nn
 from primerl_models import Transformer
 from primerl_models.families import FAMILIES, TinyShape
 from primerl_trainer.config import LoRAConfig
@@ -84,3 +85,25 @@ def test_a_fresh_adapter_changes_nothing_and_bad_targets_are_named():
         torch.testing.assert_close(model(ids, pos, targets)[0], ref(ids, pos, targets)[0], atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"trainer.lora.targets = \['qkv'\] matches no linear layer .*q_proj"):
         apply_lora(tiny(), LoRAConfig(targets=["qkv"]))
+
+
+def test_a_vision_tower_is_never_adapted_and_stays_frozen():
+    """Globs broad enough to match the Qwen3.5 vision tower's layers (`qkv`, `proj`,
+    `linear_fc*`) adapt the language model's alone; every tower parameter ends frozen."""
+    import transformers
+    from primerl_models import Transformer
+    from primerl_models.families import family_for
+
+    text = transformers.Qwen3_5TextConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                          head_dim=16, num_key_value_heads=2, num_hidden_layers=2,
+                                          layer_types=["linear_attention", "full_attention"])
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=2,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=90).to_dict()
+    with torch.device("meta"):
+        model = Transformer(family_for(cfg).args_from_hf(cfg))
+    assert any(n.startswith("visual.") and isinstance(m, nn.Linear) for n, m in model.named_modules())
+    names = apply_lora(model, LoRAConfig(rank=2, alpha=4.0, targets=["*proj*", "qkv", "linear_fc*"]))
+    assert names and not any(n.startswith("visual.") for n in names)
+    assert any(n.endswith("mlp.gate_proj") for n in names)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if n.startswith("visual."))

@@ -51,12 +51,19 @@ def _adapt(linear: nn.Linear, cfg: LoRAConfig) -> None:
     linear.lora_scale = cfg.alpha / cfg.rank
 
 
+VISION_PREFIX = "visual."
+"""A VLM's vision tower (primerl_models.common.vision): never adapted, frozen with the rest."""
+
+
 def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
-    """Adapt the linear layers whose last name part matches `cfg.targets`; freeze every other
-    parameter. Returns the adapted layers' names; a ValueError when none matches (naming the
-    targets and the linear layers there are)."""
+    """Adapt the language model's linear layers whose last name part matches `cfg.targets`
+    (a vision tower's are left alone, whatever the globs: its layer names, `qkv`, `proj`,
+    `linear_fc1`, are easy to match by accident); freeze every other parameter. Returns the
+    adapted layers' names; a ValueError when none matches (naming the targets and the linear
+    layers there are)."""
     chosen = [(name, m) for name, m in model.named_modules()
-              if type(m) is nn.Linear and any(fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], t) for t in cfg.targets)]
+              if type(m) is nn.Linear and not name.startswith(VISION_PREFIX)
+              and any(fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], t) for t in cfg.targets)]
     if not chosen:
         kinds = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(f"trainer.lora.targets = {cfg.targets} matches no linear layer of the model "
