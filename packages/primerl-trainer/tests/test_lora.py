@@ -45,9 +45,11 @@ def test_adapted_model_is_the_merged_model_and_its_gradients_go_through_b_a(fami
     for name in adapted:
         layer, ref = model.get_submodule(name), merged.get_submodule(name)
         a, b, s, g_w = layer.lora_A.weight, layer.lora_B.weight, layer.lora_scale, ref.weight.grad
-        # W' = W + s B A: dL/dA = s B^T dL/dW', dL/dB = s dL/dW' A^T
-        torch.testing.assert_close(a.grad, s * b.detach().T @ g_w, atol=1e-5, rtol=1e-5, msg=name)
-        torch.testing.assert_close(b.grad, s * g_w @ a.detach().T, atol=1e-5, rtol=1e-5, msg=name)
+        # W' = W + s B A: dL/dA = s B^T dL/dW', dL/dB = s dL/dW' A^T. Both sides are sums over
+        # the tokens in another order (fp32): within 1e-5 of the largest gradient element (the
+        # adapters' init is unseeded; a per-element 1e-5 failed about once in 11 runs).
+        for got, want in ((a.grad, s * b.detach().T @ g_w), (b.grad, s * g_w @ a.detach().T)):
+            torch.testing.assert_close(got, want, atol=1e-5 * max(1.0, float(want.abs().max())), rtol=0, msg=name)
         assert layer.weight.grad is None  # frozen
     assert all(p.grad is None for n, p in model.named_parameters() if ".lora_" not in n)
 
