@@ -305,11 +305,10 @@ def merge_lora(base: str, adapter: str, out: str, dtype: str) -> None:
     """Merge a LoRA adapter (a run's published RUN_DIR/weights/step_N, or any PEFT LoRA adapter
     folder) into its BASE model folder: a full Hugging Face checkpoint in OUT, for export or
     for serving without LoRA."""
-    import torch
     from primerl_trainer.adapters import export_merged
 
     try:
-        folder = export_merged(base, adapter, out, None if dtype == "auto" else getattr(torch, dtype))
+        folder = export_merged(base, adapter, out, None if dtype == "auto" else dtype)
     except (ValueError, FileNotFoundError) as err:
         click.echo(f"primerl merge-lora: {err}", err=True)
         sys.exit(EXIT_FAILED)

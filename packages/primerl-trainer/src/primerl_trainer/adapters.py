@@ -244,11 +244,12 @@ def merge_adapter(hf: dict[str, torch.Tensor], folder: str | Path) -> dict[str, 
     return out
 
 
-def export_merged(base: str | Path, adapter: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+def export_merged(base: str | Path, adapter: str | Path, out: str | Path,
+                  dtype: torch.dtype | str | None = None) -> Path:
     """A full HF checkpoint at `out`: the base model folder with the adapter folder (a published
     `weights/step_N` of a LoRA run, whose checksum is verified, or any PEFT LoRA adapter) merged
     in, with the base's config, tokenizer files and the tensors its family carries untrained.
-    dtype: the base config's torch_dtype by default. Written to a staging folder and renamed,
+    dtype (a torch dtype or its name, "bfloat16"): the base config's torch_dtype by default. Written to a staging folder and renamed,
     so `out` is whole or absent; an existing `out` is refused."""
     base, adapter, out = Path(base), Path(adapter), Path(out)
     if out.exists():
@@ -257,7 +258,11 @@ def export_merged(base: str | Path, adapter: str | Path, out: str | Path, dtype:
         verify(adapter)  # a published folder: its checksum, before anything is read from it
     cfg = read_config(base)
     if dtype is None:
-        dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"{dtype!r} is not a torch dtype (bfloat16, float16, float32)")
+        dtype = getattr(torch, dtype)
     carried = carried_tensors(base, cfg, dtype)
     hf = dequantize(read_tensors(base, keep=lambda name: name not in carried), cfg, dtype, str(base))
     merged = merge_adapter({k: v.to(dtype) for k, v in hf.items()}, adapter)
