@@ -172,7 +172,10 @@ def test_a_server_that_fails_to_start_stops_the_trainer_and_orchestrator_started
     ("afmoe", [], 3),
     ("nemotron_h", [], 3),
     ("qwen3", ["trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.optimizer.lr=5e-3"], 3),
-], ids=["glm4", "glm4_moe-ep2-cp2", "qwen3_moe-ep2", "gpt_oss", "afmoe", "nemotron_h", "qwen3-lora"])
+    ("qwen3_moe", ["transport.trainer_ranks=2", "trainer.parallel.ep=2", "trainer.lora.rank=8", "trainer.lora.alpha=16",
+                   "trainer.lora.experts=true", "trainer.lora.publish=merged", "trainer.optimizer.lr=5e-3"], 3),
+], ids=["glm4", "glm4_moe-ep2-cp2", "qwen3_moe-ep2", "gpt_oss", "afmoe", "nemotron_h", "qwen3-lora",
+        "qwen3_moe-ep2-lora-experts"])
 def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, exact_steps, tmp_path):
     """GLM-4 (interleaved partial RoPE, sandwich norms, fused gate/up in the checkpoint) and
     GLM-4.5 (sigmoid router with non-zero correction biases, 2 expert groups, a shared
@@ -197,7 +200,10 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
     every projection, the base frozen, published as adapters (PEFT's layout) that the servers
     load beside the base weights and rollouts name: vLLM serves the trainer's policy at step 0
     (the fresh adapter) and after each swap, and the adapters moved it far from the base model
-    (a learning rate that makes it so), so a server that kept the base weights would show."""
+    (a learning rate that makes it so), so a server that kept the base weights would show.
+    qwen3_moe-ep2-lora-experts: adapters on every expert too (trainer.lora.experts), sharded
+    with the experts over 2 expert-parallel ranks, published merged (vLLM's LoRA does not take
+    experts): vLLM serves the merged policy exactly, and every expert moved."""
     model = build_tiny_model(tmp_path / "model", family, alphabet=string.ascii_lowercase + " ", hidden_size=128,
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.05,
                              router_bias_std=0.1)
@@ -214,8 +220,25 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
     kls = [r["mismatch_kl"] for r in rows]
     assert max(kls[:exact_steps]) < 1e-6, kls
     assert not leftovers(run_dir)
-    if any(x.startswith("trainer.lora") for x in layout):
+    if "trainer.lora.publish=merged" in layout:
+        assert_experts_moved(model, run_dir)
+    elif any(x.startswith("trainer.lora") for x in layout):
         assert_adapters_moved_the_policy(model, run_dir)
+
+
+def assert_experts_moved(model: Path, run_dir: Path) -> None:
+    """Adapters on the experts, trained over both expert-parallel ranks and published merged:
+    every expert projection of every layer moved from the base model's, the router did not."""
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(folder):
+        return {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
+
+    base, published = tensors(model), tensors(run_dir / "weights" / "step_2")
+    experts = [k for k in base if ".mlp.experts." in k]
+    assert experts and all(not torch.equal(base[k], published[k]) for k in experts), experts
+    assert all(torch.equal(base[k], published[k]) for k in base if k.endswith("mlp.gate.weight"))
 
 
 def assert_adapters_moved_the_policy(model: Path, run_dir: Path) -> None:

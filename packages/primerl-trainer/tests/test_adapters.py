@@ -190,3 +190,10 @@ def test_export_merges_a_published_adapter_into_a_full_checkpoint_and_refuses_wh
     with pytest.raises(ValueError, match="checksum"):
         export_merged(base, ready.location, tmp_path / "corrupt")
     assert not (tmp_path / "wrong").exists() and not (tmp_path / "corrupt").exists()
+
+
+def test_adapters_on_experts_are_refused_as_an_adapter_naming_the_way_out():
+    """vLLM's LoRA does not take MoE experts' adapters: asking to publish them as an adapter is
+    refused at setup (what `primerl rl` checks before anything starts), naming the setting."""
+    with pytest.raises(ValueError, match='publish = "merged"'):
+        published_rank(tiny_config("qwen3_moe"), LoRAConfig(rank=4, experts=True))

@@ -109,3 +109,50 @@ def test_a_vision_tower_is_never_adapted_and_stays_frozen():
     assert names and not any(n.startswith("visual.") for n in names)
     assert any(n.endswith("mlp.gate_proj") for n in names)
     assert not any(p.requires_grad for n, p in model.named_parameters() if n.startswith("visual."))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_adapted_experts_are_the_merged_experts_and_their_gradients_go_through_a_b(family):
+    """trainer.lora.experts: each expert's stacked weight W [E, in, out] acts as W + s A B
+    (A [E, in, r], B [E, r, out]): the model equals the one with the adapters folded in
+    (fp32, 1e-5), dL/dA = s dL/dW' B^T and dL/dB = s A^T dL/dW' per expert, and only adapters
+    get gradients (GPT-OSS: biased experts with the clamped SwiGLU)."""
+    from primerl_models.common.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    model = tiny(family)
+    apply_lora(model, LoRAConfig(rank=3, alpha=6.0, targets=["q_proj"], experts=True))
+    experts = [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    assert experts and all(m.lora_scale == 2.0 for _, m in experts)
+    with torch.no_grad():
+        for _, m in experts:
+            for name, p in m.named_parameters(recurse=False):
+                if name.startswith("lora_B_"):
+                    p.normal_(0.0, 0.1)
+    merged = tiny(family)
+    merged.load_state_dict(merged_state_dict(model))
+    ids, pos, targets, weights = batch()
+    lp, _ = model(ids, pos, targets)
+    (lp * weights).sum().backward()
+    lp_merged, _ = merged(ids, pos, targets)
+    (lp_merged * weights).sum().backward()
+    torch.testing.assert_close(lp, lp_merged, atol=1e-5, rtol=0)
+    moved = 0
+    for name, m in experts:
+        ref = merged.get_submodule(name)
+        for w, _ in ref.named_parameters(recurse=False):
+            if not w.startswith("w_"):
+                continue
+            a, b, g_w = getattr(m, f"lora_A_{w}"), getattr(m, f"lora_B_{w}"), getattr(ref, w).grad
+            for got, want in ((a.grad, 2.0 * g_w @ b.detach().transpose(1, 2)),
+                              (b.grad, 2.0 * a.detach().transpose(1, 2) @ g_w)):
+                torch.testing.assert_close(got, want, atol=1e-5 * max(1.0, float(want.abs().max())), rtol=0,
+                                           msg=f"{name}.{w}")
+            moved += int(not torch.equal(getattr(ref, w), getattr(m, w)))
+    assert moved == sum(1 for _, m in experts for w, _ in m.named_parameters(recurse=False) if w.startswith("w_"))
+    assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def test_experts_on_a_dense_model_are_refused():
+    with pytest.raises(ValueError, match="no MoE layer"):
+        apply_lora(tiny("qwen3"), LoRAConfig(rank=2, experts=True))

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 from primerl_models import Transformer, carried_tensors, family_for, published_config, save_hf, to_hf
+from primerl_models.common.moe import GroupedExperts
 from primerl_models.hf import dequantize, read_config, read_tensors, to_ours
 from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER, verify
 from safetensors import SafetensorError
@@ -86,6 +87,9 @@ class AdapterLayout:
         if convert is None:
             def convert(state):
                 return to_hf(state, model.args)
+        if any(isinstance(m, GroupedExperts) and m.lora_scale for m in model.modules()):
+            raise ValueError("adapters on MoE experts (trainer.lora.experts) cannot be published as a PEFT adapter "
+                             "vLLM loads: set trainer.lora.publish = \"merged\"")
         adapted = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
         if not adapted:
             raise ValueError("the model has no LoRA layers to publish")

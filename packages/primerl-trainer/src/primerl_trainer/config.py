@@ -98,6 +98,10 @@ class LoRAConfig(Config):
     targets: list[str] = msgspec.field(default_factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Linear layers by the last part of their name (a glob, e.g. "*_proj"); every layer's that matches."""
+    experts: bool = False
+    """Also adapt every MoE layer's routed experts: each expert's gate, up and down projections
+    get their own A and B (stacked over the experts, sharded with them under expert
+    parallelism; no dropout). Published merged only: vLLM's LoRA does not take them."""
     publish: Literal["adapter", "merged"] = "adapter"
     """What each step publishes for inference. adapter: the adapter alone, in PEFT's layout
     (adapter_config.json, adapter_model.safetensors, the served model's Hugging Face names),

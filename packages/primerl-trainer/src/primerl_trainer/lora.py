@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from primerl_models.common.moe import GroupedExperts
 from torch import nn
 
 if TYPE_CHECKING:  # the module runs on torch alone (bench/model_step.py on a GPU machine without msgspec)
@@ -68,22 +69,72 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
         kinds = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(f"trainer.lora.targets = {cfg.targets} matches no linear layer of the model "
                          f"(its linear layers: {', '.join(kinds)})")
+    experts = [(name, m) for name, m in model.named_modules()
+               if cfg.experts and isinstance(m, GroupedExperts) and not name.startswith(VISION_PREFIX)]
+    if cfg.experts and not experts:
+        raise ValueError("trainer.lora.experts = true, but the model has no MoE layer")
     for p in model.parameters():
         p.requires_grad_(False)
     for _, linear in chosen:
         _adapt(linear, cfg)
-    return [name for name, _ in chosen]
+    for _, module in experts:
+        _adapt_experts(module, cfg)
+    return [name for name, _ in chosen] + [name for name, _ in experts]
+
+
+def _adapt_experts(experts: GroupedExperts, cfg: LoRAConfig) -> None:
+    """lora_A_<w> [E, in, r] (PEFT's Kaiming-uniform bound 1 / sqrt(in)) and lora_B_<w> [E, r, out]
+    (zeros) beside each stacked weight w [E, in, out]: GroupedExperts.run folds them in."""
+    for name, w in list(experts.named_parameters(recurse=False)):
+        if not name.startswith("w_"):
+            continue
+        e, fan_in, fan_out = w.shape
+        a = torch.empty(e, fan_in, cfg.rank, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            a.uniform_(-fan_in**-0.5, fan_in**-0.5)
+        experts.register_parameter(f"lora_A_{name}", nn.Parameter(a))
+        experts.register_parameter(f"lora_B_{name}", nn.Parameter(torch.zeros(e, cfg.rank, fan_out, device=w.device,
+                                                                              dtype=w.dtype)))
+    experts.lora_scale = cfg.alpha / cfg.rank
+
+
+def adapted_weights(model: nn.Module) -> set[str]:
+    """The state-dict names of the weights that have adapters."""
+    out = set()
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            out.add(f"{name}.weight")
+        elif isinstance(m, GroupedExperts) and m.lora_scale:
+            out |= {f"{name}.{w}" for w, _ in m.named_parameters(recurse=False) if w.startswith("w_")}
+    return out
+
+
+def fold(state: dict[str, torch.Tensor], model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """`state` (the model's state dict, or one gathered from it) with every adapter folded into
+    its weight, W + (alpha / r) B A for a linear layer, W + (alpha / r) A B for each expert,
+    summed in fp32 and cast to `dtype` (default: the weight's), the adapter tensors popped."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            a, b = state.pop(f"{name}.lora_A.weight"), state.pop(f"{name}.lora_B.weight")
+            pairs = [(f"{name}.weight", b.float() @ a.float())]
+        elif isinstance(module, GroupedExperts) and module.lora_scale:
+            pairs = [(f"{name}.{w}", torch.bmm(state.pop(f"{name}.lora_A_{w}").float(),
+                                               state.pop(f"{name}.lora_B_{w}").float()))
+                     for w, _ in module.named_parameters(recurse=False) if w.startswith("w_")]
+        else:
+            continue
+        scale = module.lora_scale
+        for key, delta in pairs:
+            w = state[key]
+            state[key] = (w.float() + scale * delta).to(dtype or w.dtype)
+    return state
 
 
 @torch.no_grad()
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with every adapter folded into its weight (W + (alpha / r) B A)
-    and the adapter tensors left out: the full model's names and shapes, for export."""
-    state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
-    for name, m in model.named_modules():
-        if isinstance(m, LoRALinear):
-            state[f"{name}.weight"] = m.weight + m.delta().to(m.weight.dtype)
-    return state
+    """The model's state dict with every adapter folded into its weight and the adapter tensors
+    left out: the full model's names and shapes, for export."""
+    return fold(dict(model.state_dict()), model)
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from primerl_protocol import PolicyReady, rundir
 from primerl_protocol.weights import FULL, write_marker
 
 from primerl_trainer.distributed import Dist
-from primerl_trainer.lora import LoRALinear
+from primerl_trainer.lora import adapted_weights, fold
 
 # Files of a HF model folder that travel with the weights (tokenizer, generation settings).
 SIDE_FILES = (
@@ -44,14 +44,9 @@ class WeightPublisher(Protocol):
 
 
 def fold_adapters(state: dict[str, torch.Tensor], model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """LoRA layers' full weights W + (alpha / r) B A (summed in fp32, then cast), the adapter
-    tensors left out: what vLLM loads as an ordinary weight update."""
-    for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            a, b = state.pop(f"{name}.lora_A.weight"), state.pop(f"{name}.lora_B.weight")
-            w = state[f"{name}.weight"]
-            state[f"{name}.weight"] = (w.float() + module.lora_scale * (b.float() @ a.float())).to(dtype)
-    return state
+    """LoRA layers' (and experts') full weights with their adapters folded in (summed in fp32,
+    then cast), the adapter tensors left out: what vLLM loads as an ordinary weight update."""
+    return fold(state, model, dtype)
 
 
 class StepFolders:
@@ -131,7 +126,7 @@ class FolderPublisher(StepFolders):
         Buffers keep their dtype (router correction biases stay fp32 in bf16 weights)."""
         out = {}
         buffers = {name for name, _ in model.named_buffers()}
-        adapted = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+        adapted = adapted_weights(model)
         for name, tensor in model.state_dict().items():
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             if self.d.is_main:

@@ -107,9 +107,27 @@ class GroupedExperts(nn.Module):
                                 offs=offs)
         return out if onehot_AE is None else out + onehot_AE @ weights["b_down"].to(dtype)
 
+    lora_scale: float = 0.0
+    """Scale of the experts' low-rank adapters, when primerl_trainer.lora adds them: parameters
+    lora_A_<w> [E, in, r] and lora_B_<w> [E, r, out] beside a weight w_<...>, which then acts
+    as w + lora_scale lora_A lora_B (stacked on dim 0 like the weights, so expert parallelism
+    shards them alike)."""
+
+    @staticmethod
+    def with_adapters(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+        """The weights with their adapters folded in (W + scale A B per expert, the product in
+        the adapters' dtype, then the weight's), the adapter tensors left out."""
+        out = {name: t for name, t in weights.items() if not name.startswith("lora_")}
+        for name in out:
+            if (a := weights.get(f"lora_A_{name}")) is not None:
+                out[name] = out[name] + (scale * torch.bmm(a, weights[f"lora_B_{name}"])).to(out[name].dtype)
+        return out
+
     def run(self, x_AD: torch.Tensor, counts_E: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """The experts' math on the weights given by name (expert parallelism passes its local
         shards: the E here is the experts those weights hold)."""
+        if self.lora_scale:
+            weights = self.with_adapters(weights, self.lora_scale)
         if _use_grouped_mm(x_AD):
             return self._grouped(x_AD, counts_E, weights)
         w = {name: t.to(x_AD.dtype) for name, t in weights.items()}
