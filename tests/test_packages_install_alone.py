@@ -189,7 +189,7 @@ CASES = {
     ),
     "primerl-envs": (
         ["primerl_envs", "primerl_chat", "primerl_reverse_text", "primerl_alphabet_sort", "primerl_math",
-         "primerl_tool_use", "primerl_code"],
+         "primerl_tool_use", "primerl_code", "primerl_shapes"],
         ["torch", "vllm", "primerl_models", "primerl_trainer"],
         """
         import asyncio, types

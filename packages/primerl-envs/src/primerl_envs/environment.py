@@ -40,6 +40,7 @@ BUILTIN = {
     "math": "primerl-math",
     "tool-use": "primerl-tool-use",
     "code": "primerl-code",
+    "shapes": "primerl-shapes",
 }
 """primerl's built-in environments: short name -> verifiers taskset id (a top-level module)."""
 
