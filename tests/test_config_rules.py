@@ -134,6 +134,13 @@ def test_bad_lora_values_are_refused_naming_the_key(override, key):
     assert load(RLConfig, "trainer.lora.rank=4").trainer.lora.rank == 4  # a good one builds the table
 
 
+def test_training_the_vision_tower_with_lora_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError) as err:
+        load(RLConfig, "trainer.freeze_vision=false", "trainer.lora.rank=4")
+    assert "trainer.freeze_vision" in str(err.value) and "trainer.lora" in str(err.value), str(err.value)
+    assert not load(RLConfig, "trainer.freeze_vision=false").trainer.freeze_vision
+
+
 def test_published_adapters_turn_on_lora_serving():
     """trainer.lora publishing adapters (the default): the servers load them, with room for an
     adapter per policy rollouts may still run on; publishing merged weights leaves them alone."""

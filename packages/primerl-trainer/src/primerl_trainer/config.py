@@ -139,6 +139,14 @@ class TrainerConfig(Config):
     """Weight publishing."""
     lora: LoRAConfig | None = None
     """Train low-rank adapters instead of the whole model (the `[trainer.lora]` table turns it on)."""
+    freeze_vision: bool = True
+    """Keep a vision-language model's vision tower frozen (no gradients, no optimizer state);
+    false trains it with the rest. Models without a tower ignore it."""
+
+    def __post_init__(self) -> None:
+        if not self.freeze_vision and self.lora is not None:
+            raise ValueError("trainer.freeze_vision = false with trainer.lora: LoRA freezes the base model, the "
+                             "vision tower included (and never adapts it); drop one of them")
 
 
 class SFTDataConfig(Config):

@@ -133,7 +133,7 @@ def load_for_training(cfg: TrainerRunConfig | SFTRunConfig, d: Dist, mesh: Mesh)
     onto the rank's device). ValueError when the model does not fit the mesh."""
     folder = resolve_model_folder(cfg.model.name, cfg.model.revision)
     tcfg = cfg.trainer
-    model = load_model(folder, device="cpu", attn_backend=tcfg.attention)
+    model = load_model(folder, device="cpu", attn_backend=tcfg.attention, freeze_vision=tcfg.freeze_vision)
     model.train()
     if tcfg.lora is not None:  # before FSDP2 wraps the layers: adapters and frozen weights shard alike
         apply_lora(model, tcfg.lora)
