@@ -15,8 +15,8 @@ from primerl_models import PackedSeqs, carried_tensors, load_model, read_config,
 from primerl_models.common.linear_attention import causal_conv, doc_positions, gated_delta_rule, ssd_scan
 from primerl_models.families import FAMILIES
 from primerl_models.families.base import TinyShape
-from primerl_models.testing import save_transformers
-from safetensors.torch import load_file, save_file
+from primerl_models.testing import save_transformers, save_with_mtp
+from safetensors.torch import load_file
 
 # initializer_range 0.1 (0.2 in test_parity.py): with 3-4 layers of 0.2 the logits' own fp32
 # rounding (ours and transformers' alike, against our fp64 run) reaches 1e-4, the tolerance.
@@ -175,16 +175,8 @@ def vlm_checkpoint(folder, moe: bool):
     hf = transformers.AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():
         realistic_draws(hf.model.language_model)
-    hf.save_pretrained(folder, max_shard_size="40KB")
-    mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.randn(64)}
-    save_file(mtp, folder / "model-mtp.safetensors")
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        import json
-        data = json.loads(index.read_text())
-        data["weight_map"].update({name: "model-mtp.safetensors" for name in mtp})
-        index.write_text(json.dumps(data))
-    return hf, mtp
+    return hf, save_with_mtp(hf, folder)
+
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])

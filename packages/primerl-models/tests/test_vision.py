@@ -14,7 +14,8 @@ import transformers
 from primerl_models import PackedSeqs, load_model, read_config, save_hf, to_hf, to_ours
 from primerl_models.common.vision import mrope_positions
 from primerl_models.families import FAMILIES
-from safetensors.torch import load_file, save_file
+from primerl_models.testing import save_with_mtp
+from safetensors.torch import load_file
 
 VOCAB, IMAGE = 96, 90  # the image token inside the tiny vocabulary
 MERGE = 2
@@ -69,15 +70,7 @@ def vlm_checkpoint(folder, moe: bool):
     hf = transformers.AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():
         draw(hf)
-    hf.save_pretrained(folder, max_shard_size="40KB")
-    mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.randn(64)}
-    save_file(mtp, folder / "model-mtp.safetensors")
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        import json
-        data = json.loads(index.read_text())
-        data["weight_map"].update({name: "model-mtp.safetensors" for name in mtp})
-        index.write_text(json.dumps(data))
+    save_with_mtp(hf, folder)
     return hf
 
 

@@ -44,3 +44,22 @@ def save_transformers(config, folder: str | Path, shard: str | None = None, rout
             adjust(model)
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     return model
+
+
+def save_with_mtp(hf, folder: str | Path) -> dict[str, torch.Tensor]:
+    """Save a transformers Qwen3.5 VLM in shards with MTP tensors beside it (in the shard index
+    too), as the released checkpoints have them; returns the MTP tensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    hf.save_pretrained(folder, max_shard_size="40KB")
+    mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.randn(64)}
+    save_file(mtp, folder / "model-mtp.safetensors")
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name: "model-mtp.safetensors" for name in mtp})
+        index.write_text(json.dumps(data))
+    return mtp
