@@ -5,7 +5,7 @@
 #   bash bench/qwen3_5_figures.sh OUT_DIR
 set -u
 out=${1:?output folder}
-export PYTHONPATH=packages/primerl-models/src:packages/primerl-models/tests
+export PYTHONPATH=packages/primerl-models/src
 python3 -m pytest -q packages/primerl-models/tests/test_cuda.py -s -p no:cacheprovider -k "delta_rule or bf16_model" \
   > "$out/test_cuda.log" 2>&1
 grep -E "ratio|passed|failed|Error" "$out/test_cuda.log" | tail -12

