@@ -180,3 +180,34 @@ def test_merge_lora_refuses_a_missing_adapter_naming_it(tmp_path):
     assert result.exit_code != 0
     assert "primerl merge-lora:" in result.output and "nowhere" in result.output, result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_of_a_run_that_published_adapters_serves_them(tmp_path):
+    """`primerl eval run=...` on a LoRA run starts its servers with LoRA on and a rank that holds
+    the largest published one (r, or a fused module's rank_pattern); an explicit
+    inference.enable_lora = false, or a run of full weights, leaves the settings alone."""
+    from primerl.cli import _eval_inference
+    from primerl.configs import EvalConfig
+    from primerl_protocol import rundir
+    from primerl_protocol.weights import ADAPTER, FULL, write_marker
+
+    run = tmp_path / "run"
+    for step, (r, pattern) in enumerate([(8, {}), (8, {"gate_up_proj": 16})]):
+        folder = rundir.step_folder(run / rundir.WEIGHTS, step)
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text(json.dumps({"r": r, "rank_pattern": pattern}))
+        write_marker(folder, step, ["adapter_config.json"], 0.0, format=ADAPTER)
+
+    def inference(*overrides):
+        return _eval_inference(load_config(EvalConfig, ['model.name="tiny"', f'run="{run}"', *overrides]))
+
+    got = inference()
+    assert got.enable_lora and got.max_lora_rank == 16
+    assert inference("inference.max_lora_rank=32").max_lora_rank == 32
+    assert inference("inference.enable_lora=false").enable_lora is False
+    full = tmp_path / "full"
+    folder = rundir.step_folder(full / rundir.WEIGHTS, 0)
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"")
+    write_marker(folder, 0, ["model.safetensors"], 0.0, format=FULL)
+    assert _eval_inference(load_config(EvalConfig, ['model.name="tiny"', f'run="{full}"'])).enable_lora is None

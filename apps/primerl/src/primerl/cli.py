@@ -233,6 +233,31 @@ def _run_orchestrator(config: OrchRunConfig) -> None:
         sys.exit(EXIT_FAILED)
 
 
+def _eval_inference(config: EvalConfig):
+    """The servers' settings for `primerl eval`: for a run that published LoRA adapters, LoRA
+    serving on (unless the config says otherwise) with --max-lora-rank the smallest vLLM takes
+    that holds the largest published rank (adapter_config.json's r and rank_pattern)."""
+    import json
+
+    import msgspec
+    from primerl_inference.config import lora_rank_for
+    from primerl_orchestrator.evals import published_steps
+    from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG
+
+    inference = config.inference
+    if config.run is None or inference.enable_lora is False:
+        return inference
+    ranks = []
+    for _, folder, _, fmt in published_steps(config.run):
+        if fmt == ADAPTER:
+            adapter = json.loads((folder / ADAPTER_CONFIG).read_text())
+            ranks.append(max([adapter["r"], *(adapter.get("rank_pattern") or {}).values()]))
+    if not ranks:
+        return inference
+    fit = lora_rank_for(max(ranks))
+    return msgspec.structs.replace(inference, enable_lora=True, max_lora_rank=inference.max_lora_rank or fit)
+
+
 def _run_eval(config: EvalConfig) -> None:
     import asyncio
 
@@ -248,7 +273,7 @@ def _run_eval(config: EvalConfig) -> None:
         if config.inference.urls:
             urls = config.inference.server_urls()
         else:  # start our own servers for the eval
-            servers = launch(config.inference, config.model.name, config.seq_len, config.run_dir)
+            servers = launch(_eval_inference(config), config.model.name, config.seq_len, config.run_dir)
             urls = servers.urls
         results = asyncio.run(eval_run(config, urls, config.inference.resolved_admin_token()))
     except (LaunchError, NoServerError, EnvLoadError, ValueError) as err:
