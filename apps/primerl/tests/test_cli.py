@@ -203,6 +203,8 @@ def test_eval_of_a_run_that_published_adapters_serves_them(tmp_path):
 
     got = inference()
     assert got.enable_lora and got.max_lora_rank == 16
+    assert got.admin_token and inference().admin_token != got.admin_token  # its own, to load the steps with
+    assert inference('inference.admin_token="mine"').admin_token == "mine"
     assert inference("inference.max_lora_rank=32").max_lora_rank == 32
     assert inference("inference.enable_lora=false").enable_lora is False
     full = tmp_path / "full"

@@ -224,6 +224,36 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
         assert_experts_moved(model, run_dir)
     elif any(x.startswith("trainer.lora") for x in layout):
         assert_adapters_moved_the_policy(model, run_dir)
+        assert_eval_serves_each_published_adapter(model, run_dir, tmp_path)
+
+
+def assert_eval_serves_each_published_adapter(model: Path, run_dir: Path, tmp_path: Path) -> None:
+    """`primerl eval run=RUN_DIR` starts its own server with LoRA on (nothing in its config
+    says so) and evaluates each step's adapter."""
+    config = tmp_path / "eval.toml"
+    config.write_text(f"""
+seq_len = 512
+run_dir = "{tmp_path / 'evals'}"
+run = "{run_dir}"
+[model]
+name = "{model}"
+[inference]
+port = {free_port_block(1)}
+[eval]
+num_samples = 2
+max_tasks = 2
+max_tokens = 8
+[[envs.eval]]
+id = "reverse-text"
+args = {{num_tasks = 4}}
+""")
+    out = subprocess.run([PRIMERL, "eval", "@", str(config)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "evals" / "evals.jsonl").read_text().splitlines()]
+    published = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "weights").glob("step_*"))
+    assert published and [r["policy"] for r in records] == [step + 1 for step in published]
+    assert all(r["model"].endswith(f"weights/step_{r['policy'] - 1}") for r in records)
+    assert all(r["eval/reverse-text/tasks"] == 2 for r in records)
 
 
 def assert_experts_moved(model: Path, run_dir: Path) -> None:

@@ -234,10 +234,13 @@ def _run_orchestrator(config: OrchRunConfig) -> None:
 
 
 def _eval_inference(config: EvalConfig):
-    """The servers' settings for `primerl eval`: for a run that published LoRA adapters, LoRA
-    serving on (unless the config says otherwise) with --max-lora-rank the smallest vLLM takes
-    that holds the largest published rank (adapter_config.json's r and rank_pattern)."""
+    """The settings of the servers `primerl eval` starts: an admin token of their own when none
+    is configured (to load a run's published steps: `primerl rl` makes one per run likewise);
+    for a run that published LoRA adapters, LoRA serving on (unless the config says otherwise)
+    with --max-lora-rank the smallest vLLM takes that holds the largest published rank
+    (adapter_config.json's r and rank_pattern)."""
     import json
+    import secrets
 
     import msgspec
     from primerl_inference.config import lora_rank_for
@@ -245,6 +248,8 @@ def _eval_inference(config: EvalConfig):
     from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG
 
     inference = config.inference
+    if inference.resolved_admin_token() is None:
+        inference = msgspec.structs.replace(inference, admin_token=secrets.token_urlsafe(24))
     if config.run is None or inference.enable_lora is False:
         return inference
     ranks = []
@@ -270,12 +275,14 @@ def _run_eval(config: EvalConfig) -> None:
     configure_logging()
     servers = None
     try:
+        token = config.inference.resolved_admin_token()
         if config.inference.urls:
             urls = config.inference.server_urls()
         else:  # start our own servers for the eval
-            servers = launch(_eval_inference(config), config.model.name, config.seq_len, config.run_dir)
-            urls = servers.urls
-        results = asyncio.run(eval_run(config, urls, config.inference.resolved_admin_token()))
+            inference = _eval_inference(config)
+            servers = launch(inference, config.model.name, config.seq_len, config.run_dir)
+            urls, token = servers.urls, inference.resolved_admin_token()
+        results = asyncio.run(eval_run(config, urls, token))
     except (LaunchError, NoServerError, EnvLoadError, ValueError) as err:
         click.echo(f"primerl eval: {err}", err=True)
         sys.exit(EXIT_FAILED)
