@@ -34,8 +34,9 @@ from primerl_protocol.serving import adapter_name
 from primerl_trainer.adapters import AdapterPublisher
 from primerl_trainer.config import LoRAConfig
 from primerl_trainer.distributed import Dist
-from primerl_trainer.lora import LoRALinear, apply_lora
+from primerl_trainer.lora import apply_lora
 from primerl_trainer.publish import FolderPublisher
+from primerl_trainer.testing import draw_adapters
 
 SHAPES = {
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64),
@@ -54,11 +55,7 @@ def bench(label: str, shape: dict, root: Path, port: int, reps: int) -> dict:
     params = sum(p.numel() for p in model.parameters())
     cfg = LoRAConfig(rank=RANK, alpha=2.0 * RANK)
     apply_lora(model, cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, LoRALinear):
-                m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.01)
+    draw_adapters(model, std=0.01, seed=0)
     d = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     run = root / f"run-{label}"
     publishers = {

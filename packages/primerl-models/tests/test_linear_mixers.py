@@ -15,7 +15,7 @@ from primerl_models import PackedSeqs, carried_tensors, load_model, read_config,
 from primerl_models.common.linear_attention import causal_conv, doc_positions, gated_delta_rule, ssd_scan
 from primerl_models.families import FAMILIES
 from primerl_models.families.base import TinyShape
-from primerl_models.testing import save_transformers, save_with_mtp
+from primerl_models.testing import qwen35_draw, save_transformers, save_with_mtp
 from safetensors.torch import load_file
 
 # initializer_range 0.1 (0.2 in test_parity.py): with 3-4 layers of 0.2 the logits' own fp32
@@ -68,22 +68,9 @@ LENGTHS = [70, 5, 130]  # 2, 1 and 3 chunks of 64
 
 
 def realistic_draws(model):
-    """Norms drawn away from their init, so that a norm in the wrong place (or a zero-centred
-    one read as plain) shows: the zero-centred ones around 0, the DeltaNet's gated norm around
-    1. Decays of the size trained models use: A = exp(A_log) in [0.5, 4] and a = in_proj_a(x)
-    of std ~0.4, so that exp(g) per token is mostly in (0.1, 1). (With the init's decays, g
-    reaches -100 a token and transformers' fp32 chunked scan, which takes the decay between two
-    tokens as a difference of cumulative sums, is off by ~1e-3 on these logits; ours sums it
-    directly: test_chunked_scan_... below.)"""
+    """Every parameter drawn as trained weights are (primerl_models.testing.qwen35_draw)."""
     for name, p in model.named_parameters():
-        if name.endswith("linear_attn.norm.weight"):
-            p.normal_(1.0, 0.2)
-        elif name.endswith("norm.weight"):
-            p.normal_(0.0, 0.2)
-        elif name.endswith("A_log"):
-            p.uniform_(0.5, 4.0).log_()
-        elif name.endswith("in_proj_a.weight"):
-            p.normal_(0.0, 0.05)
+        qwen35_draw(name, p)
 
 
 def hf_checkpoint(case, folder, shard=None):

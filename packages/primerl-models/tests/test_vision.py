@@ -14,7 +14,7 @@ import transformers
 from primerl_models import PackedSeqs, load_model, read_config, save_hf, to_hf, to_ours
 from primerl_models.common.vision import mrope_positions
 from primerl_models.families import FAMILIES
-from primerl_models.testing import save_with_mtp
+from primerl_models.testing import qwen35_draw, save_with_mtp
 from safetensors.torch import load_file
 
 VOCAB, IMAGE = 96, 90  # the image token inside the tiny vocabulary
@@ -36,7 +36,7 @@ PATCH = 3 * 2 * 2 * 2  # channels x frames x pixels
 
 def draw(model):
     """Weights of trained size, so that every piece shows in the logits: the text model's norms
-    away from their init and its decays moderate (see test_linear_mixers.realistic_draws); the
+    away from their init and its decays moderate (primerl_models.testing.qwen35_draw); the
     tower's matrices ~ 1 / sqrt(fan-in), its biases and LayerNorms away from 0 and 1, and its
     position grid as large as the patches' embedding."""
     for name, p in model.named_parameters():
@@ -49,14 +49,8 @@ def draw(model):
                 p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, p[0].numel() ** -0.5)
-        elif name.endswith("linear_attn.norm.weight"):
-            p.normal_(1.0, 0.2)
-        elif name.endswith("norm.weight"):
-            p.normal_(0.0, 0.2)
-        elif name.endswith("A_log"):
-            p.uniform_(0.5, 4.0).log_()
-        elif name.endswith("in_proj_a.weight"):
-            p.normal_(0.0, 0.05)
+        else:
+            qwen35_draw(name, p)
 
 
 def vlm_checkpoint(folder, moe: bool):

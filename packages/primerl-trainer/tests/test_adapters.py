@@ -17,7 +17,8 @@ from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, M
 from primerl_trainer.adapters import AdapterLayout, AdapterPublisher, published_rank
 from primerl_trainer.config import LoRAConfig
 from primerl_trainer.distributed import Dist
-from primerl_trainer.lora import LoRALinear, adapter_state_dict, apply_lora, merged_state_dict
+from primerl_trainer.lora import adapter_state_dict, apply_lora, merged_state_dict
+from primerl_trainer.testing import draw_adapters
 from primerl_trainer.adapters import merge_adapter
 from safetensors.torch import load_file, save_file
 
@@ -35,11 +36,7 @@ def adapted(family: str, cfg: LoRAConfig) -> Transformer:
     model = Transformer(FAMILIES[family].args_from_hf(tiny_config(family)))
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
     apply_lora(model, cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, LoRALinear):
-                m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.1)
+    draw_adapters(model, std=0.1, seed=1)
     return model
 
 

@@ -19,6 +19,20 @@ def tiny(family="qwen3", seed=0):
     return model
 
 
+def same_as_merged(model, family):
+    """The model with its adapters folded in (merged_state_dict); asserts both give the same
+    logprobs (fp32, 1e-5) and backpropagates the same loss through both. Returns it."""
+    merged = tiny(family)
+    merged.load_state_dict(merged_state_dict(model))
+    ids, pos, targets, weights = batch()
+    lp, _ = model(ids, pos, targets)
+    (lp * weights).sum().backward()
+    lp_merged, _ = merged(ids, pos, targets)
+    (lp_merged * weights).sum().backward()
+    torch.testing.assert_close(lp, lp_merged, atol=1e-5, rtol=0)
+    return merged
+
+
 def batch():
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 48, (1, 20), generator=g)
@@ -34,14 +48,7 @@ def test_adapted_model_is_the_merged_model_and_its_gradients_go_through_b_a(fami
     with torch.no_grad():  # a trained-looking adapter: B away from its zero start
         for name in adapted:
             model.get_submodule(name).lora_B.weight.normal_(0.0, 0.1)
-    merged = tiny(family)
-    merged.load_state_dict(merged_state_dict(model))
-    ids, pos, targets, weights = batch()
-    lp, _ = model(ids, pos, targets)
-    (lp * weights).sum().backward()
-    lp_merged, _ = merged(ids, pos, targets)
-    (lp_merged * weights).sum().backward()
-    torch.testing.assert_close(lp, lp_merged, atol=1e-5, rtol=0)
+    merged = same_as_merged(model, family)
     for name in adapted:
         layer, ref = model.get_submodule(name), merged.get_submodule(name)
         a, b, s, g_w = layer.lora_A.weight, layer.lora_B.weight, layer.lora_scale, ref.weight.grad
@@ -129,14 +136,7 @@ def test_adapted_experts_are_the_merged_experts_and_their_gradients_go_through_a
             for name, p in m.named_parameters(recurse=False):
                 if name.startswith("lora_B_"):
                     p.normal_(0.0, 0.1)
-    merged = tiny(family)
-    merged.load_state_dict(merged_state_dict(model))
-    ids, pos, targets, weights = batch()
-    lp, _ = model(ids, pos, targets)
-    (lp * weights).sum().backward()
-    lp_merged, _ = merged(ids, pos, targets)
-    (lp_merged * weights).sum().backward()
-    torch.testing.assert_close(lp, lp_merged, atol=1e-5, rtol=0)
+    merged = same_as_merged(model, family)
     moved = 0
     for name, m in experts:
         ref = merged.get_submodule(name)

@@ -63,3 +63,22 @@ def save_with_mtp(hf, folder: str | Path) -> dict[str, torch.Tensor]:
         data["weight_map"].update({name: "model-mtp.safetensors" for name in mtp})
         index.write_text(json.dumps(data))
     return mtp
+
+
+def qwen35_draw(name: str, p: torch.Tensor) -> None:
+    """Draw one parameter of a Qwen3.5 text model (HF names) away from its init, as trained
+    weights are: norms away from it, so that a norm in the wrong place (or a zero-centred one
+    read as plain) shows: the zero-centred ones around 0, the DeltaNet's gated norm around 1.
+    Decays of the size trained models use: A = exp(A_log) in [0.5, 4] and a = in_proj_a(x) of
+    std ~0.4, so that exp(g) per token is mostly in (0.1, 1). (With the init's decays, g reaches
+    -100 a token and transformers' fp32 chunked scan, which takes the decay between two tokens as
+    a difference of cumulative sums, is off by ~1e-3 on the logits; ours sums it directly.)
+    Other parameters are left as they are."""
+    if name.endswith("linear_attn.norm.weight"):
+        p.normal_(1.0, 0.2)
+    elif name.endswith("norm.weight"):
+        p.normal_(0.0, 0.2)
+    elif name.endswith("A_log"):
+        p.uniform_(0.5, 4.0).log_()
+    elif name.endswith("in_proj_a.weight"):
+        p.normal_(0.0, 0.05)

@@ -43,12 +43,6 @@ class WeightPublisher(Protocol):
         Returns the message to send (on rank 0), else None."""
 
 
-def fold_adapters(state: dict[str, torch.Tensor], model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """LoRA layers' (and experts') full weights with their adapters folded in (summed in fp32,
-    then cast), the adapter tensors left out: what vLLM loads as an ordinary weight update."""
-    return fold(state, model, dtype)
-
-
 class StepFolders:
     """What every folder publisher shares: `run_dir/weights/step_N` folders written in a staging
     folder, checksummed (the marker, last), renamed into place, the oldest pruned."""
@@ -134,7 +128,8 @@ class FolderPublisher(StepFolders):
                 keep = full.dtype if name in buffers or name in adapted or ".lora_" in name else self.dtype
                 out[name] = full.detach().to(keep).cpu()
             del full
-        return fold_adapters(out, model, self.dtype) if self.d.is_main else out
+        # adapters folded in fp32, then cast: what vLLM loads as an ordinary weight update
+        return fold(out, model, self.dtype) if self.d.is_main else out
 
     def write(self, state: dict[str, torch.Tensor], tmp: Path) -> list[str]:
         # what was dequantised at load is published plain (no quantization_config)

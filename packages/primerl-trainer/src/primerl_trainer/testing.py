@@ -161,3 +161,17 @@ def run_on_ranks(entry: Path, out: Path, num_ranks: int = 2, timeout_s: float = 
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(Path(out) / f"rank_{r}.pt") for r in range(num_ranks)]
+
+
+def draw_adapters(model, std: float, seed: int) -> None:
+    """Every LoRA layer's B drawn normal(0, std) (seeded), away from its zero start, as after
+    training: a fresh adapter changes nothing, so it would prove nothing."""
+    import torch
+
+    from primerl_trainer.lora import LoRALinear
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * std)
