@@ -213,3 +213,6 @@ def test_eval_of_a_run_that_published_adapters_serves_them(tmp_path):
     (folder / "model.safetensors").write_bytes(b"")
     write_marker(folder, 0, ["model.safetensors"], 0.0, format=FULL)
     assert _eval_inference(load_config(EvalConfig, ['model.name="tiny"', f'run="{full}"'])).enable_lora is None
+    (rundir.step_folder(run / rundir.WEIGHTS, 1) / "adapter_config.json").write_text('{"rank": 8}')  # no "r"
+    with pytest.raises(ValueError, match="step_1/adapter_config.json: not a readable PEFT adapter config"):
+        inference()

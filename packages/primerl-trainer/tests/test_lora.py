@@ -153,6 +153,13 @@ def test_adapted_experts_are_the_merged_experts_and_their_gradients_go_through_a
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
 
 
+def test_experts_alone_need_no_linear_target():
+    model = tiny("qwen3_moe")
+    names = apply_lora(model, LoRAConfig(rank=2, targets=[], experts=True))
+    assert names and all(n.endswith(".experts") for n in names)
+    assert all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())
+
+
 def test_experts_on_a_dense_model_are_refused():
     with pytest.raises(ValueError, match="no MoE layer"):
         apply_lora(tiny("qwen3"), LoRAConfig(rank=2, experts=True))

@@ -255,8 +255,11 @@ def _eval_inference(config: EvalConfig):
     ranks = []
     for _, folder, _, fmt in published_steps(config.run):
         if fmt == ADAPTER:
-            adapter = json.loads((folder / ADAPTER_CONFIG).read_text())
-            ranks.append(max([adapter["r"], *(adapter.get("rank_pattern") or {}).values()]))
+            try:
+                adapter = json.loads((folder / ADAPTER_CONFIG).read_text())
+                ranks.append(max(int(r) for r in [adapter["r"], *(adapter.get("rank_pattern") or {}).values()]))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                raise ValueError(f"{folder / ADAPTER_CONFIG}: not a readable PEFT adapter config ({err!r})") from None
     if not ranks:
         return inference
     fit = lora_rank_for(max(ranks))

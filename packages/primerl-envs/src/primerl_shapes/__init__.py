@@ -78,14 +78,18 @@ def area(kind: str, r: int) -> float:
 
 
 def layout(rng: random.Random, size: int, count: int) -> list[tuple[str, str, int, int, int]]:
-    """`count` shapes whose bounding squares keep a gap of 4 pixels (so none touches another)."""
+    """`count` shapes whose bounding squares keep a gap of 4 pixels (so none touches another);
+    ValueError when 10,000 tries place fewer (a picture too small for them)."""
     shapes: list[tuple[str, str, int, int, int]] = []
-    while len(shapes) < count:
+    for _ in range(10_000):
+        if len(shapes) == count:
+            return shapes
         r = rng.randint(max(6, size // 40), max(8, size // 9))
         x, y = rng.randint(r + 2, size - r - 3), rng.randint(r + 2, size - r - 3)
         if all(abs(x - sx) > r + sr + 4 or abs(y - sy) > r + sr + 4 for _, _, sx, sy, sr in shapes):
             shapes.append((rng.choice(KINDS), rng.choice(list(COLOURS)), x, y, r))
-    return shapes
+    raise ValueError(f"shapes: could not place {count} shapes apart in a picture of {size} x {size} pixels: "
+                     "lower max_shapes or raise size")
 
 
 class ShapesTaskset(vf.Taskset[ShapesTask, ShapesConfig]):

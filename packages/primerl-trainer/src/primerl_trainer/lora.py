@@ -60,19 +60,19 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     """Adapt the language model's linear layers whose last name part matches `cfg.targets`
     (a vision tower's are left alone, whatever the globs: its layer names, `qkv`, `proj`,
     `linear_fc1`, are easy to match by accident); freeze every other parameter. Returns the
-    adapted layers' names; a ValueError when none matches (naming the targets and the linear
+    adapted layers' names; a ValueError when nothing is (naming the targets and the linear
     layers there are)."""
     chosen = [(name, m) for name, m in model.named_modules()
               if type(m) is nn.Linear and not name.startswith(VISION_PREFIX)
               and any(fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], t) for t in cfg.targets)]
-    if not chosen:
-        kinds = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"trainer.lora.targets = {cfg.targets} matches no linear layer of the model "
-                         f"(its linear layers: {', '.join(kinds)})")
     experts = [(name, m) for name, m in model.named_modules()
                if cfg.experts and isinstance(m, GroupedExperts) and not name.startswith(VISION_PREFIX)]
     if cfg.experts and not experts:
         raise ValueError("trainer.lora.experts = true, but the model has no MoE layer")
+    if not chosen and not experts:
+        kinds = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"trainer.lora.targets = {cfg.targets} matches no linear layer of the model "
+                         f"(its linear layers: {', '.join(kinds)})")
     for p in model.parameters():
         p.requires_grad_(False)
     for _, linear in chosen:
