@@ -8,6 +8,10 @@ the completion with loss mask True. When it does not (a chat template that rewri
 turns, e.g. dropping earlier reasoning; a context that was truncated or summarised), a new
 sample starts from that turn's full prompt. Either way every sampled token is trained on
 exactly once, next to exactly the context it was sampled in.
+
+Images go with their tokens: a turn extends a sample only when its prompt's images start with
+the sample's images (the same placeholder tokens can stand for other pictures), and adds the
+rest.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ def merge_turns(rollout: Rollout, advantage: float = 0.0) -> list[Sample]:
     tokens: list[int] = []
     mask: list[bool] = []
     logprobs: list[float] = []
+    images: list = []
 
     def flush() -> None:
         if tokens:
@@ -35,6 +40,7 @@ def merge_turns(rollout: Rollout, advantage: float = 0.0) -> list[Sample]:
                     advantage=advantage,
                     temperature=rollout.temperature,
                     policy_step=rollout.policy_step,
+                    images=list(images),
                 )
             )
 
@@ -45,11 +51,13 @@ def merge_turns(rollout: Rollout, advantage: float = 0.0) -> list[Sample]:
                 f"but {len(turn.completion_logprobs)} logprobs"
             )
         prompt = turn.prompt_ids
-        extends = bool(tokens) and len(prompt) >= len(tokens) and prompt[: len(tokens)] == tokens
+        extends = (bool(tokens) and len(prompt) >= len(tokens) and prompt[: len(tokens)] == tokens
+                   and turn.images[: len(images)] == images)
         new = prompt[len(tokens):] if extends else prompt
         if not extends:
             flush()
-            tokens, mask, logprobs = [], [], []
+            tokens, mask, logprobs, images = [], [], [], []
+        images += turn.images[len(images):]
         tokens += new + turn.completion_ids
         mask += [False] * len(new) + [True] * len(turn.completion_ids)
         logprobs += [0.0] * len(new) + list(turn.completion_logprobs)

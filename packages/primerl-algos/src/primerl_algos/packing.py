@@ -125,7 +125,16 @@ def build_micro_batch(samples: Sequence[Sample], pad_token_id: int = 0):
         seq_lens=lens,
         sample_ids=np.array([s.sample_id for s in samples], np.int64),
         policy_steps=np.array([s.policy_step for s in samples], np.int32),
+        **image_arrays([image for s in samples for image in s.images]),
     )
+
+
+def image_arrays(images: Sequence) -> dict[str, np.ndarray]:
+    """MicroBatch's image_sizes and image_pixels of `images` (primerl_protocol.rollouts.Image)."""
+    return {
+        "image_sizes": np.array([[i.height, i.width] for i in images], np.int32).reshape(-1, 2),
+        "image_pixels": np.frombuffer(b"".join(i.rgb for i in images), np.uint8),
+    }
 
 
 def build_batches(samples: Sequence[Sample], plan: PackingPlan, step: int, pad_token_id: int = 0) -> list:

@@ -11,6 +11,7 @@ package. Trajectory merging (merging.py) turns its turns into one or more sample
 from __future__ import annotations
 
 import msgspec
+from primerl_protocol.rollouts import Image
 
 class Sample(msgspec.Struct, kw_only=True):
     """One token sequence to train on: prompt and completion tokens, with per-token data."""
@@ -28,6 +29,8 @@ class Sample(msgspec.Struct, kw_only=True):
     advantage: float = 0.0
     temperature: float = 1.0
     policy_step: int = 0
+    images: list[Image] = []
+    """Its images, in the order of their runs of image tokens in `token_ids`."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import json
 import multiprocessing
 import random
 import sys
@@ -376,11 +377,32 @@ def model_context(
     return vf.ModelContext(model=model, client=client, sampling=vf.SamplingConfig(**sampling))
 
 
+VLM_RENDERERS = {"qwen3_5": "Qwen35RendererConfig", "qwen3_5_moe": "Qwen35RendererConfig"}
+"""Renderers (the `renderers` library's) of the vision-language families: they send a prompt's
+images to the server, which expands each to its run of image tokens and returns the prompt's
+tokens as the model saw them."""
+
+
+def renderer_config(tokenizer: str, tool_parser: str | None = "qwen3"):
+    """The renderer of the model whose tokenizer folder is `tokenizer`: a vision-language
+    family's own for a checkpoint with a vision tower (thinking off: the generation prompt
+    closes an empty think block), else the chat template's (DefaultRenderer)."""
+    import renderers
+
+    try:
+        config = json.loads((Path(tokenizer) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    name = VLM_RENDERERS.get(config.get("model_type")) if isinstance(config, dict) and "vision_config" in config else None
+    if name is not None:
+        return getattr(renderers, name)(enable_thinking=False)
+    return renderers.DefaultRendererConfig(tool_parser=tool_parser) if tool_parser else renderers.DefaultRendererConfig()
+
+
 def _client_config(base_url: str, tokenizer: str, tool_parser: str | None = "qwen3", headers: dict | None = None):
     import verifiers.v1 as vf
-    from renderers import DefaultRendererConfig
 
-    renderer = DefaultRendererConfig(tool_parser=tool_parser) if tool_parser else DefaultRendererConfig()
+    renderer = renderer_config(tokenizer, tool_parser)
     return vf.TrainClientConfig(
         base_url=base_url.rstrip("/") + "/v1",
         api_key_var="PRIMERL_INFERENCE_API_KEY",

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from primerl_protocol.rollouts import BAD_SCORE, Rollout, Turn
 
 from primerl_envs.compat import BAD_SCORES
+from primerl_envs.images import ImageError, message_images
 
 
 LIMITS = {"max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens"}
@@ -31,9 +32,10 @@ class TraceError(ValueError):
 
 
 def trace_turns(trace) -> list[Turn]:
-    """One Turn per model call of `trace`, in call order."""
+    """One Turn per model call of `trace`, in call order, with the images of its prompt."""
     nodes = trace.nodes
     turns: list[Turn] = []
+    decoded: dict = {}
     for index, call in enumerate(trace.calls):
         if call.node is None:
             continue  # a call that failed before committing a message
@@ -62,17 +64,30 @@ def trace_turns(trace) -> list[Turn]:
         while parent is not None:
             path.append(parent)
             parent = nodes[parent].parent
+        images = []
         for nid in reversed(path):
             prefix.extend(nodes[nid].token_ids)
+            try:
+                images += message_images(nodes[nid].message, decoded)
+            except ImageError as e:
+                raise TraceError(f"trace {trace.id}, call {index}: image {len(images) + 1} of the prompt: {e}") from None
         prefix.extend(node.token_ids[:first])
         turns.append(
             Turn(
                 prompt_ids=prefix,
                 completion_ids=list(node.token_ids[first : last + 1]),
                 completion_logprobs=logprobs,
+                images=images,
             )
         )
     return turns
+
+
+def task_name(trace) -> str:
+    """The task of `trace` as errors name it: its key (a content hash unless the taskset names its tasks)."""
+    task = getattr(trace, "task", None)
+    key = getattr(task, "key", None) or getattr(task, "hash", None)
+    return repr(key) if key else "(unnamed)"
 
 
 def _error_text(errors: Iterable) -> str | None:
@@ -130,7 +145,7 @@ def trace_to_rollout(
     try:
         turns = trace_turns(trace)
     except TraceError as e:
-        turns, error = [], str(e)
+        turns, error = [], f"TraceError: environment {env!r}, task {task_name(trace)}: {e}"
     if error is None and not turns:
         error = "no sampled tokens in the trace (no model call completed)"
     metrics, bad = _scores(trace, errored=error is not None)

@@ -19,63 +19,10 @@ and each patch is flattened as [C, T, P, P].
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
+from primerl_protocol.images import ImageSpec, image_tokens, kept_size_problem, smart_resize
 
-
-@dataclass(frozen=True)
-class ImageSpec:
-    """The image processor's settings (a model folder's preprocessor_config.json)."""
-
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    min_pixels: int = 65536
-    max_pixels: int = 16777216
-
-    @property
-    def factor(self) -> int:
-        """Both sides of a processed image are multiples of this (a merge block's pixels)."""
-        return self.patch_size * self.merge_size
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> ImageSpec:
-        """The spec of a model folder's preprocessor_config.json (defaults: Qwen3.5's)."""
-        path = Path(folder) / "preprocessor_config.json"
-        if not path.exists():
-            return cls()
-        cfg = json.loads(path.read_text())
-        size = cfg.get("size") or {}
-        default = cls()
-        return cls(patch_size=cfg.get("patch_size", default.patch_size),
-                   temporal_patch_size=cfg.get("temporal_patch_size", default.temporal_patch_size),
-                   merge_size=cfg.get("merge_size", default.merge_size),
-                   mean=tuple(cfg.get("image_mean", default.mean)), std=tuple(cfg.get("image_std", default.std)),
-                   min_pixels=size.get("shortest_edge", cfg.get("min_pixels", default.min_pixels)),
-                   max_pixels=size.get("longest_edge", cfg.get("max_pixels", default.max_pixels)))
-
-
-def smart_resize(height: int, width: int, spec: ImageSpec) -> tuple[int, int]:
-    """The size the processor resizes an image of `height` x `width` to: each side rounded to a
-    multiple of spec.factor, then scaled (keeping the aspect ratio) into
-    [min_pixels, max_pixels]. ValueError for an aspect ratio above 200, as the processor's."""
-    f = spec.factor
-    if max(height, width) > 200 * min(height, width):
-        raise ValueError(f"an image of {height} x {width} pixels: aspect ratio above 200")
-    h, w = round(height / f) * f, round(width / f) * f
-    if h * w > spec.max_pixels:
-        beta = math.sqrt(height * width / spec.max_pixels)
-        h, w = max(f, math.floor(height / beta / f) * f), max(f, math.floor(width / beta / f) * f)
-    elif h * w < spec.min_pixels:
-        beta = math.sqrt(spec.min_pixels / (height * width))
-        h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
-    return h, w
+__all__ = ["ImageSpec", "image_tokens", "patchify", "smart_resize"]
 
 
 def patchify(rgb_HW3: torch.Tensor, spec: ImageSpec) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -85,9 +32,8 @@ def patchify(rgb_HW3: torch.Tensor, spec: ImageSpec) -> tuple[torch.Tensor, tupl
     if rgb_HW3.dtype != torch.uint8 or rgb_HW3.dim() != 3 or rgb_HW3.shape[2] != 3:
         raise ValueError(f"an image must be uint8 [height, width, 3], not {rgb_HW3.dtype} {list(rgb_HW3.shape)}")
     height, width = rgb_HW3.shape[:2]
-    if (keep := smart_resize(height, width, spec)) != (height, width):
-        raise ValueError(f"an image of {height} x {width} pixels would be resized to {keep[0]} x {keep[1]} by the "
-                         "model's processor: give it at that size")
+    if (problem := kept_size_problem(height, width, spec)) is not None:
+        raise ValueError(problem)
     p, t, m = spec.patch_size, spec.temporal_patch_size, spec.merge_size
     mean, std = torch.tensor(spec.mean), torch.tensor(spec.std)
     x_CHW = ((rgb_HW3.float() / 255.0 - mean) / std).permute(2, 0, 1)
@@ -97,8 +43,3 @@ def patchify(rgb_HW3: torch.Tensor, spec: ImageSpec) -> tuple[torch.Tensor, tupl
     patches = blocks.permute(2, 5, 3, 6, 1, 0, 4, 7)  # bh bw mh mw C T P P
     return patches.reshape(gh * gw, 3 * t * p * p).contiguous(), (1, gh, gw)
 
-
-def image_tokens(grid: tuple[int, int, int], spec: ImageSpec) -> int:
-    """Placeholder tokens of an image in the text: one per merged block of patches."""
-    t, h, w = grid
-    return t * h * w // spec.merge_size**2

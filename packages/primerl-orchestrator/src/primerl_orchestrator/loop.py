@@ -56,6 +56,7 @@ from primerl_orchestrator.batching import Group, build_step
 from primerl_orchestrator.config import OrchRunConfig
 from primerl_orchestrator.evals import evaluate
 from primerl_orchestrator.generate import AGENT_SLOTS, open_environments, start_generator
+from primerl_orchestrator.images import check_images, vision_of
 
 log = logging.getLogger("primerl.orchestrator")
 RATE_WINDOW = 10
@@ -110,6 +111,8 @@ class Orchestrator:
         """Monotonic time the first group started."""
         self.on_group = None
         """Called with every finished group (for benchmarks and tools)."""
+        self.vision = None
+        """The model's image settings (images.vision_of; None: a text model)."""
 
     # -- set-up -----------------------------------------------------------------------
 
@@ -140,6 +143,7 @@ class Orchestrator:
             # the first model call's imports and tokenizer, while the servers may still be loading
             preload(cfg.model.tokenizer or cfg.model.name)
             # Resumed, the servers may serve anything: the trainer publishes its restored weights first.
+            self.vision = vision_of(cfg.model.name)
             self.gen = await start_generator(stack, cfg.model, cfg.inference.server_urls(),
                                              cfg.inference.resolved_admin_token(), logprobs_mode=LOGPROBS_MODE,
                                              any_policy=self.version is None, max_retries=self.o.max_retries,
@@ -288,6 +292,7 @@ class Orchestrator:
         else:
             results = await asyncio.gather(*(one(i) for i in range(self.G)))
             group.rollouts = [r for rs in results for r in rs]
+        check_images(group.rollouts, self.vision, env.name, repr(getattr(task, "key", group.position)))
         self._finished[0] += len(group.rollouts)
         self._finished[1] += sum(r.num_completion_tokens for r in group.rollouts)
         del self.running[group.group_id]

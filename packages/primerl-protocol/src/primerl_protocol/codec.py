@@ -86,6 +86,8 @@ class Encoder:
                 if name is None:
                     raise TypeError(f"arrays of dtype {obj.dtype} cannot be sent")
                 arr = obj.astype(_DTYPES[name])
+            if not arr.nbytes:  # an empty array (a row without images) takes no bytes
+                return (0, name, arr.shape)
             offset = -(-self._size // ALIGN) * ALIGN
             self._arrays.append(arr)
             self._size = offset + arr.nbytes

@@ -20,9 +20,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any change to a message's fields; peers of other versions are refused.
-2: TrainBatch carries the orchestrator's metrics and resume state."""
+2: TrainBatch carries the orchestrator's metrics and resume state.
+3: MicroBatch carries its samples' images (image_pixels, image_sizes)."""
 
 
 class Message(msgspec.Struct, tag=True, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -66,6 +67,11 @@ class MicroBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """int64 [S]: the orchestrator's id of each sample (for resume and bookkeeping)."""
     policy_steps: np.ndarray
     """int32 [S]: the policy step that generated each sample (off-policy bookkeeping)."""
+    image_sizes: np.ndarray = msgspec.field(default_factory=lambda: np.zeros((0, 2), np.int32))
+    """int32 [I, 2]: height and width of each image of the row, in the order of their runs of
+    image tokens in `input_ids` (vision-language models; I = 0 otherwise)."""
+    image_pixels: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, np.uint8))
+    """uint8 [sum of h * w * 3]: the images' RGB pixels, row-major, one after another."""
 
     def __post_init__(self) -> None:
         for name, dtype in (TOKEN_ARRAYS | SEQUENCE_ARRAYS).items():
@@ -93,6 +99,24 @@ class MicroBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         total = int(self.seq_lens.sum(dtype=np.int64))
         if total != num_tokens:
             raise ValueError(f"`seq_lens` sum to {total} but the row has {num_tokens} tokens")
+        sizes, pixels = self.image_sizes, self.image_pixels
+        if not isinstance(sizes, np.ndarray) or sizes.dtype != np.int32 or sizes.ndim != 2 or sizes.shape[1] != 2:
+            raise ValueError(f"`image_sizes` must be an int32 array [images, 2], got {_describe(sizes)}")
+        if not isinstance(pixels, np.ndarray) or pixels.dtype != np.uint8 or pixels.ndim != 1:
+            raise ValueError(f"`image_pixels` must be a 1-D uint8 array, got {_describe(pixels)}")
+        if len(sizes) and int(sizes.min()) <= 0:
+            raise ValueError("`image_sizes` must all be positive")
+        need = int((sizes.astype(np.int64).prod(axis=1) * 3).sum())
+        if need != len(pixels):
+            raise ValueError(f"`image_sizes` need {need} bytes of pixels but `image_pixels` has {len(pixels)}")
+
+    def images(self) -> list[np.ndarray]:
+        """Each image of the row as a read-only uint8 [height, width, 3] view, in order."""
+        out, at = [], 0
+        for h, w in self.image_sizes.tolist():
+            out.append(self.image_pixels[at: at + h * w * 3].reshape(h, w, 3))
+            at += h * w * 3
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +130,10 @@ class MicroBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def cu_seqlens(self) -> np.ndarray:
         """int32 [S + 1]: cumulative sequence boundaries, as varlen attention kernels take them."""
         return np.concatenate([[0], np.cumsum(self.seq_lens)]).astype(np.int32)
+
+
+def _describe(arr) -> str:
+    return f"{arr.dtype} {list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
 
 
 class TrainBatch(Message):

@@ -17,6 +17,23 @@ BAD_SCORE = "BadScore"
 whatever the filters say: `Rollout.bad_score`)."""
 
 
+class Image(msgspec.Struct, kw_only=True, frozen=True):
+    """One picture of a prompt, decoded: what the trainer needs to recompute what the server's
+    image processor made of it (primerl_models.images.patchify)."""
+
+    height: int
+    width: int
+    rgb: bytes
+    """height x width x 3 bytes, row-major RGB."""
+
+    def __post_init__(self) -> None:
+        if self.height <= 0 or self.width <= 0:
+            raise ValueError(f"an image must have a positive size, got {self.height} x {self.width}")
+        if len(self.rgb) != self.height * self.width * 3:
+            raise ValueError(f"an image of {self.height} x {self.width} pixels needs {self.height * self.width * 3} "
+                             f"RGB bytes, got {len(self.rgb)}")
+
+
 class Turn(msgspec.Struct, kw_only=True):
     """One model call: the exact prompt tokens it saw and the tokens it sampled."""
 
@@ -24,6 +41,9 @@ class Turn(msgspec.Struct, kw_only=True):
     completion_ids: list[int]
     completion_logprobs: list[float]
     """Inference logprob of each completion token."""
+    images: list[Image] = []
+    """The prompt's images, in the order of their placeholder runs in `prompt_ids` (a
+    vision-language model's server expanded each image to its run of image tokens)."""
 
 
 class Rollout(msgspec.Struct, kw_only=True):

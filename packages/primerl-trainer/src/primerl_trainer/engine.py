@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 import torch
 from primerl_algos.losses import mean_metrics
+from primerl_models.images import ImageSpec, patchify
 from primerl_protocol import MicroBatch, PolicyReady
 
 from primerl_trainer.checkpoint import Checkpointer, SetupError
@@ -60,14 +61,31 @@ def model_inputs(mb: MicroBatch, device: torch.device) -> tuple[torch.Tensor, to
     return ids[None], pos[None], torch.roll(ids, -1)[None], torch.roll(temps, -1)[None]
 
 
-def token_logprobs(model, mb: MicroBatch, device: torch.device, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+def image_inputs(mb: MicroBatch, spec: ImageSpec | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """The vision tower's inputs of the row's images (none without images): pixel_values
+    [patches, C * Tp * P * P], recomputed from the pixels as the server's processor made
+    them (primerl_models.images.patchify), and image_grid_thw [images, 3]."""
+    if not len(mb.image_sizes):
+        return {}
+    if spec is None:
+        raise ValueError(f"the row holds {len(mb.image_sizes)} images but the model has no vision tower")
+    patches, grids = zip(*(patchify(torch.from_numpy(image.copy()), spec) for image in mb.images()))
+    return {"pixel_values": torch.cat(patches).to(device), "image_grid_thw": torch.tensor(grids, device=device)}
+
+
+def token_logprobs(model, mb: MicroBatch, device: torch.device, cp_group=None,
+                   images: ImageSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(pi, entropy) [T]: pi[t] = log p(token t | tokens < t) at token t's temperature; 0 for t = 0.
 
     Computed inside the model's forward by the chunked path (no full logits). With a
-    context-parallel group, every rank of it runs its chunk of the row and gets the whole row's."""
+    context-parallel group, every rank of it runs its chunk of the row and gets the whole row's.
+    `images`: the model's image settings (Session.image_spec), for rows with images."""
     ids, pos, targets, temps = model_inputs(mb, device)
+    pictures = image_inputs(mb, images, device)
     if cp_group is None:
-        logprobs, entropy = model(ids, pos, targets, temps)
+        logprobs, entropy = model(ids, pos, targets, temps, **pictures)
+    elif pictures:
+        raise ValueError("rows with images under context parallelism are not supported: set trainer.parallel.cp = 1")
     else:
         logprobs, entropy = row_logprobs(model, ids, pos, targets, temps, cp_group)
     zero = logprobs.new_zeros(1)
@@ -120,6 +138,8 @@ class Session:
             log.info("resumed from %s; continuing at step %d", latest, self.start_step)
         self.publisher = make_publisher(cfg, self.model, loaded, d)
         self.model_folder = loaded.folder
+        self.image_spec = ImageSpec.from_folder(loaded.folder) if getattr(self.model, "visual", None) is not None else None
+        """The model's image settings (its preprocessor_config.json); None for a text model."""
         self.metrics = MetricsLogger(self.run_dir, cfg.wandb, msgspec.to_builtins(cfg), d.is_main, job=job)
         self.peak = peak_flops(d.device)
         self.steps_skipped = 0

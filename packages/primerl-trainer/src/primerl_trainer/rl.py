@@ -197,12 +197,13 @@ class BatchSource:
         self.receiver.close(linger_ms=0)
 
 
-def rl_loss(loss_cfg, scale: LossScale, device: torch.device, cp_group=None):
+def rl_loss(loss_cfg, scale: LossScale, device: torch.device, cp_group=None, images=None):
     """The configured RL loss of one micro-batch (its share of the global batch's loss), on
-    whole rows (with context parallelism too: token_logprobs gathers them)."""
+    whole rows (with context parallelism too: token_logprobs gathers them). `images`: the
+    model's ImageSpec (Session.image_spec)."""
 
     def loss_fn(model, mb: MicroBatch):
-        pi, entropy = token_logprobs(model, mb, device, cp_group)
+        pi, entropy = token_logprobs(model, mb, device, cp_group, images)
         x = LossInputs(
             logprobs=pi,
             inference_logprobs=torch.from_numpy(mb.inference_logprobs.copy()).to(device),
@@ -272,7 +273,8 @@ def train(cfg: TrainerRunConfig) -> None:
                 break
             batch = data.batch
             scale = LossScale(tokens=batch.num_loss_tokens, sequences=batch.num_sequences)
-            stats = session.train_step(batch.micro_batches, rl_loss(cfg.trainer.loss, scale, d.device, session.mesh.cp_group),
+            stats = session.train_step(batch.micro_batches, rl_loss(cfg.trainer.loss, scale, d.device, session.mesh.cp_group,
+                                                                    session.image_spec),
                                        empty=batch.num_loss_tokens == 0)
             ready, publish_s = session.publish(step, unchanged=bool(stats["step_skipped"] or stats["step_empty"]))
             if ready is not None:

@@ -1,0 +1,81 @@
+"""Rollouts' images checked against the model before they can train.
+
+The trainer recomputes each image's patches from its pixels (primerl_models.images.patchify)
+and scatters them over the image's run of placeholder tokens in the prompt that the server
+expanded. That holds only when the picture is at a size the model's processor keeps (the
+resize is not reproduced) and the server gave it exactly the tokens its size makes. A rollout
+whose images break either, or that holds images for a model without a vision tower, gets an
+error naming the environment, the task, the turn and the image, and never trains; the run
+goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from primerl_protocol.images import ImageSpec, grid_of, image_tokens, kept_size_problem, placeholder_runs
+from primerl_protocol.rollouts import Rollout, Turn
+
+log = logging.getLogger("primerl.orchestrator")
+
+IMAGE_ERROR = "ImageError"
+
+
+@dataclass(frozen=True)
+class Vision:
+    """What the checks need of a vision-language model."""
+
+    spec: ImageSpec
+    image_token_id: int
+
+
+def vision_of(model: str) -> Vision | None:
+    """The Vision of the model folder `model`, or None for a text model (or a name that is not
+    a local folder: its images are refused)."""
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    token = config.get("image_token_id") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or "vision_config" not in config or not isinstance(token, int):
+        return None
+    return Vision(ImageSpec.from_folder(model), token)
+
+
+def image_problem(turn: Turn, vision: Vision | None) -> str | None:
+    """What is wrong with the images of `turn` for training, or None."""
+    if vision is None:
+        return f"the prompt holds {len(turn.images)} images but the model has no vision tower" if turn.images else None
+    runs = placeholder_runs(turn.prompt_ids, vision.image_token_id)
+    if len(runs) != len(turn.images):
+        return f"the prompt holds {len(turn.images)} images but {len(runs)} runs of image tokens"
+    for k, (image, (_, length)) in enumerate(zip(turn.images, runs, strict=True), 1):
+        if (problem := kept_size_problem(image.height, image.width, vision.spec)) is not None:
+            return f"image {k}: {problem}"
+        need = image_tokens(grid_of(image.height, image.width, vision.spec), vision.spec)
+        if need != length:
+            return f"image {k} ({image.height} x {image.width} pixels) makes {need} image tokens but the server gave {length}"
+    return None
+
+
+def check_images(rollouts: list[Rollout], vision: Vision | None, env: str, task: str) -> int:
+    """Set an ImageError on each rollout of `rollouts` (one task's) whose images cannot train;
+    how many were refused."""
+    refused = 0
+    for rollout in rollouts:
+        if rollout.error is not None:
+            continue
+        for i, turn in enumerate(rollout.turns):
+            if (problem := image_problem(turn, vision)) is not None:
+                rollout.error = f"{IMAGE_ERROR}: environment {env!r}, task {task}, turn {i}: {problem}"
+                rollout.reward = 0.0
+                refused += 1
+                break
+    if refused:
+        first = next(r.error for r in rollouts if (r.error or "").startswith(IMAGE_ERROR))
+        log.warning("%d rollouts will not train: %s", refused, first)
+    return refused

@@ -1,0 +1,154 @@
+"""Images as Qwen-VL models take them: the processor's size rule and each image's placeholder
+tokens, in plain Python, for every process that checks images without torch (environments,
+the orchestrator) and for the trainer (primerl_models.images adds the patches).
+
+    spec = ImageSpec.from_folder(model_dir)            # its preprocessor_config.json
+    h, w = smart_resize(height, width, spec)          # the size the processor resizes to
+    n = image_tokens(grid_of(height, width, spec), spec)   # its placeholder tokens in the text
+
+An image travels as an `Image` (rollouts.py): its size and raw RGB bytes. `decode_data_url`
+reads one from a message's inline data URL, for environments' prompts and SFT data alike.
+Only what the server and the trainer read alike is taken: an inline `data:image/...;base64,`
+URL (no fetching: a URL on the network could answer the server and the orchestrator
+differently) holding an RGB picture (the server converts other modes, e.g. RGBA onto white,
+its own way). Anything else raises ImageError saying what.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from primerl_protocol.rollouts import Image
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """The image processor's settings (a model folder's preprocessor_config.json)."""
+
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    min_pixels: int = 65536
+    max_pixels: int = 16777216
+
+    @property
+    def factor(self) -> int:
+        """Both sides of a processed image are multiples of this (a merge block's pixels)."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ImageSpec:
+        """The spec of a model folder's preprocessor_config.json (defaults: Qwen3.5's)."""
+        path = Path(folder) / "preprocessor_config.json"
+        if not path.exists():
+            return cls()
+        try:
+            cfg = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        size = cfg.get("size") or {}
+        default = cls()
+        return cls(patch_size=cfg.get("patch_size", default.patch_size),
+                   temporal_patch_size=cfg.get("temporal_patch_size", default.temporal_patch_size),
+                   merge_size=cfg.get("merge_size", default.merge_size),
+                   mean=tuple(cfg.get("image_mean", default.mean)), std=tuple(cfg.get("image_std", default.std)),
+                   min_pixels=size.get("shortest_edge", cfg.get("min_pixels", default.min_pixels)),
+                   max_pixels=size.get("longest_edge", cfg.get("max_pixels", default.max_pixels)))
+
+
+def smart_resize(height: int, width: int, spec: ImageSpec) -> tuple[int, int]:
+    """The size the processor resizes an image of `height` x `width` to: each side rounded to a
+    multiple of spec.factor, then scaled (keeping the aspect ratio) into
+    [min_pixels, max_pixels]. ValueError for an aspect ratio above 200, as the processor's."""
+    f = spec.factor
+    if max(height, width) > 200 * min(height, width):
+        raise ValueError(f"an image of {height} x {width} pixels: aspect ratio above 200")
+    h, w = round(height / f) * f, round(width / f) * f
+    if h * w > spec.max_pixels:
+        beta = math.sqrt(height * width / spec.max_pixels)
+        h, w = max(f, math.floor(height / beta / f) * f), max(f, math.floor(width / beta / f) * f)
+    elif h * w < spec.min_pixels:
+        beta = math.sqrt(spec.min_pixels / (height * width))
+        h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+    return h, w
+
+
+def grid_of(height: int, width: int, spec: ImageSpec) -> tuple[int, int, int]:
+    """(t, h, w) in patches of an image the processor keeps at `height` x `width`: one frame."""
+    return 1, height // spec.patch_size, width // spec.patch_size
+
+
+def image_tokens(grid: tuple[int, int, int], spec: ImageSpec) -> int:
+    """Placeholder tokens of an image in the text: one per merged block of patches."""
+    t, h, w = grid
+    return t * h * w // spec.merge_size**2
+
+
+def kept_size_problem(height: int, width: int, spec: ImageSpec) -> str | None:
+    """Why the processor would not take an image of `height` x `width` as it is (it would resize
+    it, and the trainer does not reproduce the resize), or None."""
+    try:
+        keep = smart_resize(height, width, spec)
+    except ValueError as e:
+        return str(e)
+    if keep != (height, width):
+        return (f"an image of {height} x {width} pixels would be resized to {keep[0]} x {keep[1]} by the model's "
+                f"processor: give it at that size (sides multiples of {spec.factor}, "
+                f"{spec.min_pixels} to {spec.max_pixels} pixels)")
+    return None
+
+
+def placeholder_runs(ids: np.ndarray | list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `image_token_id` in `ids`, in order."""
+    is_image = np.asarray(ids) == image_token_id
+    if not is_image.any():
+        return []
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], is_image.astype(np.int8), [0]])))
+    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+MAX_PIXELS = 64 * 1024 * 1024
+"""Largest picture decoded (PIL's decompression-bomb bound is near this, 89M)."""
+
+
+class ImageError(ValueError):
+    """A picture that cannot be read for training; the message says why."""
+
+
+def decode_data_url(url: str) -> Image:
+    """The picture of an inline `data:image/...;base64,...` URL as an Image."""
+    if not isinstance(url, str) or not url.startswith("data:"):
+        shown = url[:60] + "..." if isinstance(url, str) and len(url) > 60 else url
+        raise ImageError(f"an image URL must be inline (data:image/...;base64,...), got {shown!r}")
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64") or not header[5:].startswith("image/"):
+        raise ImageError(f"an image URL must be data:image/<format>;base64,<data>, got a header {header[:60]!r}")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"the image's base64 data does not decode ({e})") from None
+    from PIL import Image as PILImage
+
+    try:
+        with PILImage.open(io.BytesIO(data)) as picture:
+            if picture.width * picture.height > MAX_PIXELS:
+                raise ImageError(f"an image of {picture.width} x {picture.height} pixels is larger than {MAX_PIXELS}")
+            if picture.mode != "RGB":
+                raise ImageError(f"an image in mode {picture.mode}: give RGB pictures (the server and the trainer "
+                                 "would convert other modes differently)")
+            picture.load()
+            return Image(height=picture.height, width=picture.width, rgb=picture.tobytes())
+    except ImageError:
+        raise
+    except Exception as e:  # PIL raises many kinds for a broken file
+        raise ImageError(f"not a readable image ({type(e).__name__}: {e})") from None
