@@ -58,3 +58,23 @@ def test_logprob_count_must_match():
     t = Turn(prompt_ids=[1], completion_ids=[2, 3], completion_logprobs=[-0.1])
     with pytest.raises(ValueError, match="rollout 5, turn 0: 2 completion tokens but 1 logprobs"):
         merge_turns(Rollout(sample_id=5, group_id=0, turns=[t]))
+
+
+def picture(value: int, h: int = 1, w: int = 2):
+    from primerl_protocol.rollouts import Image
+
+    return Image(height=h, width=w, rgb=bytes([value]) * (h * w * 3))
+
+
+def test_images_go_with_their_tokens_and_a_turn_with_other_images_starts_a_sample():
+    """A tool that answers with a second picture extends the sample (its images: both, in
+    order); a turn whose prompt has the same tokens but another first picture cannot extend
+    it: those tokens stood for other pixels."""
+    a, b, c = picture(1), picture(2), picture(3)
+    t1 = Turn(prompt_ids=SYS + [99, 99], completion_ids=[10], completion_logprobs=[-1.0], images=[a])
+    t2 = Turn(prompt_ids=SYS + [99, 99, 10, 99], completion_ids=[11], completion_logprobs=[-2.0], images=[a, b])
+    t3 = Turn(prompt_ids=SYS + [99, 99, 10, 99, 11], completion_ids=[12], completion_logprobs=[-3.0], images=[c, b])
+    first, second = merge_turns(Rollout(sample_id=4, group_id=0, turns=[t1, t2, t3]))
+    assert first.token_ids == SYS + [99, 99, 10, 99, 11] and first.images == [a, b]
+    assert second.token_ids == SYS + [99, 99, 10, 99, 11, 12] and second.images == [c, b]
+    assert second.loss_mask == [False] * 7 + [True]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from primerl_algos.packing import (
     build_batches,
+    build_micro_batch,
     first_fit_decreasing,
     plan_packing,
     row_cost,
@@ -105,3 +106,20 @@ def test_empty_batch_gives_padding_rows_on_every_rank():
     plan = plan_packing([], seq_len=16, num_ranks=3)
     batches = build_batches([], plan, step=0)
     assert [len(b.micro_batches) for b in batches] == [1, 1, 1]
+
+
+def test_a_rows_images_are_its_samples_images_in_order():
+    from primerl_protocol.rollouts import Image
+
+    def image(value, h, w):
+        return Image(height=h, width=w, rgb=bytes([value]) * (h * w * 3))
+
+    with_two = Sample(sample_id=1, token_ids=[5, 6, 7], loss_mask=[False, False, True], inference_logprobs=[0.0] * 3,
+                      images=[image(1, 2, 3), image(2, 1, 1)])
+    plain = Sample(sample_id=2, token_ids=[8, 9], loss_mask=[False, True], inference_logprobs=[0.0] * 2)
+    with_one = Sample(sample_id=3, token_ids=[4, 4], loss_mask=[False, True], inference_logprobs=[0.0] * 2,
+                      images=[image(3, 1, 2)])
+    mb = build_micro_batch([with_two, plain, with_one])
+    assert mb.image_sizes.tolist() == [[2, 3], [1, 1], [1, 2]]
+    assert [int(x[0, 0, 0]) for x in mb.images()] == [1, 2, 3]
+    assert build_micro_batch([plain]).image_sizes.shape == (0, 2)

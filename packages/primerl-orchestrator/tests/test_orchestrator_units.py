@@ -367,3 +367,42 @@ def test_adapter_policies_are_loaded_named_by_rollouts_and_unloaded_once_idle():
 
     with stand_in(handler) as url:
         asyncio.run(go(url))
+
+
+def test_rollouts_whose_images_cannot_train_get_an_error_naming_environment_task_turn_and_image(tmp_path):
+    """The image checks before a rollout can train: a picture the processor would resize, image
+    tokens that do not match the picture's size, images for a text model. Good rollouts and
+    already-failed ones are left as they are. (A 64 x 64 picture with patches of 16 merged
+    2 x 2 makes 4 image tokens.)"""
+    import json
+
+    from primerl_orchestrator.images import check_images, vision_of
+    from primerl_protocol.rollouts import Image, Rollout, Turn
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "vision_config": {}, "image_token_id": 9}))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"patch_size": 16, "merge_size": 2, "size": {"shortest_edge": 1024, "longest_edge": 1 << 20}}))
+    vision = vision_of(str(tmp_path))
+    assert vision.image_token_id == 9 and vision.spec.factor == 32
+
+    def rollout(sample_id, prompt, images, error=None):
+        return Rollout(sample_id=sample_id, group_id=0, reward=1.0, error=error, turns=[
+            Turn(prompt_ids=[1, 2], completion_ids=[3], completion_logprobs=[-0.1]),
+            Turn(prompt_ids=prompt, completion_ids=[3], completion_logprobs=[-0.1],
+                 images=[Image(height=h, width=w, rgb=bytes(h * w * 3)) for h, w in images])])
+
+    good = rollout(0, [1, 9, 9, 9, 9, 2], [(64, 64)])
+    resized = rollout(1, [1, 9, 9, 9, 9, 2], [(60, 64)])
+    too_few = rollout(2, [1, 9, 9, 2], [(64, 64)])
+    failed = rollout(3, [1, 9, 2], [(64, 64)], error="TimeoutError: slow")
+    assert check_images([good, resized, too_few, failed], vision, "shapes", "'t7'") == 2
+    assert good.error is None and good.reward == 1.0 and failed.error == "TimeoutError: slow"
+    assert resized.error.startswith("ImageError: environment 'shapes', task 't7', turn 1: image 1: an image of 60 x 64")
+    assert "would be resized to 64 x 64" in resized.error and resized.reward == 0.0
+    assert "image 1 (64 x 64 pixels) makes 4 image tokens but its run has 2" in too_few.error
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert vision_of(str(tmp_path)) is None
+    text = rollout(4, [1, 9, 9, 9, 9, 2], [(64, 64)])
+    assert check_images([text], None, "shapes", "'t7'") == 1
+    assert "the prompt holds 1 images but the model has no vision tower" in text.error

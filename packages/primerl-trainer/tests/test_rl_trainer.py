@@ -176,6 +176,38 @@ def test_validate_batch_names_the_problem_and_the_sample():
     assert validate_batch(empty, 0, d, 98, 64) == "batch for step 0 has no micro-batches"
 
 
+def test_validate_batch_checks_each_samples_images_against_its_image_tokens():
+    """A row's images are matched to its samples' runs of image tokens in order (a 32 x 64
+    picture, patches of 16 merged 2 x 2: 2 tokens). Images for a text model, a sample with
+    fewer runs than its images, a run of the wrong length: refused, naming the sample."""
+    from primerl_protocol.images import ImageSpec
+
+    d = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    vision = (ImageSpec(patch_size=16, merge_size=2, min_pixels=1024), 97)
+
+    def problem(ids_of_samples, sizes, vision=vision):
+        batch = synthetic_batches(0, 1, 98)[0]
+        mb = batch.micro_batches[0]
+        ids = np.concatenate([np.array(x, np.int32) for x in ids_of_samples])
+        fields = {name: getattr(mb, name) for name in mb.__struct_fields__}
+        n, lens = len(ids), np.array([len(x) for x in ids_of_samples], np.int32)
+        fields |= dict(input_ids=ids, loss_mask=np.zeros(n, bool), inference_logprobs=np.zeros(n, np.float32),
+                       advantages=np.zeros(n, np.float32), temperatures=np.ones(n, np.float32), seq_lens=lens,
+                       sample_ids=np.arange(len(lens), dtype=np.int64) + 10, policy_steps=np.zeros(len(lens), np.int32),
+                       image_sizes=np.array(sizes, np.int32).reshape(-1, 2),
+                       image_pixels=np.zeros(sum(h * w * 3 for h, w in sizes), np.uint8))
+        batch.micro_batches = [type(mb)(**fields)]
+        return validate_batch(batch, 0, d, 98, 64, vision)
+
+    assert problem([[1, 97, 97, 2], [3, 97, 97, 4, 97, 97]], [(32, 64), (32, 64), (64, 32)]) is None
+    assert problem([[1, 97, 97, 2]], [(32, 64)], vision=None) == (
+        "micro-batch 0, the row holds 1 images but the model has no vision tower")
+    assert problem([[1, 97, 97, 2], [3, 4]], [(32, 64), (32, 64)]) == (
+        "micro-batch 0, the row holds 2 images but its samples have 1 runs of image tokens")
+    assert problem([[1, 97, 2], [3, 97, 97]], [(32, 64), (32, 64)]) == (
+        "micro-batch 0, sample 10: image 1 (32 x 64 pixels) makes 2 image tokens but its run has 1")
+
+
 @pytest.mark.slow
 def test_a_refused_batch_stops_every_rank_and_tells_the_orchestrator_why(tmp_path, model_dir):
     """The orchestrator sends no batch twice: waiting for another would wait for ever."""

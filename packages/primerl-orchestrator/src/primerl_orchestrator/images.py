@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from primerl_protocol.images import ImageSpec, grid_of, image_tokens, kept_size_problem, placeholder_runs
+from primerl_protocol.images import ImageSpec, tokens_problem
 from primerl_protocol.rollouts import Rollout, Turn
 
 log = logging.getLogger("primerl.orchestrator")
@@ -50,16 +50,7 @@ def image_problem(turn: Turn, vision: Vision | None) -> str | None:
     """What is wrong with the images of `turn` for training, or None."""
     if vision is None:
         return f"the prompt holds {len(turn.images)} images but the model has no vision tower" if turn.images else None
-    runs = placeholder_runs(turn.prompt_ids, vision.image_token_id)
-    if len(runs) != len(turn.images):
-        return f"the prompt holds {len(turn.images)} images but {len(runs)} runs of image tokens"
-    for k, (image, (_, length)) in enumerate(zip(turn.images, runs, strict=True), 1):
-        if (problem := kept_size_problem(image.height, image.width, vision.spec)) is not None:
-            return f"image {k}: {problem}"
-        need = image_tokens(grid_of(image.height, image.width, vision.spec), vision.spec)
-        if need != length:
-            return f"image {k} ({image.height} x {image.width} pixels) makes {need} image tokens but the server gave {length}"
-    return None
+    return tokens_problem(turn.prompt_ids, [(i.height, i.width) for i in turn.images], vision.spec, vision.image_token_id)
 
 
 def check_images(rollouts: list[Rollout], vision: Vision | None, env: str, task: str) -> int:

@@ -108,6 +108,21 @@ def kept_size_problem(height: int, width: int, spec: ImageSpec) -> str | None:
     return None
 
 
+def tokens_problem(ids, sizes: list[tuple[int, int]], spec: ImageSpec, image_token_id: int) -> str | None:
+    """Why the images of `sizes` (height, width each, in order) do not fit the token ids `ids`
+    of one sequence (each a run of exactly its image tokens, at a size the processor keeps), or None."""
+    runs = placeholder_runs(ids, image_token_id)
+    if len(runs) != len(sizes):
+        return f"{len(sizes)} images but {len(runs)} runs of image tokens"
+    for k, ((height, width), (_, length)) in enumerate(zip(sizes, runs, strict=True), 1):
+        if (problem := kept_size_problem(height, width, spec)) is not None:
+            return f"image {k}: {problem}"
+        need = image_tokens(grid_of(height, width, spec), spec)
+        if need != length:
+            return f"image {k} ({height} x {width} pixels) makes {need} image tokens but its run has {length}"
+    return None
+
+
 def placeholder_runs(ids: np.ndarray | list[int], image_token_id: int) -> list[tuple[int, int]]:
     """(start, length) of each run of `image_token_id` in `ids`, in order."""
     is_image = np.asarray(ids) == image_token_id

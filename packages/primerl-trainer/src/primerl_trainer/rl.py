@@ -46,6 +46,7 @@ from primerl_protocol import (
     TrainBatch,
     TransportTimeout,
 )
+from primerl_protocol.images import ImageSpec, placeholder_runs, tokens_problem
 
 from primerl_trainer.config import TrainerRunConfig
 from primerl_trainer.distributed import Dist, all_gather_objects, all_reduce_maxes, post_note, read_note
@@ -58,8 +59,10 @@ class TrainerError(RuntimeError):
     """The trainer cannot go on (no data, bad state); the message says why and what is kept."""
 
 
-def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_row_tokens: int) -> str | None:
-    """Why this rank's batch cannot be trained on (naming the sample), or None."""
+def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_row_tokens: int,
+                   vision: tuple[ImageSpec, int] | None = None) -> str | None:
+    """Why this rank's batch cannot be trained on (naming the sample), or None. `vision`: the
+    model's image settings and image token id (None: a text model, whose rows hold no images)."""
     if batch.step != step:
         return f"got a batch for step {batch.step} while expecting step {step}: a step was skipped"
     if batch.rank != d.rank or batch.num_ranks != d.world_size:
@@ -90,6 +93,26 @@ def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_r
                 what = "a positive finite number" if name == "temperatures" else "a finite number"
                 return (f"micro-batch {i}, sample {_sample_at(mb, t)}: {name} holds {getattr(mb, name)[t]} "
                         f"at token {t}, not {what}")
+        if (problem := _images_problem(mb, vision)) is not None:
+            return f"micro-batch {i}, {problem}"
+    return None
+
+
+def _images_problem(mb: MicroBatch, vision: tuple[ImageSpec, int] | None) -> str | None:
+    """Why the row's images do not fit its samples' image tokens (sample by sample), or None."""
+    sizes = [tuple(hw) for hw in mb.image_sizes.tolist()]
+    if vision is None:
+        return f"the row holds {len(sizes)} images but the model has no vision tower" if sizes else None
+    spec, token = vision
+    bounds, taken = mb.cu_seqlens(), 0
+    for s in range(len(mb.seq_lens)):
+        ids = mb.input_ids[bounds[s]: bounds[s + 1]]
+        mine = len(placeholder_runs(ids, token))
+        if (problem := tokens_problem(ids, sizes[taken: taken + mine], spec, token)) is not None:
+            return f"sample {int(mb.sample_ids[s])}: {problem}"
+        taken += mine
+    if taken != len(sizes):
+        return f"the row holds {len(sizes)} images but its samples have {taken} runs of image tokens"
     return None
 
 
@@ -118,8 +141,10 @@ class StepData:
 class BatchSource:
     """This rank's batches, validated in agreement with the other ranks."""
 
-    def __init__(self, cfg: TrainerRunConfig, d: Dist, vocab_size: int, max_row_tokens: int):
+    def __init__(self, cfg: TrainerRunConfig, d: Dist, vocab_size: int, max_row_tokens: int,
+                 vision: tuple[ImageSpec, int] | None = None):
         t = cfg.transport
+        self.vision = vision
         self.receiver = Receiver(t.batch_endpoint(d.rank), BatchMessage, channel=f"batches/rank{d.rank}", settings=t.sockets)
         self.timeout_s = t.sockets.recv_timeout_s
         self.d, self.vocab_size, self.max_row_tokens = d, vocab_size, max_row_tokens
@@ -133,7 +158,8 @@ class BatchSource:
         their problems), else train."""
         start = time.monotonic()
         msg = self._receive(step)
-        problem = None if msg is None else validate_batch(msg, step, self.d, self.vocab_size, self.max_row_tokens)
+        problem = None if msg is None else validate_batch(msg, step, self.d, self.vocab_size, self.max_row_tokens,
+                                                          self.vision)
         if self.agree(step, msg, problem) == _STOP:
             log.info("stopping: %s", read_note("stopping"))
             return None
@@ -248,7 +274,8 @@ def train(cfg: TrainerRunConfig) -> None:
     session = Session(cfg, job="rl")
     d = session.d
     row_tokens = cfg.trainer.micro_batch_tokens or cfg.seq_len
-    source = BatchSource(cfg, d, session.args.vocab_size, row_tokens)
+    vision = (session.image_spec, session.args.vision.image_token_id) if session.image_spec is not None else None
+    source = BatchSource(cfg, d, session.args.vocab_size, row_tokens, vision)
     policy = (
         Sender(cfg.transport.policy_endpoint(), PolicyMessage, channel="policy", settings=cfg.transport.sockets)
         if d.is_main else None
