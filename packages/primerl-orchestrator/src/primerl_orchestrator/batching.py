@@ -85,6 +85,8 @@ def build_step(
         metrics[f"filter/{reason}"] = float(count)
     metrics["filter/longer_than_row"] = float(too_long)
     metrics["batch/samples"] = float(len(samples))
+    if images := sum(len(s.images) for s in samples):
+        metrics["batch/images"] = float(images)
     metrics["batch/loss_tokens"] = float(batches[0].num_loss_tokens)
     metrics["batch/rows_per_rank"] = float(plan.rows_per_rank)
     if samples:
