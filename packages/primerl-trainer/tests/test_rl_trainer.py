@@ -185,7 +185,7 @@ def test_validate_batch_checks_each_samples_images_against_its_image_tokens():
     d = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     vision = (ImageSpec(patch_size=16, merge_size=2, min_pixels=1024), 97)
 
-    def problem(ids_of_samples, sizes, vision=vision):
+    def problem(ids_of_samples, sizes, vision=vision, cp=1):
         batch = synthetic_batches(0, 1, 98)[0]
         mb = batch.micro_batches[0]
         ids = np.concatenate([np.array(x, np.int32) for x in ids_of_samples])
@@ -197,7 +197,7 @@ def test_validate_batch_checks_each_samples_images_against_its_image_tokens():
                        image_sizes=np.array(sizes, np.int32).reshape(-1, 2),
                        image_pixels=np.zeros(sum(h * w * 3 for h, w in sizes), np.uint8))
         batch.micro_batches = [type(mb)(**fields)]
-        return validate_batch(batch, 0, d, 98, 64, vision)
+        return validate_batch(batch, 0, d, 98, 64, vision, cp)
 
     assert problem([[1, 97, 97, 2], [3, 97, 97, 4, 97, 97]], [(32, 64), (32, 64), (64, 32)]) is None
     assert problem([[1, 97, 97, 2]], [(32, 64)], vision=None) == (
@@ -206,6 +206,9 @@ def test_validate_batch_checks_each_samples_images_against_its_image_tokens():
         "micro-batch 0, the row holds 2 images but its samples have 1 runs of image tokens")
     assert problem([[1, 97, 2], [3, 97, 97]], [(32, 64), (32, 64)]) == (
         "micro-batch 0, sample 10: image 1 (32 x 64 pixels) makes 2 image tokens but its run has 1")
+    assert problem([[1, 97, 97, 2]], [(32, 64)], cp=2) == (
+        "micro-batch 0 holds images, and rows with images are not split over context-parallel ranks yet: "
+        "set trainer.parallel.cp = 1 (it is 2)")
 
 
 @pytest.mark.slow

@@ -60,9 +60,10 @@ class TrainerError(RuntimeError):
 
 
 def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_row_tokens: int,
-                   vision: tuple[ImageSpec, int] | None = None) -> str | None:
+                   vision: tuple[ImageSpec, int] | None = None, cp: int = 1) -> str | None:
     """Why this rank's batch cannot be trained on (naming the sample), or None. `vision`: the
-    model's image settings and image token id (None: a text model, whose rows hold no images)."""
+    model's image settings and image token id (None: a text model, whose rows hold no images);
+    `cp`: the context-parallel degree (rows with images are not split)."""
     if batch.step != step:
         return f"got a batch for step {batch.step} while expecting step {step}: a step was skipped"
     if batch.rank != d.rank or batch.num_ranks != d.world_size:
@@ -95,6 +96,9 @@ def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_r
                         f"at token {t}, not {what}")
         if (problem := _images_problem(mb, vision)) is not None:
             return f"micro-batch {i}, {problem}"
+        if cp > 1 and len(mb.image_sizes):
+            return (f"micro-batch {i} holds images, and rows with images are not split over context-parallel "
+                    f"ranks yet: set trainer.parallel.cp = 1 (it is {cp})")
     return None
 
 
@@ -144,7 +148,7 @@ class BatchSource:
     def __init__(self, cfg: TrainerRunConfig, d: Dist, vocab_size: int, max_row_tokens: int,
                  vision: tuple[ImageSpec, int] | None = None):
         t = cfg.transport
-        self.vision = vision
+        self.vision, self.cp = vision, cfg.trainer.parallel.cp
         self.receiver = Receiver(t.batch_endpoint(d.rank), BatchMessage, channel=f"batches/rank{d.rank}", settings=t.sockets)
         self.timeout_s = t.sockets.recv_timeout_s
         self.d, self.vocab_size, self.max_row_tokens = d, vocab_size, max_row_tokens
@@ -159,7 +163,7 @@ class BatchSource:
         start = time.monotonic()
         msg = self._receive(step)
         problem = None if msg is None else validate_batch(msg, step, self.d, self.vocab_size, self.max_row_tokens,
-                                                          self.vision)
+                                                          self.vision, self.cp)
         if self.agree(step, msg, problem) == _STOP:
             log.info("stopping: %s", read_note("stopping"))
             return None
