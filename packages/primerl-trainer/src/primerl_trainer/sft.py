@@ -20,20 +20,22 @@ import numpy as np
 import torch
 from primerl_algos.packing import build_micro_batch, plan_packing
 from primerl_algos.types import Sample
+from primerl_protocol.images import ImageSpec
 
 from primerl_trainer.config import SFTRunConfig
 from primerl_trainer.distributed import all_reduce_sum
 from primerl_trainer.engine import Session, token_logprobs
-from primerl_trainer.sft_data import load_samples
+from primerl_trainer.sft_data import DataError, load_samples
 
 log = logging.getLogger("primerl.trainer")
 
 
-def nll_loss(num_tokens: int, device: torch.device, cp_group=None):
-    """Summed NLL of the masked tokens over `num_tokens` (all ranks' loss tokens of the step)."""
+def nll_loss(num_tokens: int, device: torch.device, cp_group=None, images: ImageSpec | None = None):
+    """Summed NLL of the masked tokens over `num_tokens` (all ranks' loss tokens of the step).
+    `images`: the model's ImageSpec (Session.image_spec), for rows with images."""
 
     def loss_fn(model, mb):
-        pi, _ = token_logprobs(model, mb, device, cp_group)
+        pi, _ = token_logprobs(model, mb, device, cp_group, images)
         mask = torch.from_numpy(mb.loss_mask.copy()).to(device)
         return -torch.where(mask, pi, 0.0).sum() / max(num_tokens, 1), {"loss_tokens": mask.sum().float()}
 
@@ -82,7 +84,7 @@ def evaluate(session: Session, samples: list[Sample], row_tokens: int) -> float:
     rows, _ = my_rows(samples, row_tokens, d.rank, d.world_size)
     total = count = 0.0
     for mb in session.mesh.group_rows(rows):
-        pi, _ = token_logprobs(session.model, mb, d.device, session.mesh.cp_group)
+        pi, _ = token_logprobs(session.model, mb, d.device, session.mesh.cp_group, session.image_spec)
         mask = torch.from_numpy(mb.loss_mask.copy()).to(d.device)
         total += float(-torch.where(mask, pi, 0.0).sum())
         count += float(mask.sum())
@@ -100,8 +102,12 @@ def train(cfg: SFTRunConfig) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(session.model_folder)
     row_tokens = cfg.trainer.micro_batch_tokens or cfg.seq_len
-    samples, dropped = load_samples(cfg.data.path, tokenizer, row_tokens)
-    eval_samples = load_samples(cfg.data.eval_path, tokenizer, row_tokens)[0] if cfg.data.eval_path else []
+    vision = None if session.image_spec is None else (session.image_spec, session.args.vision.image_token_id)
+    samples, dropped = load_samples(cfg.data.path, tokenizer, row_tokens, vision)
+    eval_samples = load_samples(cfg.data.eval_path, tokenizer, row_tokens, vision)[0] if cfg.data.eval_path else []
+    if session.mesh.cp_group is not None and any(s.images for s in samples + eval_samples):
+        raise DataError(f"{cfg.data.path}: rows with images under context parallelism are not supported: "
+                        "set trainer.parallel.cp = 1")
     batches = Batches(samples, cfg.data.batch_size, cfg.seed, cfg.data.shuffle, session.data_state)
     max_steps = cfg.max_steps or max(1, len(samples) // cfg.data.batch_size)
     log.info("SFT on %d samples (%d dropped), %d steps", len(samples), sum(dropped.values()), max_steps)
@@ -111,7 +117,7 @@ def train(cfg: SFTRunConfig) -> None:
             t0 = time.monotonic()
             rows, loss_tokens = my_rows(batches.next(), row_tokens, d.rank, d.world_size)
             t_data = time.monotonic() - t0
-            stats = session.train_step(rows, nll_loss(loss_tokens, d.device, session.mesh.cp_group))
+            stats = session.train_step(rows, nll_loss(loss_tokens, d.device, session.mesh.cp_group, session.image_spec))
             last = step + 1 == max_steps
             checkpointed = session.maybe_checkpoint(step, batches.state, final=last)
             publish_s = session.publish(step)[1] if (checkpointed or last) else 0.0

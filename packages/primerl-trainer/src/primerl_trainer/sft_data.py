@@ -6,6 +6,14 @@ where each is a string (a user / an assistant message) or a list of messages. Th
 chat template (through its tokenizer) renders the conversation; the tokens each assistant
 message adds are found by rendering the conversation up to it: everything the template adds
 for the assistant message is trained on, everything else is context.
+
+Images (vision-language models): a message's content may be a list of OpenAI parts,
+{"type": "text", "text": ...} and {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}.
+Each image is decoded (RGB, inline data URLs only: primerl_protocol.images.decode_data_url) and
+must be at a size the model's processor keeps (sides multiples of patch x merge, within its
+pixel bounds); the template renders it as one image token (Qwen-VL's
+`<|vision_start|><|image_pad|><|vision_end|>`), which is widened to the image's tokens as the
+processor widens it. Image tokens are context, never trained on.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from collections import Counter
 from pathlib import Path
 
 from primerl_algos.types import Sample
+from primerl_protocol.images import ImageError, ImageSpec, decode_data_url, grid_of, image_tokens, kept_size_problem
+from primerl_protocol.rollouts import Image
 
 log = logging.getLogger("primerl.trainer")
 
@@ -101,19 +111,94 @@ def tokenize(tokenizer, messages: list[dict], where: str) -> tuple[list[int], li
     return ids, mask
 
 
-def load_samples(path: str, tokenizer, seq_len: int) -> tuple[list[Sample], Counter]:
-    """Token samples of a data file; samples longer than seq_len are dropped and counted."""
+IMAGE_PARTS = ("image_url", "image")
+
+
+def _image_url(part: dict) -> object:
+    """The URL of an image part: OpenAI's {"image_url": {"url"}} (or a bare string), or
+    transformers' {"type": "image", "url" | "image"}."""
+    if part.get("type") == "image_url":
+        url = part.get("image_url")
+        return url.get("url") if isinstance(url, dict) else url
+    return part.get("url") or part.get("image")
+
+
+def split_images(messages: list[dict], where: str) -> tuple[list[dict], list[object]]:
+    """The messages as the chat template takes them (each image part {"type": "image"}, a
+    part's keys that are None, as Parquet fills them, left out) and the image URLs, in order."""
+    out, urls = [], []
+    for m in messages:
+        content = m["content"]
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise DataError(f"{where}: a message's content parts must be objects, got {type(part).__name__}")
+            if part.get("type") in IMAGE_PARTS:
+                urls.append(_image_url(part))
+                parts.append({"type": "image"})
+            else:
+                parts.append({k: v for k, v in part.items() if v is not None})
+        out.append({**m, "content": parts})
+    return out, urls
+
+
+def with_images(ids: list[int], mask: list[bool], images: list[Image], spec: ImageSpec, image_token_id: int,
+                where: str) -> tuple[list[int], list[bool]]:
+    """`ids` with each image's single image token widened to its image_tokens (as the
+    processor widens it), none of them trained on."""
+    slots = [t for t, token in enumerate(ids) if token == image_token_id]
+    if len(slots) != len(images):
+        raise DataError(f"{where}: {len(images)} images but the chat template renders {len(slots)} image tokens "
+                        f"(id {image_token_id}); each image part must render as one")
+    out_ids, out_mask, start = [], [], 0
+    for slot, image in zip(slots, images, strict=True):
+        n = image_tokens(grid_of(image.height, image.width, spec), spec)
+        out_ids += ids[start:slot] + [image_token_id] * n
+        out_mask += mask[start:slot] + [False] * n
+        start = slot + 1
+    return out_ids + ids[start:], out_mask + mask[start:]
+
+
+def decode_images(urls: list[object], spec: ImageSpec, where: str) -> list[Image]:
+    images = []
+    for k, url in enumerate(urls, 1):
+        try:
+            image = decode_data_url(url)
+        except ImageError as err:
+            raise DataError(f"{where}, image {k}: {err}") from None
+        if (problem := kept_size_problem(image.height, image.width, spec)) is not None:
+            raise DataError(f"{where}, image {k}: {problem}")
+        images.append(image)
+    return images
+
+
+def load_samples(path: str, tokenizer, seq_len: int,
+                 vision: tuple[ImageSpec, int] | None = None) -> tuple[list[Sample], Counter]:
+    """Token samples of a data file; samples longer than seq_len are dropped and counted.
+    `vision`: the model's image settings and image token id (None: a text model, which
+    refuses rows with images)."""
     samples, dropped = [], Counter()
     for i, row in enumerate(read_rows(path)):
         where = f"{path}, row {i}"
-        ids, mask = tokenize(tokenizer, _messages(row, where), where)
+        messages, urls = split_images(_messages(row, where), where)
+        if urls and vision is None:
+            raise DataError(f"{where}: {len(urls)} images, but the model has no vision tower (a text model): "
+                            "give a vision-language model or rows without images")
+        images = decode_images(urls, vision[0], where) if urls else []
+        ids, mask = tokenize(tokenizer, messages, where)
+        if vision is not None:  # also: a text row must not hold image tokens without images
+            ids, mask = with_images(ids, mask, images, *vision, where)
         if len(ids) > seq_len:
             dropped["longer_than_seq_len"] += 1
             continue
         if not any(mask):
             dropped["nothing_to_train"] += 1
             continue
-        samples.append(Sample(sample_id=i, token_ids=ids, loss_mask=mask, inference_logprobs=[0.0] * len(ids)))
+        samples.append(Sample(sample_id=i, token_ids=ids, loss_mask=mask, inference_logprobs=[0.0] * len(ids),
+                              images=images))
     if not samples:
         raise DataError(f"{path}: no usable samples ({dict(dropped) or 'the file is empty'})")
     if dropped:
