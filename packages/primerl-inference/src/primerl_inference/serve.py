@@ -15,6 +15,11 @@ default vLLM inspects a class it has not imported in a fresh Python subprocess, 
 vLLM and torch once more (about 7 s of CPU on the 2-core machine, on the server's critical
 path); it does so only to keep CUDA uninitialised in the server process, and a CPU server has
 no CUDA. The result is the same class and the same facts about it.
+
+Without torchvision (the CPU machines), vision_compat.install() first makes vLLM's Qwen3-VL /
+Qwen3.5 modules importable and their image processor torchvision-free (images served, videos
+refused), in the server and in the engine process vLLM spawns (which imports this module again,
+as `__mp_main__`); not where the launcher imports this module for a name.
 """
 
 import json
@@ -56,6 +61,11 @@ def register_in_process(model: str | None) -> list[str]:
             done.append(arch)
     return done
 
+
+if __name__ in ("__main__", "__mp_main__"):  # the server, or its spawned engine process
+    from primerl_inference.vision_compat import install as install_vision_compat
+
+    install_vision_compat()
 
 if __name__ == "__main__":
     if os.environ.get(INSPECT_ENV) == "1":

