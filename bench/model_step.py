@@ -10,8 +10,17 @@ excluded; the second term is causal attention; H200 bf16 dense peak 989 TFLOP/s)
 
     python bench/model_step.py --models qwen3-0.6b,qwen3-30b-a3b-6l --steps 6
 
+Vision-language shapes (IMAGES below) put images in the row: random patches through the vision
+tower, their merged tokens at the image tokens, 3-axis positions computed by each model from the
+image tokens (transformers: mm_token_type_ids). The tower is frozen (requires_grad False, as
+trainer.freeze_vision's default) for both; the run flag `:tower` trains it, for both. MFU adds
+the tower's FLOPs (forward only when frozen, x3 when trained) to the text model's.
+
+    python bench/model_step.py --models qwen3.5-0.8b-vl --runs transformers,ours,transformers:tower,ours:tower
+
 Needs a GPU with transformers installed; PYTHONPATH=packages/primerl-models/src if primerl is
-not installed there.
+not installed there. `--device cpu` checks the code path on a tiny shape (qwen3.5-vl-tiny,
+runs with `:eager`); its timings mean nothing and it reports no memory.
 """
 
 from __future__ import annotations
@@ -28,8 +37,17 @@ from primerl_models import ModelArgs, Transformer, chunked_logprobs
 PEAK_FLOPS = 989e12
 VOCAB = 151936
 
+# Qwen3.5-0.8B's text model as recalled (Qwen/Qwen3.5-0.8B's config.json was not at hand
+# offline): 24 layers, 3 Gated DeltaNet to 1 gated full attention, tied embeddings
+QWEN35_08B_TEXT = dict(vocab_size=248320, hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=256, intermediate_size=3584, linear_num_key_heads=16,
+                       linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_conv_kernel_dim=4, full_attention_interval=4, tie_word_embeddings=True,
+                       rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
+
 SHAPES = {
-    # name: (model_type, HF config fields, seq_len)
+    # name: (model_type, HF config fields, seq_len); a vision-language model's fields are its
+    # text_config, vision_config and image_token_id
     "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                  head_dim=128, intermediate_size=3072, tie_word_embeddings=True), 16384),
     "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -57,15 +75,33 @@ SHAPES = {
                                                             beta_fast=32.0, beta_slow=1.0, truncate=False,
                                                             original_max_position_embeddings=4096),
                                        tie_word_embeddings=False), 8192),
-    # Qwen3.5-0.8B's text model as recalled (Qwen/Qwen3.5-0.8B's config.json was not at hand
-    # offline): 24 layers, 3 Gated DeltaNet to 1 gated full attention, tied embeddings
-    "qwen3.5-0.8b": ("qwen3_5_text", dict(vocab_size=248320, hidden_size=1024, num_hidden_layers=24,
-                                          num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-                                          intermediate_size=3584, linear_num_key_heads=16, linear_num_value_heads=16,
-                                          linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                                          full_attention_interval=4, tie_word_embeddings=True,
-                                          rope_parameters=dict(rope_type="default", rope_theta=1e7,
-                                                               partial_rotary_factor=0.25)), 8192),
+    # Qwen3.5-0.8B's text model (above)
+    "qwen3.5-0.8b": ("qwen3_5_text", QWEN35_08B_TEXT, 8192),
+    # Qwen3.5-0.8B as released, a vision-language model (Qwen3_5ForConditionalGeneration): the
+    # text model above with its 3-axis RoPE sections, and the vision tower of Qwen/Qwen3.5-0.8B's
+    # vision_config as found in several public repositories' copies of that config (recalled and
+    # cross-checked, not read from the official file, which was not at hand offline): 12 blocks
+    # of width 768, 12 heads of 64, MLP 3072 (gelu tanh), patches 16 x 16 x 2 frames, 2 x 2 merge
+    # to the text width 1024, a 48 x 48 learned position grid. Images: IMAGES below.
+    "qwen3.5-0.8b-vl": ("qwen3_5", dict(
+        text_config=QWEN35_08B_TEXT | dict(rope_parameters=dict(
+            rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
+            mrope_interleaved=True)),
+        vision_config=dict(depth=12, hidden_size=768, num_heads=12, intermediate_size=3072,
+                           hidden_act="gelu_pytorch_tanh", in_channels=3, patch_size=16, temporal_patch_size=2,
+                           spatial_merge_size=2, num_position_embeddings=2304, out_hidden_size=1024),
+        image_token_id=248056), 8192),
+    # A tiny vision-language shape to check the code path on a CPU (--device cpu, runs :eager)
+    "qwen3.5-vl-tiny": ("qwen3_5", dict(
+        text_config=dict(vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=96, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+                         linear_conv_kernel_dim=4, full_attention_interval=2, tie_word_embeddings=True,
+                         rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=1.0,
+                                              mrope_section=[4, 2, 2], mrope_interleaved=True)),
+        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, patch_size=16,
+                           temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16, out_hidden_size=64),
+        image_token_id=1000), 96),
     # Qwen3.5-35B-A3B's text shape (transformers 5.19's Qwen3_5MoeTextConfig defaults, which are
     # that model's) cut to 4 layers: 3 Gated DeltaNet (16 key, 32 value heads) to 1 gated full
     # attention, 256 experts top-8 of width 512 plus the gated shared expert
@@ -91,13 +127,28 @@ SHAPES = {
                                         tie_word_embeddings=False), 8192),
 }
 
+# The images of a vision-language shape's row, (t, h, w) patch grids, each image's tokens
+# (t h w / 4) after a run of text: 8 pictures of 448 x 448 (28 x 28 patches of 16, 196 tokens
+# each), 1,568 image tokens and 6,624 text tokens in the 8,192 of the row.
+IMAGES = {
+    "qwen3.5-0.8b-vl": [(1, 28, 28)] * 8,
+    "qwen3.5-vl-tiny": [(1, 4, 4), (1, 4, 8), (1, 6, 4)],
+}
+
+DEVICE = "cuda"
+
 
 def hf_dict(name: str, layers: int | None = None) -> dict:
-    """The shape's config.json; `layers` cuts (or extends) it to that many decoder layers."""
+    """The shape's config.json; `layers` cuts (or extends) it to that many decoder layers. A
+    vision-language shape's is the released layout: text_config, vision_config, image_token_id."""
     model_type, fields, _ = SHAPES[name]
-    cfg = dict(model_type=model_type, vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=1e6,
-               max_position_embeddings=40960) | fields
-    return cfg | ({"num_hidden_layers": layers} if layers else {})
+    base = dict(vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960)
+    cut = {"num_hidden_layers": layers} if layers else {}
+    if "text_config" in fields:
+        text = dict(model_type=model_type + "_text") | base | fields["text_config"] | cut
+        outer = dict(model_type=model_type, tie_word_embeddings=text["tie_word_embeddings"])
+        return outer | fields | dict(text_config=text)
+    return dict(model_type=model_type) | base | fields | cut
 
 
 def our_args(name: str, layers: int | None = None) -> ModelArgs:
@@ -111,30 +162,58 @@ def flops_per_token(args: ModelArgs, seq: int) -> float:
     return args.train_flops([seq]) / seq
 
 
-def build_transformers(name: str, ac: bool):
+def vision_flops(args: ModelArgs, grids: list[tuple[int, int, int]], trained: bool) -> float:
+    """FLOPs of the tower over these images: forward alone when frozen (nothing flows back into
+    it), forward + backward (x3) when trained. Matrices per patch (embedding, qkv, proj, MLP),
+    the merger per merged token, attention over each whole frame (QK^T and AV, 4 D n^2)."""
+    v = args.vision
+    d, f, m = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size**2
+    patches = sum(t * h * w for t, h, w in grids)
+    per_patch = v.patch_dim * d + v.depth * (4 * d * d + 2 * d * f)
+    per_token = m * m + m * v.out_hidden_size
+    attention = v.depth * sum(4 * d * (h * w) ** 2 * t for t, h, w in grids)
+    forward = 2 * per_patch * patches + 2 * per_token * patches // v.spatial_merge_size**2 + attention
+    return forward * (3 if trained else 1)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_transformers(name: str, ac: bool, train_tower: bool = False):
     import transformers
 
     cfg = hf_dict(name)
     config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
-    with torch.device("cuda"):
+    vlm = "vision_config" in cfg
+    with torch.device(DEVICE):
         # GPT-OSS's sinks are not in transformers' sdpa path; its flex path has them
         attn = "flex_attention" if cfg["model_type"] == "gpt_oss" else "sdpa"
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+        auto = transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
+        model = auto.from_config(config, attn_implementation=attn)
     model.config.use_cache = False
+    if vlm:
+        model.model.visual.requires_grad_(train_tower)
     if ac:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
 
-    def step(ids, pos):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    def step(ids, pos, **images):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            if images:  # one document: its 3-axis positions computed by the model from the image tokens
+                types = (ids == cfg["image_token_id"]).int()
+                return model(input_ids=ids, labels=ids, mm_token_type_ids=types, **images).loss
             return model(input_ids=ids, position_ids=pos, labels=ids).loss
 
     return model, step
 
 
-def build_ours(name: str, ac: bool, compile_layers: bool, attn: str = "auto", lora_rank: int = 0):
+def build_ours(name: str, ac: bool, compile_layers: bool, attn: str = "auto", lora_rank: int = 0,
+               train_tower: bool = False):
     args = our_args(name)
-    with torch.device("cuda"):
+    args.freeze_vision = not train_tower
+    with torch.device(DEVICE):
         model = Transformer(args, attn_backend=attn)
     model.init_weights()
     if lora_rank:  # the trainer's adapters (primerl_trainer.lora) on every attention and MLP projection
@@ -153,9 +232,9 @@ def build_ours(name: str, ac: bool, compile_layers: bool, attn: str = "auto", lo
             layer.compile()
     model.train()
 
-    def step(ids, pos):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            hidden = model(ids, pos)[0, :-1].to(torch.bfloat16)
+    def step(ids, pos, **images):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            hidden = model(ids, pos, **images)[0, :-1].to(torch.bfloat16)
             logprobs, _ = chunked_logprobs(hidden, model.output_weight, ids[0, 1:])
         return -logprobs.mean()
 
@@ -169,33 +248,65 @@ def profile_step(run_step) -> None:
     """Print the top CUDA kernels of one step (after warm-up)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = DEVICE == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         run_step()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))
+        sync()
+    print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=45,
+                                    max_name_column_width=90))
 
 
-def measure(model, step, seq: int, steps: int, docs: int = 1, vocab: int = VOCAB) -> dict:
+def image_row(name: str, seq: int, g: torch.Generator) -> tuple[torch.Tensor, dict]:
+    """A row of `seq` tokens holding the shape's images, each after an equal run of random text
+    (the rest of the text after the last), and their random patches: (input_ids [1, seq],
+    {pixel_values, image_grid_thw})."""
+    cfg = hf_dict(name)
+    vision, image = cfg["vision_config"], cfg["image_token_id"]
+    merge, patch = vision.get("spatial_merge_size", 2), vision.get("patch_size", 16)
+    width = vision.get("in_channels", 3) * vision.get("temporal_patch_size", 2) * patch * patch
+    grids = IMAGES[name]
+    tokens = [t * h * w // merge**2 for t, h, w in grids]
+    text = seq - sum(tokens)
+    if text < len(grids) + 1:
+        raise ValueError(f"{name}: {seq} tokens cannot hold its {len(grids)} images ({sum(tokens)} image tokens)")
+    ids = torch.randint(0, cfg["text_config"]["vocab_size"], (seq,), device=DEVICE, generator=g)
+    ids[ids == image] = 0  # text tokens only, then the images' runs
+    run, start = text // (len(grids) + 1), 0
+    for n in tokens:
+        start += run
+        ids[start:start + n] = image
+        start += n
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), width, device=DEVICE, generator=g)
+    return ids[None], {"pixel_values": pixels, "image_grid_thw": torch.tensor(grids, device=DEVICE)}
+
+
+def measure(model, step, seq: int, steps: int, docs: int = 1, vocab: int = VOCAB, name: str | None = None) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, vocab, (1, seq), device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    if name in IMAGES:
+        if docs != 1:
+            raise ValueError("a row with images is one document here (transformers' positions are per row)")
+        ids, images = image_row(name, seq, g)
+    else:
+        ids, images = torch.randint(0, vocab, (1, seq), device=DEVICE, generator=g), {}
     bounds = torch.linspace(0, seq, docs + 1).long().tolist()
-    pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None].cuda()
-    torch.cuda.reset_peak_memory_stats()
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None].to(DEVICE)
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
 
     def one_step():
-        loss = step(ids, pos)
+        loss = step(ids, pos, **images)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
     for i in range(steps + 3):  # 3 warm-up steps (compilation, allocator)
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         loss = one_step()
-        torch.cuda.synchronize()
+        sync()
         if i >= 3:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
@@ -204,14 +315,14 @@ def measure(model, step, seq: int, steps: int, docs: int = 1, vocab: int = VOCAB
     return {
         "s_per_step": statistics.median(times),
         "tokens_per_s": seq / statistics.median(times),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan"),
         "first_loss": losses[0],
         "last_loss": losses[-1],
     }
 
 
 def run(name: str, impl: str, steps: int, ac: bool, compile_layers: bool, docs: int = 1, cudnn: bool = False,
-        seq: int | None = None, lora_rank: int = 0) -> dict:
+        seq: int | None = None, lora_rank: int = 0, train_tower: bool = False) -> dict:
     seq = seq or SHAPES[name][2]
     model = step = None
     # cudnn: SDPA may not pick flash or memory-efficient kernels, which leaves cuDNN's.
@@ -219,36 +330,52 @@ def run(name: str, impl: str, steps: int, ac: bool, compile_layers: bool, docs: 
     torch.backends.cuda.enable_mem_efficient_sdp(not cudnn)
     try:
         if impl == "transformers":
-            model, step = build_transformers(name, ac)
+            model, step = build_transformers(name, ac, train_tower)
         else:
-            model, step = build_ours(name, ac, compile_layers, lora_rank=lora_rank)
-        result = measure(model, step, seq, steps, docs, hf_dict(name)["vocab_size"])
+            model, step = build_ours(name, ac, compile_layers, lora_rank=lora_rank, train_tower=train_tower)
+        result = measure(model, step, seq, steps, docs, our_args(name).vocab_size, name)
     except torch.OutOfMemoryError:
         result = {"oom": True}
     finally:
         model = step = None
         gc.collect()
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     args = our_args(name)
+    images = {}
+    flops = flops_per_token(args, seq) * seq
+    if name in IMAGES:
+        grids, merge = IMAGES[name], args.vision.spatial_merge_size
+        images = {"tower": "trained" if train_tower else "frozen", "images": [list(g) for g in grids],
+                  "image_tokens": sum(t * h * w for t, h, w in grids) // merge**2,
+                  "patches": sum(t * h * w for t, h, w in grids)}
+        flops += vision_flops(args, grids, train_tower)
     if "tokens_per_s" in result:
-        result["mfu"] = result["tokens_per_s"] * flops_per_token(args, seq) / PEAK_FLOPS
+        result["mfu"] = result["tokens_per_s"] * flops / seq / PEAK_FLOPS
     return {"model": name, "impl": impl, "seq": seq, "ac": ac, "compile": compile_layers, "docs": docs,
-            "cudnn": cudnn, **result}
+            "cudnn": cudnn, **images, **result}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default=",".join(n for n in SHAPES if n != "qwen3-30b-a3b"))  # 48 layers: several GPUs
+    # qwen3-30b-a3b (48 layers) is for several GPUs; the tiny shape for --device cpu
+    default = [n for n in SHAPES if n not in ("qwen3-30b-a3b", "qwen3.5-vl-tiny")]
+    parser.add_argument("--models", default=",".join(default))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one step")
     parser.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (torch's global switch)")
     parser.add_argument("--seq", type=int, default=None, help="tokens in the row (default: the shape's)")
     parser.add_argument("--runs", default="transformers,ours",
-                        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR], e.g. transformers:ac,ours,ours:docs8,ours:lora16")
+                        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower], e.g. "
+                             "transformers:ac,ours,ours:docs8,ours:lora16,ours:tower (tower: the vision tower trained, "
+                             "not frozen)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: check the code path (tiny shapes, :eager runs); no memory, timings mean nothing")
     args = parser.parse_args()
-    global PROFILE
+    global PROFILE, DEVICE
     PROFILE = args.profile
+    DEVICE = args.device
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     rows = []
     for name in args.models.split(","):
@@ -257,22 +384,25 @@ def main() -> None:
             docs = next((int(f[4:]) for f in flags if f.startswith("docs")), 1)
             lora = next((int(f[4:]) for f in flags if f.startswith("lora")), 0)
             row = run(name, impl, args.steps, ac="ac" in flags, compile_layers=impl == "ours" and "eager" not in flags,
-                      docs=docs, cudnn="cudnn" in flags, seq=args.seq, lora_rank=lora)
+                      docs=docs, cudnn="cudnn" in flags, seq=args.seq, lora_rank=lora, train_tower="tower" in flags)
             row["lora_rank"] = lora
             row["tf32"] = args.tf32
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print(f"{'model':<18} {'impl':<13} {'AC':<3} {'attn':<6} {'docs':>4} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'vs transformers':>16}")
+    print(f"{'model':<18} {'impl':<13} {'AC':<3} {'attn':<6} {'docs':>4} {'tower':<7} {'tokens/s':>9} {'MFU':>6} "
+          f"{'peak GiB':>9} {'vs transformers':>16}")
     for r in rows:
-        ref = next((x for x in rows if x["model"] == r["model"] and x["impl"] == "transformers" and "tokens_per_s" in x), None)
+        ref = next((x for x in rows if x["model"] == r["model"] and x["impl"] == "transformers"
+                    and x.get("tower") == r.get("tower") and "tokens_per_s" in x), None)
         attn = "cudnn" if r["cudnn"] else "auto"
+        head = (f"{r['model']:<18} {r['impl']:<13} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['docs']:>4} "
+                f"{r.get('tower', '-'):<7}")
         if "tokens_per_s" not in r:
-            print(f"{r['model']:<18} {r['impl']:<13} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['docs']:>4} {'OOM':>9}")
+            print(f"{head} {'OOM':>9}")
             continue
         ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
-        print(f"{r['model']:<18} {r['impl']:<13} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['docs']:>4} "
-              f"{r['tokens_per_s']:>9.0f} {r['mfu']:>6.1%} {r['peak_gib']:>9.1f} {ratio:>16}")
+        print(f"{head} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.1%} {r['peak_gib']:>9.1f} {ratio:>16}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

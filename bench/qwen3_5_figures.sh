@@ -2,6 +2,8 @@
 # Issue 23's figures on one H200 (same call): the GPU tests of the recurrent mixers, the scan
 # kernel's settings and one layer's profile, then Qwen3.5-0.8B's text shape at 8,192 and 16,384
 # tokens and Qwen3.5-35B-A3B's cut to 4 layers, ours against transformers' torch fallback.
+# Issue 25's: Qwen3.5-0.8B as a vision-language model, 8 images of 448 x 448 in a row of 8,192
+# tokens, the vision tower frozen and trained (last).
 #   bash bench/qwen3_5_figures.sh OUT_DIR
 set -u
 out=${1:?output folder}
@@ -18,3 +20,5 @@ python3 bench/model_step.py --models qwen3.5-0.8b --runs ours,transformers --ste
   --out "$out/q08-8k.json" 2>&1 | tail -3
 python3 bench/model_step.py --models qwen3.5-35b-a3b-4l --runs ours,transformers --steps ${STEPS:-5} --seq 8192 \
   --out "$out/q35-8k.json" 2>&1 | tail -3
+python3 bench/model_step.py --models qwen3.5-0.8b-vl --runs ours,transformers,ours:tower,transformers:tower \
+  --steps ${STEPS:-5} --out "$out/q08-vl-8k.json" 2>&1 | tail -6
