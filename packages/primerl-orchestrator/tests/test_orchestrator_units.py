@@ -400,6 +400,11 @@ def test_rollouts_whose_images_cannot_train_get_an_error_naming_environment_task
     assert resized.error.startswith("ImageError: environment 'shapes', task 't7', turn 1: image 1: an image of 60 x 64")
     assert "would be resized to 64 x 64" in resized.error and resized.reward == 0.0
     assert "image 1 (64 x 64 pixels) makes 4 image tokens but its run has 2" in too_few.error
+    sampled = rollout(5, [1, 9, 9, 9, 9, 2], [(64, 64)])
+    sampled.turns[0].completion_ids = [3, 9]  # an untrained model may sample the placeholder
+    sampled.turns[0].completion_logprobs = [-0.1, -0.2]
+    assert check_images([sampled], vision, "shapes", "'t7'") == 1
+    assert sampled.error.endswith("turn 0: the model sampled the image token (id 9), which stands for no picture")
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     assert vision_of(str(tmp_path)) is None

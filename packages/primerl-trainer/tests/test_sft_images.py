@@ -30,7 +30,7 @@ PATCH, MERGE = 16, 2
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm"), alphabet="abcdefghij :")
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm"), tokenizer="chars", alphabet="abcdefghij :")
 
 
 @pytest.fixture(scope="module")

