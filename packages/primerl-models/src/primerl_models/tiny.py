@@ -228,7 +228,10 @@ def build_tiny_vlm(
     Weights are drawn as trained ones are sized (norms away from their init, moderate DeltaNet
     decays: primerl_models.testing.qwen35_draw; the tower's matrices ~ 1/sqrt(fan-in)), so that
     both the text and the image show in the logits. Needs transformers."""
-    import transformers
+    try:
+        import transformers
+    except ImportError as err:  # not a dependency of primerl-models: the workspace's dev group has it
+        raise ImportError("primerl_models.tiny.build_tiny_vlm needs transformers (uv sync --group dev)") from err
 
     from primerl_models.testing import qwen35_draw
 
