@@ -14,7 +14,7 @@ import transformers
 from primerl_models import PackedSeqs, load_model, read_config, save_hf, to_hf, to_ours
 from primerl_models.common.vision import mrope_positions
 from primerl_models.families import FAMILIES
-from primerl_models.testing import qwen35_draw, save_with_mtp
+from primerl_models.testing import save_with_mtp, vlm_draw
 from safetensors.torch import load_file
 
 VOCAB, IMAGE = 96, 90  # the image token inside the tiny vocabulary
@@ -34,25 +34,6 @@ VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hi
 PATCH = 3 * 2 * 2 * 2  # channels x frames x pixels
 
 
-def draw(model):
-    """Weights of trained size, so that every piece shows in the logits: the text model's norms
-    away from their init and its decays moderate (primerl_models.testing.qwen35_draw); the
-    tower's matrices ~ 1 / sqrt(fan-in), its biases and LayerNorms away from 0 and 1, and its
-    position grid as large as the patches' embedding."""
-    for name, p in model.named_parameters():
-        if name.startswith("model.visual."):
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-            elif "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif "pos_embed" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, p[0].numel() ** -0.5)
-        else:
-            qwen35_draw(name, p)
-
-
 def vlm_checkpoint(folder, moe: bool):
     """A tiny released-layout Qwen3.5(-MoE) VLM saved by transformers (with MTP tensors beside
     it, as the released checkpoints have them); returns transformers' model."""
@@ -63,7 +44,7 @@ def vlm_checkpoint(folder, moe: bool):
     torch.manual_seed(0)
     hf = transformers.AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():
-        draw(hf)
+        vlm_draw(hf)
     save_with_mtp(hf, folder)
     return hf
 

@@ -82,3 +82,22 @@ def qwen35_draw(name: str, p: torch.Tensor) -> None:
         p.uniform_(0.5, 4.0).log_()
     elif name.endswith("in_proj_a.weight"):
         p.normal_(0.0, 0.05)
+
+
+def vlm_draw(model: torch.nn.Module) -> None:
+    """Draw a transformers Qwen3.5(-MoE) VLM's weights at trained sizes, so that every piece shows
+    in the logits: the text model's by qwen35_draw; the tower's matrices ~ 1 / sqrt(fan-in), its
+    biases and LayerNorms away from 0 and 1, and its position grid as large as the patches'
+    embedding."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith("model.visual."):
+                qwen35_draw(name, p)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif "pos_embed" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, p[0].numel() ** -0.5)

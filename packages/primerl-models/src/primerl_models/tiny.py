@@ -89,6 +89,25 @@ def bpe_tokenizer(corpus: list[str], vocab_size: int):
     return tok
 
 
+def write_tokenizer(folder: Path, tok, chat_template: str, max_length: int, unk: str | None, specials: list[str]) -> None:
+    """tokenizer.json, tokenizer_config.json (ChatML ends, `chat_template`) and special_tokens_map.json of `tok`."""
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": chat_template,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": unk,
+        "bos_token": None,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    (folder / "special_tokens_map.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **({"unk_token": unk} if unk else {}),
+        "additional_special_tokens": specials,
+    }, indent=2))
+
+
 def build_tiny_model(
     folder: str | Path,
     family: str = "qwen3",
@@ -149,21 +168,7 @@ def build_tiny_model(
         "pad_token_id": ids["<|endoftext|>"],
     }
     save_hf(model.state_dict(), config, folder)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHAT_TEMPLATE,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": "<|endoftext|>",
-        "bos_token": None,
-        "model_max_length": max_position_embeddings,
-        "clean_up_tokenization_spaces": False,
-    }, indent=2))
-    (folder / "special_tokens_map.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-    }, indent=2))
+    write_tokenizer(folder, tok, CHAT_TEMPLATE, max_position_embeddings, "<|endoftext|>", ["<|im_start|>", "<|im_end|>"])
     (folder / "generation_config.json").write_text(json.dumps({
         "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
     }, indent=2))
@@ -233,7 +238,7 @@ def build_tiny_vlm(
     except ImportError as err:  # not a dependency of primerl-models: the workspace's dev group has it
         raise ImportError("primerl_models.tiny.build_tiny_vlm needs transformers (uv sync --group dev)") from err
 
-    from primerl_models.testing import qwen35_draw
+    from primerl_models.testing import vlm_draw
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -267,37 +272,13 @@ def build_tiny_vlm(
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.startswith("model.visual."):
-                qwen35_draw(name, p)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-            elif "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif "pos_embed" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, p[0].numel() ** -0.5)
+    vlm_draw(model)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(folder, safe_serialization=True)
 
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": VLM_CHAT_TEMPLATE,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,  # Qwen3.5's renderer refuses a special token that is the unknown token
-        "bos_token": None,
-        "model_max_length": 4096,
-        "clean_up_tokenization_spaces": False,
-    }, indent=2))
-    (folder / "special_tokens_map.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "additional_special_tokens": SPECIAL_TOKENS[1:] + VLM_SPECIAL_TOKENS,
-    }, indent=2))
+    # no unknown token: Qwen3.5's renderer refuses a special token that is the unknown one
+    write_tokenizer(folder, tok, VLM_CHAT_TEMPLATE, 4096, None, SPECIAL_TOKENS[1:] + VLM_SPECIAL_TOKENS)
     common = {"patch_size": patch_size, "temporal_patch_size": 2, "merge_size": merge_size,
               "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
               "rescale_factor": 1 / 255, "do_normalize": True, "do_resize": True, "do_convert_rgb": True,
