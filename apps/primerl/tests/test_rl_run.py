@@ -335,9 +335,10 @@ def test_a_vision_language_model_trains_on_pictures_on_policy_and_pictures_it_ca
     pixels the orchestrator kept, gets the server's logprobs (mismatch KL < 1e-6 on every step,
     step 0 included, the later ones on the weights it published, each step's batch holding
     pictures), so it saw the same image tokens vLLM saw. A second environment (pictures_resized.py) scales
-    its pictures to 250 x 250, which the processor would resize: its rollouts are refused with an
-    ImageError naming the environment and the task, and the run goes on. (A rollout in which
-    the random model sampled the image placeholder is refused too.)"""
+    its pictures to 250 x 250, which the processor would resize: its tasks are refused before
+    any request, their rollouts carrying an ImageError naming the environment and the task, and
+    the run goes on. (A rollout in which the random model sampled the image placeholder is
+    refused too.)"""
     from primerl_models.tiny import build_tiny_vlm
 
     model = build_tiny_vlm(tmp_path / "model")
@@ -366,7 +367,7 @@ args = {{num_tasks = 64}}"""))
     assert all(r["rollouts/error_rate"] >= 0.5 for r in rows), [r["rollouts/error_rate"] for r in rows]
     assert all(r["grad_norm"] > 0.1 for r in rows[:2])  # the weights moved before steps 1 and 2
     log = (run_dir / "logs" / "orchestrator.log").read_text()
-    assert re.search(r"ImageError: environment 'shapes-250', task '[0-9a-f]+', turn 0: image 1: an image of "
+    assert re.search(r"ImageError: environment 'shapes-250', task '[0-9a-f]+': image 1 of the prompt: an image of "
                      r"250 x 250 pixels would be resized to 256 x 256 by the model's processor", log), log[-3000:]
     assert not leftovers(run_dir)
 

@@ -411,3 +411,41 @@ def test_rollouts_whose_images_cannot_train_get_an_error_naming_environment_task
     text = rollout(4, [1, 9, 9, 9, 9, 2], [(64, 64)])
     assert check_images([text], None, "shapes", "'t7'") == 1
     assert "the prompt holds 1 images but the model has no vision tower" in text.error
+
+
+def test_a_task_whose_prompt_holds_a_picture_that_cannot_train_is_refused_before_any_request(tmp_path):
+    """The task's own pictures are checked first: one that does not decode, one the processor
+    would resize, any for a text model -> the group's rollouts carry an ImageError naming the
+    environment and the task (and no tokens), tagged with the policy served now; a good picture
+    passes."""
+    import base64
+    import io
+    import json
+    from types import SimpleNamespace
+
+    from PIL import Image as PILImage
+    from primerl_orchestrator.images import refuse_task_images, task_images_problem, vision_of
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "vision_config": {}, "image_token_id": 9}))
+    vision = vision_of(str(tmp_path))  # Qwen3.5's processor defaults: factor 32, at least 65,536 pixels
+
+    def task(url):
+        parts = [{"type": "text", "text": "How many?"}, {"type": "image_url", "image_url": {"url": url}}]
+        return SimpleNamespace(data=SimpleNamespace(prompt=[{"role": "user", "content": parts}]))
+
+    def png(size):
+        buf = io.BytesIO()
+        PILImage.new("RGB", (size, size), (9, 9, 9)).save(buf, "PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    assert task_images_problem(task(png(256)), vision) is None
+    assert "image 1 of the prompt: an image of 250 x 250 pixels would be resized to 256 x 256" in task_images_problem(
+        task(png(250)), vision)
+    assert "image 1 of the prompt: not a readable image" in task_images_problem(
+        task("data:image/png;base64," + base64.b64encode(b"GIF89a but not").decode()), vision)
+    assert task_images_problem(task(png(256)), None) == "the prompt holds 1 images but the model has no vision tower"
+    assert refuse_task_images(task(png(256)), vision, "shapes", "'k'", [8, 16], 3, 5) is None
+    refused = refuse_task_images(task(png(250)), vision, "shapes", "'k'", [8, 16], 3, 5)
+    assert [(r.sample_id, r.group_id, r.policy_step, r.turns) for r in refused] == [(8, 3, 5, []), (16, 3, 5, [])]
+    assert all(r.error.startswith("ImageError: environment 'shapes', task 'k': image 1 of the prompt: an image of 250")
+               for r in refused)

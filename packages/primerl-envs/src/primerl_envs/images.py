@@ -10,16 +10,21 @@ from primerl_protocol.rollouts import Image
 __all__ = ["ImageError", "decode_data_url", "message_images"]
 
 
+def _get(obj, key: str):
+    return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+
 def message_images(message, cache: dict[str, Image]) -> list[Image]:
-    """The images of a verifiers message's content parts, in order (`cache`: by URL)."""
-    content = getattr(message, "content", None)
+    """The images of a message's content parts (a verifiers message or its dict form), in
+    order (`cache`: by URL)."""
+    content = _get(message, "content")
     if not isinstance(content, list):
         return []
     out = []
     for part in content:
-        if getattr(part, "type", None) != "image_url":
+        if _get(part, "type") != "image_url":
             continue
-        url = part.image_url.url
+        url = _get(_get(part, "image_url"), "url")
         image = cache.get(url)
         if image is None:
             image = cache[url] = decode_data_url(url)

@@ -56,7 +56,7 @@ from primerl_orchestrator.batching import Group, build_step
 from primerl_orchestrator.config import OrchRunConfig
 from primerl_orchestrator.evals import evaluate
 from primerl_orchestrator.generate import AGENT_SLOTS, open_environments, start_generator
-from primerl_orchestrator.images import check_images, vision_of
+from primerl_orchestrator.images import check_images, refuse_task_images, vision_of
 
 log = logging.getLogger("primerl.orchestrator")
 RATE_WINDOW = 10
@@ -281,8 +281,12 @@ class Orchestrator:
                 self.in_flight -= 1
                 await self._notify()
 
+        name = repr(getattr(task, "key", group.position))
         batched = None
-        if env.single_turn is not None:  # one request for the group (None: this task needs episodes)
+        if (refused := refuse_task_images(task, self.vision, env.name, name, ids, group.group_id,
+                                                self.version or 0)) is not None:
+            batched = refused  # its pictures cannot train: no request is made
+        elif env.single_turn is not None:  # one request for the group (None: this task needs episodes)
             batched = await self.gen.play_group(env, task, sample_ids=ids, group_id=group.group_id,
                                                 max_tokens=s.max_tokens, sampling=s.request())
         if batched is not None:
@@ -292,7 +296,7 @@ class Orchestrator:
         else:
             results = await asyncio.gather(*(one(i) for i in range(self.G)))
             group.rollouts = [r for rs in results for r in rs]
-        check_images(group.rollouts, self.vision, env.name, repr(getattr(task, "key", group.position)))
+        check_images(group.rollouts, self.vision, env.name, name)
         self._finished[0] += len(group.rollouts)
         self._finished[1] += sum(r.num_completion_tokens for r in group.rollouts)
         del self.running[group.group_id]
