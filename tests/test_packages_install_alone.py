@@ -153,10 +153,11 @@ CASES = {
     ),
     "primerl-models": (
         ["primerl_models"],
-        ["primerl_protocol", "vllm", "transformers"],
+        ["vllm", "transformers", "primerl_algos"],
         """
         import torch
         from primerl_models import chunked_logprobs, load_model
+        from primerl_models.images import ImageSpec, patchify
         from primerl_models.tiny import build_tiny_model
         for family in ("qwen3", "qwen3_moe", "llama"):
             model = load_model(build_tiny_model(family, family)).eval()
@@ -165,6 +166,8 @@ CASES = {
             with torch.no_grad():
                 logits = model.logits(ids, pos)
             assert logits.shape == (1, 4, model.args.vocab_size) and torch.isfinite(logits).all(), family
+        patches, grid = patchify(torch.zeros(256, 256, 3, dtype=torch.uint8), ImageSpec())  # the size rule: primerl-protocol's
+        assert grid == (1, 16, 16) and patches.shape == (256, 3 * 2 * 16 * 16)
         """,
     ),
     "primerl-algos": (
