@@ -90,3 +90,20 @@ def test_images_travel_as_raw_frames_and_come_back_whole():
     first, plain = got.micro_batches
     assert [x.tolist() for x in first.images()] == [a.tolist(), b.tolist()]
     assert plain.image_sizes.shape == (0, 2) and plain.images() == []
+
+
+def test_a_picture_kept_encoded_gives_the_same_pixels_when_read():
+    """SFT holds a dataset's pictures as their files: checked when read, the same pixels when
+    a row is built; a file that does not match its recorded size is refused."""
+    rng = np.random.default_rng(2)
+    pixels = rng.integers(0, 256, (32, 64, 3), dtype=np.uint8)
+    url = data_url(PILImage.fromarray(pixels))
+    kept = decode_data_url(url, keep_encoded=True)
+    assert (kept.height, kept.width, kept.rgb) == (32, 64, b"") and kept.encoded.startswith(b"\x89PNG")
+    assert kept.pixels() == decode_data_url(url).rgb == pixels.tobytes()
+    with pytest.raises(ImageError, match="mode RGBA"):  # checked when read, as the decoded path
+        decode_data_url(data_url(PILImage.new("RGBA", (32, 32))), keep_encoded=True)
+    with pytest.raises(ValueError, match="an encoded image of 32 x 64 pixels, recorded as 64 x 32"):
+        Image(height=64, width=32, encoded=kept.encoded).pixels()
+    with pytest.raises(ValueError, match="needs its RGB bytes or its encoded file"):
+        Image(height=2, width=2)

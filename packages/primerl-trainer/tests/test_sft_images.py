@@ -71,6 +71,9 @@ def test_each_image_is_widened_to_its_tokens_and_not_trained_on(tmp_path, vlm_di
     [sample], _ = load_samples(data, tokenizer, 1024, vision)
     ids, mask = np.array(sample.token_ids), np.array(sample.loss_mask)
     assert [(i.height, i.width) for i in sample.images] == SIZES
+    # held as their files (the row's PNGs), decoded to their pixels when a row is built
+    assert all(not i.rgb and i.encoded[:8] == b"\x89PNG\r\n\x1a\n" for i in sample.images)
+    assert [len(i.pixels()) for i in sample.images] == [h * w * 3 for h, w in SIZES]
     # runs of image tokens: one per image, each (h / patch / merge) * (w / patch / merge) long
     is_image = ids == image_id
     edges = np.flatnonzero(np.diff(np.concatenate([[0], is_image.astype(int), [0]])))
@@ -135,7 +138,7 @@ def test_packed_image_rows_match_transformers_per_sample(tmp_path, vlm_dir, visi
     worst, least_moved, start = 0.0, float("inf"), 0
     for s in samples:
         ids = torch.tensor([s.token_ids])
-        patches, grids = zip(*(patchify(torch.frombuffer(bytearray(i.rgb), dtype=torch.uint8).view(i.height, i.width, 3),
+        patches, grids = zip(*(patchify(torch.frombuffer(bytearray(i.pixels()), dtype=torch.uint8).view(i.height, i.width, 3),
                                         spec) for i in s.images))
         with torch.no_grad():
             logits = hf(input_ids=ids, pixel_values=torch.cat(patches), image_grid_thw=torch.tensor(grids),

@@ -140,8 +140,9 @@ class ImageError(ValueError):
     """A picture that cannot be read for training; the message says why."""
 
 
-def decode_data_url(url: str) -> Image:
-    """The picture of an inline `data:image/...;base64,...` URL as an Image."""
+def decode_data_url(url: str, keep_encoded: bool = False) -> Image:
+    """The picture of an inline `data:image/...;base64,...` URL as an Image: decoded, or with
+    `keep_encoded` checked the same way and kept as its file (a tenth of the memory or less)."""
     if not isinstance(url, str) or not url.startswith("data:"):
         shown = url[:60] + "..." if isinstance(url, str) and len(url) > 60 else url
         raise ImageError(f"an image URL must be inline (data:image/...;base64,...), got {shown!r}")
@@ -152,6 +153,12 @@ def decode_data_url(url: str) -> Image:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ImageError(f"the image's base64 data does not decode ({e})") from None
+    image = decode_bytes(data)
+    return Image(height=image.height, width=image.width, encoded=data) if keep_encoded else image
+
+
+def decode_bytes(data: bytes) -> Image:
+    """The RGB picture of an image file's bytes (ImageError saying why not)."""
     from PIL import Image as PILImage
 
     try:
