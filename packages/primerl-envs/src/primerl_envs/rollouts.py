@@ -35,7 +35,6 @@ def trace_turns(trace) -> list[Turn]:
     """One Turn per model call of `trace`, in call order, with the images of its prompt."""
     nodes = trace.nodes
     turns: list[Turn] = []
-    decoded: dict = {}
     for index, call in enumerate(trace.calls):
         if call.node is None:
             continue  # a call that failed before committing a message
@@ -68,7 +67,7 @@ def trace_turns(trace) -> list[Turn]:
         for nid in reversed(path):
             prefix.extend(nodes[nid].token_ids)
             try:
-                images += message_images(nodes[nid].message, decoded)
+                images += message_images(nodes[nid].message)
             except ImageError as e:
                 raise TraceError(f"trace {trace.id}, call {index}: image {len(images) + 1} of the prompt: {e}") from None
         prefix.extend(node.token_ids[:first])

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from primerl_inference.config import ADMIN_TOKEN_ENV, DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, InferenceConfig
 from primerl_inference.serve import INSPECT_ENV
+from primerl_protocol.images import model_images
 from primerl_protocol.serving import LOGPROBS_MODE
 
 ADMIN_MIDDLEWARE = "primerl_inference.admin.AdminMiddleware"
@@ -56,15 +57,6 @@ class ServerSpec:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-
-def has_vision(model: str) -> bool:
-    """The model folder `model` holds a vision-language model (its config.json has a vision_config)."""
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and "vision_config" in config
 
 
 def server_command(
@@ -141,7 +133,7 @@ def server_command(
             argv += ["--kv-transfer-config", json.dumps({"kv_connector": cfg.disaggregation.connector, "kv_role": kv_role})]
         if cfg.enforce_eager:
             argv += ["--enforce-eager"]
-    if has_vision(model):
+    if model_images(model) is not None:  # a vision-language model
         # Images only: no video travels primerl's data path, and without torchvision (CPU
         # machines: vision_compat) vLLM's start-up profiling of a dummy video would fail.
         argv += ["--limit-mm-per-prompt", json.dumps({"video": 0})]

@@ -12,40 +12,16 @@ before any request: its group's rollouts carry the error and no tokens (`refuse_
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass
-from pathlib import Path
 
 from primerl_envs.images import ImageError, message_images
-from primerl_protocol.images import ImageSpec, kept_size_problem, tokens_problem
+from primerl_protocol.images import ModelImages as Vision
+from primerl_protocol.images import kept_size_problem, model_images as vision_of, tokens_problem
 from primerl_protocol.rollouts import Rollout, Turn
 
 log = logging.getLogger("primerl.orchestrator")
 
 IMAGE_ERROR = "ImageError"
-
-
-@dataclass(frozen=True)
-class Vision:
-    """What the checks need of a vision-language model."""
-
-    spec: ImageSpec
-    image_token_id: int
-
-
-def vision_of(model: str) -> Vision | None:
-    """The Vision of the model folder `model`, or None for a text model (or a name that is not
-    a local folder: its images are refused)."""
-    path = Path(model) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    token = config.get("image_token_id") if isinstance(config, dict) else None
-    if not isinstance(config, dict) or "vision_config" not in config or not isinstance(token, int):
-        return None
-    return Vision(ImageSpec.from_folder(model), token)
 
 
 def image_problem(turn: Turn, vision: Vision | None) -> str | None:
@@ -83,10 +59,10 @@ def task_images_problem(task, vision: Vision | None) -> str | None:
     prompt = getattr(getattr(task, "data", None), "prompt", None)
     if not isinstance(prompt, list):
         return None
-    images, cache = [], {}
+    images = []
     for message in prompt:
         try:
-            images += message_images(message, cache)
+            images += message_images(message)
         except ImageError as e:
             return f"image {len(images) + 1} of the prompt: {e}"
     if images and vision is None:

@@ -23,6 +23,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,6 +65,27 @@ class ImageSpec:
                    mean=tuple(cfg.get("image_mean", default.mean)), std=tuple(cfg.get("image_std", default.std)),
                    min_pixels=size.get("shortest_edge", cfg.get("min_pixels", default.min_pixels)),
                    max_pixels=size.get("longest_edge", cfg.get("max_pixels", default.max_pixels)))
+
+
+class ModelImages(NamedTuple):
+    """What the image checks need of a vision-language model: its processor's settings and its
+    image token (the orchestrator, the RL trainer's batch check and SFT data take it)."""
+
+    spec: ImageSpec
+    image_token_id: int
+
+
+def model_images(model: str | Path) -> ModelImages | None:
+    """The ModelImages of the model folder `model`, or None for a text model (config.json
+    without a vision_config and an integer image_token_id) or a name that is not a local folder."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    token = config.get("image_token_id") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or "vision_config" not in config or not isinstance(token, int):
+        return None
+    return ModelImages(ImageSpec.from_folder(model), token)
 
 
 def smart_resize(height: int, width: int, spec: ImageSpec) -> tuple[int, int]:

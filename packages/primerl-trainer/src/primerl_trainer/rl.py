@@ -46,7 +46,7 @@ from primerl_protocol import (
     TrainBatch,
     TransportTimeout,
 )
-from primerl_protocol.images import ImageSpec, placeholder_runs, tokens_problem
+from primerl_protocol.images import ModelImages, placeholder_runs, tokens_problem
 
 from primerl_trainer.config import TrainerRunConfig
 from primerl_trainer.distributed import Dist, all_gather_objects, all_reduce_maxes, post_note, read_note
@@ -60,7 +60,7 @@ class TrainerError(RuntimeError):
 
 
 def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_row_tokens: int,
-                   vision: tuple[ImageSpec, int] | None = None, cp: int = 1) -> str | None:
+                   vision: ModelImages | None = None, cp: int = 1) -> str | None:
     """Why this rank's batch cannot be trained on (naming the sample), or None. `vision`: the
     model's image settings and image token id (None: a text model, whose rows hold no images);
     `cp`: the context-parallel degree (rows with images are not split)."""
@@ -102,7 +102,7 @@ def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_r
     return None
 
 
-def _images_problem(mb: MicroBatch, vision: tuple[ImageSpec, int] | None) -> str | None:
+def _images_problem(mb: MicroBatch, vision: ModelImages | None) -> str | None:
     """Why the row's images do not fit its samples' image tokens (sample by sample), or None."""
     sizes = [tuple(hw) for hw in mb.image_sizes.tolist()]
     if vision is None:
@@ -146,7 +146,7 @@ class BatchSource:
     """This rank's batches, validated in agreement with the other ranks."""
 
     def __init__(self, cfg: TrainerRunConfig, d: Dist, vocab_size: int, max_row_tokens: int,
-                 vision: tuple[ImageSpec, int] | None = None):
+                 vision: ModelImages | None = None):
         t = cfg.transport
         self.vision, self.cp = vision, cfg.trainer.parallel.cp
         self.receiver = Receiver(t.batch_endpoint(d.rank), BatchMessage, channel=f"batches/rank{d.rank}", settings=t.sockets)
@@ -278,7 +278,7 @@ def train(cfg: TrainerRunConfig) -> None:
     session = Session(cfg, job="rl")
     d = session.d
     row_tokens = cfg.trainer.micro_batch_tokens or cfg.seq_len
-    vision = (session.image_spec, session.args.vision.image_token_id) if session.image_spec is not None else None
+    vision = ModelImages(session.image_spec, session.args.vision.image_token_id) if session.image_spec else None
     source = BatchSource(cfg, d, session.args.vocab_size, row_tokens, vision)
     policy = (
         Sender(cfg.transport.policy_endpoint(), PolicyMessage, channel="policy", settings=cfg.transport.sockets)

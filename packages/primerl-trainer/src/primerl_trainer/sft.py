@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from primerl_algos.packing import build_micro_batch, plan_packing
 from primerl_algos.types import Sample
-from primerl_protocol.images import ImageSpec
+from primerl_protocol.images import ImageSpec, ModelImages
 
 from primerl_trainer.config import SFTRunConfig
 from primerl_trainer.distributed import all_reduce_sum
@@ -102,7 +102,7 @@ def train(cfg: SFTRunConfig) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(session.model_folder)
     row_tokens = cfg.trainer.micro_batch_tokens or cfg.seq_len
-    vision = None if session.image_spec is None else (session.image_spec, session.args.vision.image_token_id)
+    vision = None if session.image_spec is None else ModelImages(session.image_spec, session.args.vision.image_token_id)
     samples, dropped = load_samples(cfg.data.path, tokenizer, row_tokens, vision)
     eval_samples = load_samples(cfg.data.eval_path, tokenizer, row_tokens, vision)[0] if cfg.data.eval_path else []
     if session.mesh.cp_group is not None and any(s.images for s in samples + eval_samples):

@@ -25,7 +25,15 @@ from collections import Counter
 from pathlib import Path
 
 from primerl_algos.types import Sample
-from primerl_protocol.images import ImageError, ImageSpec, decode_data_url, grid_of, image_tokens, kept_size_problem
+from primerl_protocol.images import (
+    ImageError,
+    ImageSpec,
+    ModelImages,
+    decode_data_url,
+    grid_of,
+    image_tokens,
+    kept_size_problem,
+)
 from primerl_protocol.rollouts import Image
 
 log = logging.getLogger("primerl.trainer")
@@ -177,7 +185,7 @@ def decode_images(urls: list[object], spec: ImageSpec, where: str) -> list[Image
 
 
 def load_samples(path: str, tokenizer, seq_len: int,
-                 vision: tuple[ImageSpec, int] | None = None) -> tuple[list[Sample], Counter]:
+                 vision: ModelImages | None = None) -> tuple[list[Sample], Counter]:
     """Token samples of a data file; samples longer than seq_len are dropped and counted.
     `vision`: the model's image settings and image token id (None: a text model, which
     refuses rows with images)."""
