@@ -33,6 +33,7 @@ import time
 
 import torch
 from primerl_models import ModelArgs, Transformer, chunked_logprobs
+from primerl_models.common import gdn_fla, linear_attention
 
 PEAK_FLOPS = 989e12
 VOCAB = 151936
@@ -367,9 +368,9 @@ def main() -> None:
     parser.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (torch's global switch)")
     parser.add_argument("--seq", type=int, default=None, help="tokens in the row (default: the shape's)")
     parser.add_argument("--runs", default="transformers,ours",
-                        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower], e.g. "
+                        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower][:torchgdn], e.g. "
                              "transformers:ac,ours,ours:docs8,ours:lora16,ours:tower (tower: the vision tower trained, "
-                             "not frozen)")
+                             "not frozen; torchgdn: Gated DeltaNet in the fp32 torch form, not fla's kernels)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: check the code path (tiny shapes, :eager runs); no memory, timings mean nothing")
     args = parser.parse_args()
@@ -377,26 +378,32 @@ def main() -> None:
     PROFILE = args.profile
     DEVICE = args.device
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    # fla's kernels where installed (transformers' Qwen3.5 takes them too), with primerl's
+    # replacement for the one fla refuses on Hopper with this Triton (gdn_fla.py), registered now
+    fla = DEVICE == "cuda" and gdn_fla.available()
     rows = []
     for name in args.models.split(","):
         for spec in args.runs.split(","):
             impl, *flags = spec.split(":")
             docs = next((int(f[4:]) for f in flags if f.startswith("docs")), 1)
             lora = next((int(f[4:]) for f in flags if f.startswith("lora")), 0)
+            # torchgdn: Gated DeltaNet layers through the exact fp32 chunked form, not fla's kernels
+            linear_attention.FAST_KERNELS = "torchgdn" not in flags
             row = run(name, impl, args.steps, ac="ac" in flags, compile_layers=impl == "ours" and "eager" not in flags,
                       docs=docs, cudnn="cudnn" in flags, seq=args.seq, lora_rank=lora, train_tower="tower" in flags)
+            row["gdn"] = "fla" if fla and "torchgdn" not in flags else "torch"
             row["lora_rank"] = lora
             row["tf32"] = args.tf32
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print(f"{'model':<18} {'impl':<13} {'AC':<3} {'attn':<6} {'docs':>4} {'tower':<7} {'tokens/s':>9} {'MFU':>6} "
+    print(f"{'model':<18} {'impl':<13} {'AC':<3} {'attn':<6} {'gdn':<5} {'docs':>4} {'tower':<7} {'tokens/s':>9} {'MFU':>6} "
           f"{'peak GiB':>9} {'vs transformers':>16}")
     for r in rows:
         ref = next((x for x in rows if x["model"] == r["model"] and x["impl"] == "transformers"
-                    and x.get("tower") == r.get("tower") and "tokens_per_s" in x), None)
+                    and x.get("tower") == r.get("tower") and "tokens_per_s" in x), None)  # the first
         attn = "cudnn" if r["cudnn"] else "auto"
-        head = (f"{r['model']:<18} {r['impl']:<13} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['docs']:>4} "
+        head = (f"{r['model']:<18} {r['impl']:<13} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['gdn']:<5} {r['docs']:>4} "
                 f"{r.get('tower', '-'):<7}")
         if "tokens_per_s" not in r:
             print(f"{head} {'OOM':>9}")

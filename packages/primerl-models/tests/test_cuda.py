@@ -269,7 +269,14 @@ def test_bf16_model_on_gpu_matches_fp32_cpu(family, tmp_path, monkeypatch):
     # sum_i h_i w_vi errs with std U sqrt(n / 3) s_v, s_v = sqrt(sum_i h_i^2 w_vi^2). The largest
     # of ~14k logits stays below 5 std (a Gaussian's expected maximum over 14k draws is 3.9
     # std): tol = 5 U sqrt(n / 3) s + U |ref| (the logit's own rounding).
-    n = 1 + sum((0 if layer.mixer is None else 7 if type(layer.mixer).__name__ == "Attention" else 12)
+    # Through fla's kernels (gdn_fla.py, when installed) a Gated DeltaNet side holds 7 more bf16
+    # intermediates: the L2-normed q and k, beta, the WY factors w and u, the chunk state and
+    # the corrected values (the rule's float32 form keeps them all in fp32): 19.
+    from primerl_models.common import gdn_fla, linear_attention
+
+    gdn = 19 if linear_attention.FAST_KERNELS and gdn_fla.available() else 12
+    n = 1 + sum((0 if layer.mixer is None else 7 if type(layer.mixer).__name__ == "Attention"
+                 else gdn if type(layer.mixer).__name__ == "GatedDeltaNet" else 12)
                 + (0 if layer.mlp is None else 8 if getattr(layer.mlp, "shared_expert_gate", False) else 6)
                 for layer in gpu.args.layers)
     s = ((hidden**2) @ (cpu.output_weight**2).T).sqrt()
@@ -373,3 +380,50 @@ def test_vision_frame_attention_varlen_matches_fp32_within_each_frame_with_gradi
     for name, got, ref in [("out", out_bf, out_fp), *((f"grad {n}", a.grad, b.grad) for n, a, b in zip("qkv", bf, fp))]:
         tol = torch.full_like(ref, 4 * U * float(ref.detach().abs().max()))
         check_every_element(f"vision attention {name}", got.float(), ref, tol)
+
+
+@pytest.mark.parametrize("key_heads,value_heads", [(4, 4), (2, 4)])
+def test_fla_gated_deltanet_layer_matches_the_fp32_form_with_gradients(key_heads, value_heads, monkeypatch):
+    """A Gated DeltaNet layer under bf16 autocast through fla's kernels (the conv and the rule,
+    with primerl's dq/dk/dg kernel where fla refuses its own: gdn_fla.py) against the same layer
+    through the exact fp32 chunked form, on a packed row whose documents start mid-chunk, end
+    mid-chunk, span several chunks and are longer than the conv; the output and the gradients
+    of the input and of every parameter. fla keeps its operands and intermediates (normalised
+    q and k, the WY factors, the chunk states, the corrected values) in bf16, each a rounding of
+    at most U relative, and the errors of the few that meet in an element add up: every tensor
+    within 8 U of its largest magnitude. A state or conv leaking across a document boundary
+    moves the later documents' outputs by O(1) of it."""
+    from primerl_models.common import gdn_fla, linear_attention
+    from primerl_models.common.args import GatedDeltaNet
+
+    if not gdn_fla.available():
+        pytest.skip("flash-linear-attention (fla-core) is not installed")
+    torch.manual_seed(0)
+    spec = GatedDeltaNet(num_k_heads=key_heads, num_v_heads=value_heads, head_k_dim=128, head_v_dim=128)
+    dim = 256
+    layer = linear_attention.GatedDeltaNetMixer(spec, dim, 1e-6).to(CUDA)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.05)
+        layer.A_log.uniform_(-2, 1)
+        layer.dt_bias.normal_(0, 1)
+        layer.norm.weight.normal_(1, 0.1)
+    lengths = [200, 3, 64, 317, 130]
+    seqs = PackedSeqs.from_position_ids(packed_positions(lengths))
+    x = torch.randn(1, sum(lengths), dim, device=CUDA)
+    weights = torch.randn(1, sum(lengths), dim, device=CUDA)
+
+    def run(fast):
+        monkeypatch.setattr(linear_attention, "FAST_KERNELS", fast)
+        layer.zero_grad()
+        xg = x.clone().requires_grad_()
+        with torch.autocast(CUDA, dtype=torch.bfloat16):
+            out = layer(xg, None, None, seqs, None)
+        (out.float() * weights).sum().backward()
+        return [("out", out.float()), ("grad x", xg.grad)] + [
+            (f"grad {n}", p.grad.clone()) for n, p in layer.named_parameters()]
+
+    ref = run(False)
+    got = run(True)
+    for (name, a), (_, b) in zip(got, ref):
+        check_every_element(f"fla {name}", a, b, torch.full_like(b, 8 * U * float(b.abs().max())))

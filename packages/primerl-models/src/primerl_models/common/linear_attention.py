@@ -22,9 +22,13 @@ from torch import nn
 
 from primerl_models.common.args import GatedDeltaNet, Mamba2
 from primerl_models.common.attention import PackedSeqs
+from primerl_models.common import gdn_fla
 from primerl_models.common.state_scan import chunk_states
 
 CHUNK = 64
+FAST_KERNELS = True
+"""Gated DeltaNet layers on CUDA use flash-linear-attention's bf16 kernels when fla is
+installed (gdn_fla.py); False keeps the exact fp32 chunked form below (the tests' reference)."""
 
 
 def doc_positions(seqs: PackedSeqs) -> torch.Tensor:
@@ -249,17 +253,24 @@ class GatedDeltaNetMixer(nn.Module):
         w_q, w_k, w_v = self.conv1d.weight[:, 0].split([key, key, s.num_v_heads * dv])
         w = torch.cat([split.part(w_q, s.num_k_heads), split.part(w_k, s.num_k_heads), split.part(w_v, s.num_v_heads)])
         qkv_NC = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-        # the conv accumulates in fp32 (as the fused causal-conv kernels do), one rounding after the SiLU
-        qkv_NC = F.silu(causal_conv(qkv_NC.float(), w.float(), doc_positions(seqs))).to(qkv_NC.dtype)
+        # fla's bf16 kernels on CUDA (GVA and the L2 norms inside the rule), else the exact fp32 forms
+        fast = FAST_KERNELS and gdn_fla.usable(x_BTD, dk)
+        if fast:
+            qkv_NC = gdn_fla.causal_conv_silu(qkv_NC, w, seqs)
+        else:  # the conv accumulates in fp32 (as the fused causal-conv kernels do), one rounding after the SiLU
+            qkv_NC = F.silu(causal_conv(qkv_NC.float(), w.float(), doc_positions(seqs))).to(qkv_NC.dtype)
         q, k, v = qkv_NC.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        q, k = q.reshape(n, hk, dk), k.reshape(n, hk, dk)
-        if hv > hk:  # each key head serves hv / hk value heads
-            q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
+        q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
         beta_NH = torch.sigmoid(ba[..., 0].float()).reshape(n, hv)
         dt_bias, a_log = (split.part(p, s.num_v_heads).float() for p in (self.dt_bias, self.A_log))
         g_NH = -a_log.exp() * F.softplus(ba[..., 1].float().reshape(n, hv) + dt_bias)
-        q = l2norm(q.float()) * dk**-0.5
-        o = gated_delta_rule(q, l2norm(k.float()), v.float().reshape(n, hv, dv), g_NH, beta_NH, seqs)
+        if fast:
+            o = gdn_fla.gated_delta_rule(q, k, v, g_NH, beta_NH.to(v.dtype), seqs, dk**-0.5)
+        else:
+            if hv > hk:  # each key head serves hv / hk value heads
+                q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
+            q = l2norm(q.float()) * dk**-0.5
+            o = gated_delta_rule(q, l2norm(k.float()), v.float(), g_NH, beta_NH, seqs)
         o_BTHV = split.tokens(o.reshape(ba.shape[0], ba.shape[1], hv, dv))
         z_BTHV = self.in_proj_z(x_BTD).reshape(b, t, -1, dv)
         o_BTHV = self.norm(o_BTHV.to(z_BTHV.dtype), z_BTHV)
