@@ -329,6 +329,9 @@ def _owners() -> dict[str, list[str]]:
 # Modules that come with torch's CUDA wheels (torch depends on triton there) and are imported
 # only on CUDA: the CPU install never has them.
 WITH_CUDA_TORCH = {"triton"}
+# Modules of GPU-only extras (optional-dependencies that the CPU install leaves out), by the
+# distribution that provides them.
+CUDA_EXTRAS = {"fla": ["fla-core"]}
 
 
 @pytest.mark.parametrize("name", list(FOLDERS))
@@ -343,7 +346,7 @@ def test_package_declares_what_it_imports(name):
     for top, where in _imports(name).items():
         if top in WITH_CUDA_TORCH:
             continue
-        dists = owners.get(top)
+        dists = owners.get(top) or CUDA_EXTRAS.get(top)
         assert dists, f"{where} imports {top!r}, which no installed distribution provides"
         if not set(dists) & declared:
             undeclared[top] = f"{'/'.join(dists)} (imported in {where})"

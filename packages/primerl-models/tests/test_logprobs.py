@@ -70,6 +70,10 @@ def test_bad_inputs():
         chunked_logprobs(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long), 0.0)
     with pytest.raises(ValueError, match=r"hidden must be \[N, D\]"):
         chunked_logprobs(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long))
+    # the GPU kernels index the logits by target unchecked: ids outside [0, V) are refused first
+    for bad in (5, -1):
+        with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 5\); got"):
+            chunked_logprobs(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, bad, 1]))
 
 
 def test_model_forward_with_targets_equals_logprobs_of_the_full_logits(tmp_path):

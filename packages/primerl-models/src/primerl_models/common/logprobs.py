@@ -14,8 +14,6 @@ Gradients flow to `hidden` and `weight` through the logprobs; entropy is returne
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 
@@ -41,14 +39,15 @@ def _logits_grad(logits_CV, temp_C1, target_C1, lse_C1, grad_C1):
     return ((onehot_CV - torch.exp(z_CV - lse_C1)) * (grad_C1 / temp_C1)).to(logits_CV.dtype)
 
 
-@functools.cache
-def _kernels(device_type: str):
-    """The chunk math, fused by torch.compile on GPUs (one pass over each chunk's logits
-    instead of eight); eager elsewhere (CPU tests need no compiler)."""
-    if device_type != "cuda":
+def _kernels(x: torch.Tensor):
+    """The chunk math: one-pass Triton kernels on CUDA (logprobs_kernels.py: each chunk's
+    logits read once forward, read and overwritten by their gradient backward); the torch
+    forms elsewhere (CPU, and fp64 anywhere: tests, gradcheck)."""
+    if not x.is_cuda or x.dtype == torch.float64:
         return _forward_stats, _logits_grad
-    compile = functools.partial(torch.compile, dynamic=True, fullgraph=True)
-    return compile(_forward_stats), compile(_logits_grad)
+    from primerl_models.common import logprobs_kernels
+
+    return logprobs_kernels.forward_stats, logprobs_kernels.logits_grad
 
 
 def _matmul_into(acc_VD: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -65,7 +64,7 @@ def _matmul_into(acc_VD: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_ND, weight_VD, targets_N, temps_N, chunk_size):
-        forward_stats, _ = _kernels(hidden_ND.device.type)
+        forward_stats, _ = _kernels(hidden_ND)
         w_VD = weight_VD.to(hidden_ND.dtype)
         n = hidden_ND.shape[0]
         acc = _acc_dtype(hidden_ND)
@@ -86,7 +85,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs_N, _grad_entropy):
         hidden_ND, weight_VD, targets_N, temps_N, lse_N = ctx.saved_tensors
-        _, logits_grad = _kernels(hidden_ND.device.type)
+        _, logits_grad = _kernels(hidden_ND)
         w_VD = weight_VD.to(hidden_ND.dtype)
         acc = _acc_dtype(hidden_ND)
         grad_hidden_ND = torch.empty_like(hidden_ND) if ctx.needs_input_grad[0] else None
@@ -95,7 +94,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         n = hidden_ND.shape[0]
         for s in range(0, n, ctx.chunk_size):
             e = min(s + ctx.chunk_size, n)
-            logits_CV = hidden_ND[s:e] @ w_VD.T  # recomputed, not saved
+            logits_CV = hidden_ND[s:e] @ w_VD.T  # recomputed, not saved (its gradient may overwrite it)
             grad_CV = logits_grad(
                 logits_CV, temps_N[s:e, None], targets_N[s:e, None], lse_N[s:e, None], grad_N[s:e, None]
             )
@@ -124,6 +123,12 @@ def chunked_logprobs(
         raise ValueError(f"hidden must be [N, D] and targets [N]; got {tuple(hidden_ND.shape)}, {tuple(targets_N.shape)}")
     acc = torch.promote_types(hidden_ND.dtype, torch.float32)
     temps_N = torch.as_tensor(temperature, dtype=acc, device=hidden_ND.device).expand(hidden_ND.shape[0])
-    if bool((temps_N <= 0).any()):
+    vocab = weight_VD.shape[0]
+    # one host sync for both checks (the kernels index the logits by target unchecked)
+    bad_temp, bad_target = (torch.stack([(temps_N <= 0).any(), ((targets_N < 0) | (targets_N >= vocab)).any()])
+                            .tolist() if hidden_ND.shape[0] else (False, False))
+    if bad_temp:
         raise ValueError("temperatures must be positive")
+    if bad_target:
+        raise ValueError(f"targets must be token ids in [0, {vocab}); got {int(targets_N.min())}..{int(targets_N.max())}")
     return _ChunkedLogprobs.apply(hidden_ND, weight_VD, targets_N.long(), temps_N.contiguous(), chunk_size)
