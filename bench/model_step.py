@@ -236,13 +236,14 @@ def build_ours(name: str, ac: bool, compile_layers: bool, attn: str = "auto", lo
     def step(ids, pos, **images):
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             hidden = model(ids, pos, **images)[0, :-1].to(torch.bfloat16)
-            logprobs, _ = chunked_logprobs(hidden, model.output_weight, ids[0, 1:])
+            logprobs, _ = chunked_logprobs(hidden, model.output_weight, ids[0, 1:], keep_logits=KEEP_LOGITS)
         return -logprobs.mean()
 
     return model, step
 
 
 PROFILE = False
+KEEP_LOGITS = False  # the :keep flag: chunked_logprobs keeps the logits (trainer.keep_logits)
 
 
 def profile_step(run_step) -> None:
@@ -368,13 +369,14 @@ def main() -> None:
     parser.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (torch's global switch)")
     parser.add_argument("--seq", type=int, default=None, help="tokens in the row (default: the shape's)")
     parser.add_argument("--runs", default="transformers,ours",
-                        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower][:torchgdn], e.g. "
+                        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower][:torchgdn][:keep], e.g. "
                              "transformers:ac,ours,ours:docs8,ours:lora16,ours:tower (tower: the vision tower trained, "
-                             "not frozen; torchgdn: Gated DeltaNet in the fp32 torch form, not fla's kernels)")
+                             "not frozen; torchgdn: Gated DeltaNet in the fp32 torch form, not fla's kernels; keep: the logits kept "
+                             "for the backward, not recomputed)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: check the code path (tiny shapes, :eager runs); no memory, timings mean nothing")
     args = parser.parse_args()
-    global PROFILE, DEVICE
+    global PROFILE, DEVICE, KEEP_LOGITS
     PROFILE = args.profile
     DEVICE = args.device
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -389,21 +391,23 @@ def main() -> None:
             lora = next((int(f[4:]) for f in flags if f.startswith("lora")), 0)
             # torchgdn: Gated DeltaNet layers through the exact fp32 chunked form, not fla's kernels
             linear_attention.FAST_KERNELS = "torchgdn" not in flags
+            KEEP_LOGITS = "keep" in flags
             row = run(name, impl, args.steps, ac="ac" in flags, compile_layers=impl == "ours" and "eager" not in flags,
                       docs=docs, cudnn="cudnn" in flags, seq=args.seq, lora_rank=lora, train_tower="tower" in flags)
             row["gdn"] = "fla" if fla and "torchgdn" not in flags else "torch"
+            row["keep_logits"] = KEEP_LOGITS
             row["lora_rank"] = lora
             row["tf32"] = args.tf32
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print(f"{'model':<18} {'impl':<13} {'AC':<3} {'attn':<6} {'gdn':<5} {'docs':>4} {'tower':<7} {'tokens/s':>9} {'MFU':>6} "
+    print(f"{'model':<18} {'impl':<13} {'AC':<3} {'attn':<6} {'gdn':<5} {'keep':<4} {'docs':>4} {'tower':<7} {'tokens/s':>9} {'MFU':>6} "
           f"{'peak GiB':>9} {'vs transformers':>16}")
     for r in rows:
         ref = next((x for x in rows if x["model"] == r["model"] and x["impl"] == "transformers"
                     and x.get("tower") == r.get("tower") and "tokens_per_s" in x), None)  # the first
         attn = "cudnn" if r["cudnn"] else "auto"
-        head = (f"{r['model']:<18} {r['impl']:<13} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['gdn']:<5} {r['docs']:>4} "
+        head = (f"{r['model']:<18} {r['impl']:<13} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['gdn']:<5} {'y' if r.get('keep_logits') else 'n':<4} {r['docs']:>4} "
                 f"{r.get('tower', '-'):<7}")
         if "tokens_per_s" not in r:
             print(f"{head} {'OOM':>9}")

@@ -291,13 +291,15 @@ def test_bf16_model_on_gpu_matches_fp32_cpu(family, tmp_path, monkeypatch):
         assert float(gaps.max()) < 0.02 and int((gaps > 0).sum()) <= 0.1 * gaps.numel()
 
 
-def test_chunked_logprobs_bf16_on_gpu():
+@pytest.mark.parametrize("keep", [False, True])
+def test_chunked_logprobs_bf16_on_gpu(keep):
+    """The Triton kernels (logprobs_kernels.py), the logits recomputed or kept (keep)."""
     torch.manual_seed(0)
     n, d, v, temp = 3000, 512, 151936, 0.8
     h = (torch.randn(n, d, device=CUDA) * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(v, d, device=CUDA) * 0.05).bfloat16().float().requires_grad_()  # bf16-exact
     tgt = torch.randint(0, v, (n,), device=CUDA)
-    lp, ent = chunked_logprobs(h, w, tgt, temp, chunk_size=1024)
+    lp, ent = chunked_logprobs(h, w, tgt, temp, chunk_size=1024, keep_logits=keep)
     lp.sum().backward()
     # Reference: fp64 full logits on the same values; autograd gives its gradients.
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
@@ -434,3 +436,31 @@ def test_fla_gated_deltanet_layer_matches_the_fp32_form_with_gradients(key_heads
     got = run(True)
     for (name, a), (_, b) in zip(got, ref):
         check_every_element(f"fla {name}", a, b, torch.full_like(b, 8 * U * float(b.abs().max())))
+
+
+def test_causal_conv_kernels_match_fp64_cpu_with_gradients():
+    """conv_kernels.causal_conv_silu (the DeltaNet conv on CUDA) against silu(causal_conv) in
+    fp64 on the CPU, on bf16 inputs (the same values): documents of 70, 2, 64 and 131 tokens
+    (shorter than the taps, crossing the 64-token tiles) and 200 channels (a partial channel
+    tile). The kernels accumulate in fp32 and round once to bf16 (y, dx: within U of each
+    element plus fp32 noise); dw stays fp32 (1e-5 of its largest)."""
+    from primerl_models.common import conv_kernels
+    from primerl_models.common.linear_attention import causal_conv
+
+    torch.manual_seed(0)
+    lengths = [70, 2, 64, 131]
+    pos = torch.cat([torch.arange(m) for m in lengths])
+    n, c = sum(lengths), 200
+    x = torch.randn(n, c).bfloat16()
+    w = torch.randn(c, 4) * 0.5
+    dy = torch.randn(n, c).bfloat16()
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = F.silu(causal_conv(xr, wr, pos))
+    (ref * dy.double()).sum().backward()
+    xg, wg = x.to(CUDA).requires_grad_(), w.to(CUDA).requires_grad_()
+    y = conv_kernels.causal_conv_silu(xg, wg, pos.to(CUDA))
+    y.backward(dy.to(CUDA))
+    for name, got, want, dtype_u in [("y", y, ref, U), ("dx", xg.grad, xr.grad, U), ("dw", wg.grad, wr.grad, 0.0)]:
+        want = want.detach()
+        tol = dtype_u * want.abs() + 1e-5 * float(want.abs().max())
+        check_every_element(f"conv {name}", got.double().cpu(), want, tol)

@@ -23,12 +23,13 @@ def data():
     return hidden, weight, targets, temps
 
 
-@pytest.mark.parametrize("chunk", [1, 8, 37, 100])
-def test_values_and_gradients_match_full_logits(data, chunk):
+@pytest.mark.parametrize("chunk,keep", [(1, False), (8, False), (37, False), (100, False), (8, True), (100, True)])
+def test_values_and_gradients_match_full_logits(data, chunk, keep):
+    """keep: the logits held from the forward instead of recomputed in the backward."""
     hidden, weight, targets, temps = data
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lp, ent = chunked_logprobs(h1, w1, targets, temps, chunk_size=chunk)
+    lp, ent = chunked_logprobs(h1, w1, targets, temps, chunk_size=chunk, keep_logits=keep)
     ref_lp, ref_ent = reference(h2, w2, targets, temps)
     torch.testing.assert_close(lp, ref_lp, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(ent, ref_ent, atol=1e-10, rtol=1e-10)
@@ -89,3 +90,27 @@ def test_model_forward_with_targets_equals_logprobs_of_the_full_logits(tmp_path)
     ref = torch.log_softmax(model.logits(ids, pos) / temps[..., None], -1).gather(2, targets[..., None])[..., 0]
     torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
     assert ent.shape == (2, 11)
+    # trainer.keep_logits reaches the chunked path through the model: the graph then holds the
+    # logits (a second backward is refused), the gradients are the same
+    grads = []
+    for keep in (False, True):
+        model.zero_grad()
+        model.keep_logits = keep
+        lp_k, _ = model(ids, pos, targets, temps, chunk_size=5)
+        lp_k.sum().backward(retain_graph=True)
+        grads.append(model.output_weight.grad.clone())
+        if keep:
+            with pytest.raises(RuntimeError, match="differentiates once"):
+                lp_k.sum().backward()
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-6)
+
+
+def test_kept_logits_refuse_a_second_backward(data):
+    """The GPU backward writes the gradient over the kept logits: a second pass through them
+    (retain_graph) is refused by name rather than differentiated wrongly."""
+    hidden, weight, targets, temps = data
+    h = hidden.clone().requires_grad_()
+    lp, _ = chunked_logprobs(h, weight, targets, temps, chunk_size=8, keep_logits=True)
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="keep_logits=True.*differentiates once"):
+        lp.sum().backward()

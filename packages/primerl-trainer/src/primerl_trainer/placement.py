@@ -135,6 +135,7 @@ def load_for_training(cfg: TrainerRunConfig | SFTRunConfig, d: Dist, mesh: Mesh)
     tcfg = cfg.trainer
     model = load_model(folder, device="cpu", attn_backend=tcfg.attention, freeze_vision=tcfg.freeze_vision)
     model.train()
+    model.keep_logits = tcfg.keep_logits
     if tcfg.lora is not None:  # before FSDP2 wraps the layers: adapters and frozen weights shard alike
         apply_lora(model, tcfg.lora)
     check_fits(model.args, mesh.ep, mesh.cp)

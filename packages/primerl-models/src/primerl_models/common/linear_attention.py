@@ -22,13 +22,14 @@ from torch import nn
 
 from primerl_models.common.args import GatedDeltaNet, Mamba2
 from primerl_models.common.attention import PackedSeqs
-from primerl_models.common import gdn_fla
+from primerl_models.common import conv_kernels, gdn_fla
 from primerl_models.common.state_scan import chunk_states
 
 CHUNK = 64
 FAST_KERNELS = True
-"""Gated DeltaNet layers on CUDA use flash-linear-attention's bf16 kernels when fla is
-installed (gdn_fla.py); False keeps the exact fp32 chunked form below (the tests' reference)."""
+"""Gated DeltaNet layers on CUDA: the conv through primerl's Triton kernels (conv_kernels.py)
+and the rule through flash-linear-attention's bf16 kernels when fla is installed (gdn_fla.py);
+False keeps the exact fp32 forms below (the tests' reference)."""
 
 
 def doc_positions(seqs: PackedSeqs) -> torch.Tensor:
@@ -245,20 +246,27 @@ class GatedDeltaNetMixer(nn.Module):
         split = HeadSplit(backend)
         hv, hk, dk, dv = s.num_v_heads, s.num_k_heads, s.head_k_dim, s.head_v_dim
         key = hk * dk
-        q, k, v = self.in_proj_qkv(x_BTD).split([key, key, hv * dv], dim=-1)
-        q, k, v = (split.heads(y.reshape(b, t, -1, d)) for y, d in ((q, dk), (k, dk), (v, dv)))
+        qkv_BTC = self.in_proj_qkv(x_BTD)
         ba = split.heads(torch.stack([self.in_proj_b(x_BTD), self.in_proj_a(x_BTD)], dim=-1))  # [B, T', hv', 2]
-        hk, hv = q.shape[2], v.shape[2]  # this rank's heads (all of them without CP)
-        n = q.shape[0] * q.shape[1]
-        w_q, w_k, w_v = self.conv1d.weight[:, 0].split([key, key, s.num_v_heads * dv])
-        w = torch.cat([split.part(w_q, s.num_k_heads), split.part(w_k, s.num_k_heads), split.part(w_v, s.num_v_heads)])
-        qkv_NC = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-        # fla's bf16 kernels on CUDA (GVA and the L2 norms inside the rule), else the exact fp32 forms
-        fast = FAST_KERNELS and gdn_fla.usable(x_BTD, dk)
-        if fast:
-            qkv_NC = gdn_fla.causal_conv_silu(qkv_NC, w, seqs)
-        else:  # the conv accumulates in fp32 (as the fused causal-conv kernels do), one rounding after the SiLU
+        n = ba.shape[0] * ba.shape[1]
+        if split.size == 1:  # every head on the rows given: the projection's channels as they are
+            qkv_NC, w = qkv_BTC.reshape(n, -1), self.conv1d.weight[:, 0]
+        else:  # this rank's heads of q, k and v over the whole rows, and their conv weights
+            q, k, v = qkv_BTC.split([key, key, hv * dv], dim=-1)
+            q, k, v = (split.heads(y.reshape(b, t, -1, d)) for y, d in ((q, dk), (k, dk), (v, dv)))
+            qkv_NC = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+            w_q, w_k, w_v = self.conv1d.weight[:, 0].split([key, key, s.num_v_heads * dv])
+            w = torch.cat([split.part(w_q, s.num_k_heads), split.part(w_k, s.num_k_heads),
+                           split.part(w_v, s.num_v_heads)])
+        hk, hv = hk // split.size, hv // split.size  # this rank's heads (all of them without CP)
+        # the conv accumulates in fp32, one rounding after the SiLU: primerl's Triton kernels on
+        # CUDA (conv_kernels.py), else the torch form
+        if FAST_KERNELS and x_BTD.is_cuda:
+            qkv_NC = conv_kernels.causal_conv_silu(qkv_NC, w, doc_positions(seqs))
+        else:
             qkv_NC = F.silu(causal_conv(qkv_NC.float(), w.float(), doc_positions(seqs))).to(qkv_NC.dtype)
+        # the rule through fla's bf16 kernels on CUDA (GVA and the L2 norms inside), else the exact fp32 form
+        fast = FAST_KERNELS and gdn_fla.usable(x_BTD, dk)
         q, k, v = qkv_NC.split([hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
         beta_NH = torch.sigmoid(ba[..., 0].float()).reshape(n, hv)

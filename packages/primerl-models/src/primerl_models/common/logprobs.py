@@ -4,7 +4,8 @@ With a 151k vocabulary, a 16k-token row has 2.5G logits: 10 GB in fp32, and the 
 `log_softmax(logits.float())` keeps several such tensors alive for backward. Here the output
 projection, temperature, log-softmax and gather run over chunks of tokens; only each token's
 log-sum-exp (fp32 [N]) is saved, and backward recomputes each chunk's logits. Peak extra
-memory is one chunk of [chunk x V] fp32.
+memory is one chunk of [chunk x V] fp32. `keep_logits=True` trades memory for time: the
+logits ([N, V] in the hidden dtype) are kept from the forward, not recomputed.
 
     logprobs_N, entropy_N = chunked_logprobs(hidden_ND, weight_VD, targets_N, temperature)
 
@@ -63,7 +64,7 @@ def _matmul_into(acc_VD: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, targets_N, temps_N, chunk_size):
+    def forward(ctx, hidden_ND, weight_VD, targets_N, temps_N, chunk_size, keep_logits):
         forward_stats, _ = _kernels(hidden_ND)
         w_VD = weight_VD.to(hidden_ND.dtype)
         n = hidden_ND.shape[0]
@@ -71,20 +72,27 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logprobs_N = hidden_ND.new_empty(n, dtype=acc)
         entropy_N = hidden_ND.new_empty(n, dtype=acc)
         lse_N = hidden_ND.new_empty(n, dtype=acc)
+        logits_NV = hidden_ND.new_empty(n, w_VD.shape[0]) if keep_logits else None
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            logits_CV = hidden_ND[s:e] @ w_VD.T
+            logits_CV = torch.mm(hidden_ND[s:e], w_VD.T, out=logits_NV[s:e]) if keep_logits else hidden_ND[s:e] @ w_VD.T
             logprobs_N[s:e], entropy_N[s:e], lse_N[s:e] = forward_stats(
                 logits_CV, temps_N[s:e, None], targets_N[s:e, None]
             )
-        ctx.save_for_backward(hidden_ND, weight_VD, targets_N, temps_N, lse_N)
+        ctx.save_for_backward(hidden_ND, weight_VD, targets_N, temps_N, lse_N, logits_NV)
         ctx.chunk_size = chunk_size
+        ctx.logits_spent = False
         ctx.mark_non_differentiable(entropy_N)
         return logprobs_N, entropy_N
 
     @staticmethod
     def backward(ctx, grad_logprobs_N, _grad_entropy):
-        hidden_ND, weight_VD, targets_N, temps_N, lse_N = ctx.saved_tensors
+        hidden_ND, weight_VD, targets_N, temps_N, lse_N, logits_NV = ctx.saved_tensors
+        if logits_NV is not None:
+            if ctx.logits_spent:
+                raise RuntimeError("chunked_logprobs(keep_logits=True) differentiates once: its first backward "
+                                   "overwrote the kept logits with their gradient (keep_logits=False recomputes them)")
+            ctx.logits_spent = True
         _, logits_grad = _kernels(hidden_ND)
         w_VD = weight_VD.to(hidden_ND.dtype)
         acc = _acc_dtype(hidden_ND)
@@ -94,7 +102,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         n = hidden_ND.shape[0]
         for s in range(0, n, ctx.chunk_size):
             e = min(s + ctx.chunk_size, n)
-            logits_CV = hidden_ND[s:e] @ w_VD.T  # recomputed, not saved (its gradient may overwrite it)
+            # kept from the forward, or recomputed (the gradient may overwrite either)
+            logits_CV = logits_NV[s:e] if logits_NV is not None else hidden_ND[s:e] @ w_VD.T
             grad_CV = logits_grad(
                 logits_CV, temps_N[s:e, None], targets_N[s:e, None], lse_N[s:e, None], grad_N[s:e, None]
             )
@@ -104,7 +113,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_w_VD = _matmul_into(grad_w_VD, grad_CV.T, hidden_ND[s:e], acc)
         if grad_w_VD is not None:
             grad_w_VD = grad_w_VD.to(weight_VD.dtype)
-        return grad_hidden_ND, grad_w_VD, None, None, None
+        return grad_hidden_ND, grad_w_VD, None, None, None, None
 
 
 def chunked_logprobs(
@@ -113,11 +122,15 @@ def chunked_logprobs(
     targets_N: torch.Tensor,
     temperature: float | torch.Tensor = 1.0,
     chunk_size: int = 4096,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs [N], entropy [N]) of `targets` under softmax(hidden @ weight.T / t), in fp32
     (fp64 for fp64 inputs).
 
     `temperature` is a float or a per-token [N] tensor (each token at its sampling temperature).
+    `keep_logits`: hold every chunk's logits ([N, V] in hidden's dtype) from the forward to the
+    backward instead of recomputing them there: one output-projection matmul less per step, for
+    N x V more memory (8 GB at 16k tokens of a 248k vocab in bf16); backward then runs once.
     """
     if hidden_ND.ndim != 2 or targets_N.shape != hidden_ND.shape[:1]:
         raise ValueError(f"hidden must be [N, D] and targets [N]; got {tuple(hidden_ND.shape)}, {tuple(targets_N.shape)}")
@@ -131,4 +144,5 @@ def chunked_logprobs(
         raise ValueError("temperatures must be positive")
     if bad_target:
         raise ValueError(f"targets must be token ids in [0, {vocab}); got {int(targets_N.min())}..{int(targets_N.max())}")
-    return _ChunkedLogprobs.apply(hidden_ND, weight_VD, targets_N.long(), temps_N.contiguous(), chunk_size)
+    return _ChunkedLogprobs.apply(hidden_ND, weight_VD, targets_N.long(), temps_N.contiguous(), chunk_size,
+                                  keep_logits)

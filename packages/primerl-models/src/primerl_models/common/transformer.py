@@ -148,6 +148,9 @@ class Transformer(nn.Module):
         self.args = args
         self.attn_backend: Backend = attn_backend
         """A back-end name, or attention supplied from outside (a callable; see attention.py)."""
+        self.keep_logits = False
+        """With targets, keep the logits from the forward to the backward rather than recompute
+        them (chunked_logprobs' keep_logits: faster, [tokens x vocab] more memory)."""
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         zero_centered = args.zero_centered_norms
         self.layers = nn.ModuleList(DecoderLayer(spec, args.hidden_size, args.rms_norm_eps, zero_centered)
@@ -250,7 +253,8 @@ class Transformer(nn.Module):
         b, t, d = hidden_BTD.shape
         temps_N = 1.0 if temperatures_BT is None else temperatures_BT.reshape(-1)
         logprobs_N, entropy_N = chunked_logprobs(
-            hidden_BTD.reshape(b * t, d), self.output_weight, targets_BT.reshape(-1), temps_N, chunk_size
+            hidden_BTD.reshape(b * t, d), self.output_weight, targets_BT.reshape(-1), temps_N, chunk_size,
+            keep_logits=self.keep_logits,
         )
         # Fresh tensors, not views: FSDP2 hooks a module's outputs for its backward.
         return logprobs_N.reshape(b, t).clone(), entropy_N.reshape(b, t).clone()
