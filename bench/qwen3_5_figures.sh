@@ -12,14 +12,14 @@ set -u
 out=${1:?output folder}
 export PYTHONPATH=packages/primerl-models/src${FLA:+:$FLA}
 python3 -m pytest -q packages/primerl-models/tests/test_cuda.py -s -p no:cacheprovider \
-  -k "delta_rule or bf16_model or fla or logprobs" \
+  -k "delta_rule or bf16_model or fla or logprobs or conv_kernels" \
   > "$out/test_cuda.log" 2>&1
 grep -E "ratio|passed|failed|Error" "$out/test_cuda.log" | tail -12
 python3 bench/scan_kernel.py --heads 16 --tokens 16384 --out "$out/scan16.json" > "$out/scan16.log" 2>&1
 grep -E "best|gated_delta_rule" "$out/scan16.log"
 python3 bench/gdn_kernels.py --out "$out/gdn.json" > "$out/gdn.log" 2>&1
 tail -5 "$out/gdn.log"
-python3 bench/model_step.py --models qwen3.5-0.8b --runs ours,ours:docs4,ours:torchgdn --steps 5 --seq 16384 --profile \
+python3 bench/model_step.py --models qwen3.5-0.8b --runs ours:keep,ours,ours:docs4,ours:torchgdn --steps 5 --seq 16384 --profile \
   --out "$out/q08-16k.json" > "$out/q08-16k.log" 2>&1
 tail -2 "$out/q08-16k.log"
 python3 bench/model_step.py --models qwen3.5-0.8b --runs ours,transformers --steps ${STEPS:-5} --seq 8192 \
