@@ -243,3 +243,14 @@ def test_nemotron_h_pattern_string_and_unsupported_options():
         bad = (pattern if key == "hybrid_override_pattern" else cfg) | {key: value}
         with pytest.raises(ValueError, match=f"nemotron_h: `{key}` = .*{message}"):
             family.args_from_hf(bad)
+
+
+def test_conv_kernels_refuse_mismatched_shapes_before_any_kernel():
+    """The CUDA conv (conv_kernels.py) indexes x, weight and positions unchecked inside its
+    kernels: mismatched shapes are refused by name first (this runs on the CPU: no kernel)."""
+    from primerl_models.common.conv_kernels import causal_conv_silu
+
+    x, w, pos = torch.randn(10, 6), torch.randn(6, 4), torch.arange(10)
+    for bad in [(x[None], w, pos), (x, w[:5], pos), (x, w, pos[:9])]:
+        with pytest.raises(ValueError, match=r"x must be \[N, C\], weight \[C, K\], pos \[N\]; got"):
+            causal_conv_silu(*bad)

@@ -8,7 +8,7 @@ fla refuses its Gated DeltaNet backward on Hopper with Triton >= 3.4 and < 3.7.1
 Triton versions compile wrongly, so dq, dk and dg come out wrong). torch 2.11 pins Triton 3.6.
 This module registers its own kernel for that one step with fla's backend registry (fla's
 extension point for replacing a kernel), used only on that combination: it reads the
-transposed products from memory instead of transposing an accumulator (`_dqkwg_kernel`).
+transposed products from memory instead of transposing an accumulator (`primerl_dqkwg`).
 
     o_NHV = gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs, scale)
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import re
+from types import SimpleNamespace
 
 import torch
 
@@ -29,10 +30,14 @@ from primerl_models.common.attention import PackedSeqs
 
 CHUNK = 64
 MAX_KEY_DIM = 128
-"""The widest key head `_dqkwg_kernel` holds in one block (Qwen3.5's are 128)."""
+"""The widest key head `primerl_dqkwg` holds in one block (Qwen3.5's are 128)."""
 REPLACE_DQKWG = True
 """Use primerl's dq/dk/dg kernel where fla refuses its own (bench/gdn_kernels.py turns it off
 to show fla's error)."""
+KEEP_STATES = True
+"""Keep the forward's WY factors, chunk states and corrected values for the backward
+(_RuleKeepingStates) rather than recompute them as fla's own autograd Function does: ~8 ms of
+a 16k-token Qwen3.5-0.8B step on an H200 for ~260 MB a layer."""
 
 
 _AVAILABLE: bool | None = None
@@ -74,22 +79,15 @@ def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, scale
     """o [N, H, V] of the gated delta rule (linear_attention.gated_delta_rule's definition),
     q and k L2-normalised inside, q scaled by `scale`; the state restarts at each document."""
     cu, indices = chunk_indices(seqs)
-    parts = _stages() if KEEP_STATES else None
-    if parts is not None:
+    if KEEP_STATES and _stages() is not None:
         x = (t[None].contiguous() for t in (q_NHK, k_NHK, v_NHV, g_NH.float(), beta_NH))
-        return _RuleKeepingStates.apply(*x, scale, cu, indices, parts)[0]
+        return _RuleKeepingStates.apply(*x, scale, cu, indices)[0]
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     o, _ = chunk_gated_delta_rule(
         q_NHK[None], k_NHK[None], v_NHV[None], g_NH[None].float(), beta_NH[None], scale=scale,
         use_qk_l2norm_in_kernel=True, cu_seqlens=cu, chunk_indices=indices, chunk_size=CHUNK)
     return o[0]
-
-
-KEEP_STATES = True
-"""Keep the forward's WY factors, chunk states and corrected values for the backward
-(_RuleKeepingStates) rather than recompute them as fla's own autograd Function does: ~8 ms of
-a 16k-token Qwen3.5-0.8B step on an H200 for ~260 MB a layer."""
 
 
 @functools.cache
@@ -106,10 +104,11 @@ def _stages():
         from fla.ops.utils.constant import RCP_LN2
     except ImportError:
         return None
-    return dict(l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd, bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
-                fwd_h=chunk_gated_delta_rule_fwd_h, dqkwg=chunk_bwd_dqkwg, dv_local=chunk_bwd_dv_local,
-                fwd_o=chunk_fwd_o, fwd_intra=chunk_gated_delta_rule_fwd_intra, wy_bwd=prepare_wy_repr_bwd,
-                cumsum=chunk_local_cumsum, rcp_ln2=RCP_LN2)
+    return SimpleNamespace(
+        l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd, bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
+        fwd_h=chunk_gated_delta_rule_fwd_h, dqkwg=chunk_bwd_dqkwg, dv_local=chunk_bwd_dv_local, fwd_o=chunk_fwd_o,
+        fwd_intra=chunk_gated_delta_rule_fwd_intra, wy_bwd=prepare_wy_repr_bwd, cumsum=chunk_local_cumsum,
+        rcp_ln2=RCP_LN2)
 
 
 class _RuleKeepingStates(torch.autograd.Function):
@@ -119,34 +118,35 @@ class _RuleKeepingStates(torch.autograd.Function):
     backward, the decay sums' reverse, the norms' backward, reading the kept states."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, cu, indices, f):
+    def forward(ctx, q, k, v, g, beta, scale, cu, indices):
+        f = _stages()
         span = dict(cu_seqlens=cu, chunk_indices=indices)
-        q, q_rstd = f["l2norm_fwd"](q)
-        k, k_rstd = f["l2norm_fwd"](k)
-        g = f["cumsum"](g, chunk_size=CHUNK, scale=f["rcp_ln2"], **span)
-        w, u, a = f["fwd_intra"](k=k, v=v, g=g, beta=beta, chunk_size=CHUNK, **span)
-        h, v_new, _ = f["fwd_h"](k=k, w=w, u=u, g=g, initial_state=None, output_final_state=False,
-                                 chunk_size=CHUNK, **span)
-        o = f["fwd_o"](q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK, **span)
+        q, q_rstd = f.l2norm_fwd(q)
+        k, k_rstd = f.l2norm_fwd(k)
+        g = f.cumsum(g, chunk_size=CHUNK, scale=f.rcp_ln2, **span)
+        w, u, a = f.fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK, **span)
+        h, v_new, _ = f.fwd_h(k=k, w=w, u=u, g=g, initial_state=None, output_final_state=False,
+                              chunk_size=CHUNK, **span)
+        o = f.fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK, **span)
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, a, w, h, v_new, cu, indices)
-        ctx.scale, ctx.f = scale, f
+        ctx.scale = scale
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         q, q_rstd, k, k_rstd, v, g, beta, a, w, h, v_new, cu, indices = ctx.saved_tensors
-        f, scale, span = ctx.f, ctx.scale, dict(cu_seqlens=cu, chunk_indices=indices, chunk_size=CHUNK)
+        f, scale, span = _stages(), ctx.scale, dict(cu_seqlens=cu, chunk_indices=indices, chunk_size=CHUNK)
         do = do.contiguous()
-        dv = f["dv_local"](q=q, k=k, g=g, do=do, scale=scale, **span)
-        dh, _, dv = f["bwd_dhu"](q=q, k=k, w=w, g=g, h0=None, dht=None, do=do, dv=dv, scale=scale, **span)
-        dq, dk, dw, dg = f["dqkwg"](q=q, k=k, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, **span)
-        dk2, dv, db, dg2 = f["wy_bwd"](k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=dv, cu_seqlens=cu,
-                                       chunk_indices=indices)
+        dv = f.dv_local(q=q, k=k, g=g, do=do, scale=scale, **span)
+        dh, _, dv = f.bwd_dhu(q=q, k=k, w=w, g=g, h0=None, dht=None, do=do, dv=dv, scale=scale, **span)
+        dq, dk, dw, dg = f.dqkwg(q=q, k=k, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, **span)
+        dk2, dv, db, dg2 = f.wy_bwd(k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=dv, cu_seqlens=cu,
+                                    chunk_indices=indices)
         dk.add_(dk2)
         dg.add_(dg2)
-        dg = f["cumsum"](dg, reverse=True, **span)
-        dq, dk = f["l2norm_bwd"](q, q_rstd, dq), f["l2norm_bwd"](k, k_rstd, dk)
-        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), None, None, None, None
+        dg = f.cumsum(dg, reverse=True, **span)
+        dq, dk = f.l2norm_bwd(q, q_rstd, dq), f.l2norm_bwd(k, k_rstd, dk)
+        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), None, None, None
 
 
 def triton_miscompiles_dqkwg() -> bool:
