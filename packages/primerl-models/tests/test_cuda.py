@@ -438,6 +438,58 @@ def test_fla_gated_deltanet_layer_matches_the_fp32_form_with_gradients(key_heads
         check_every_element(f"fla {name}", a, b, torch.full_like(b, 8 * U * float(b.abs().max())))
 
 
+def test_fast_deltanet_ops_pass_opcheck_and_a_compiled_layer_holds_them_without_breaks():
+    """The conv and the rule's kernels are custom ops (torch.library) so that a compiled layer
+    holds them whole: torch's opcheck on each (schema, fake tensors against the real outputs,
+    the autograd registration, AOT dispatch with dynamic shapes), and the Gated DeltaNet layer
+    compiled with fullgraph=True (any graph break fails) gives the eager layer's output and
+    gradients: the same kernels, inductor's fusions of the light ops around them differing by
+    roundings (within 4 U of each tensor's largest)."""
+    from primerl_models.common import conv_kernels, gdn_fla, linear_attention
+    from primerl_models.common.args import GatedDeltaNet
+
+    if not gdn_fla.available():
+        pytest.skip("flash-linear-attention (fla-core) is not installed")
+    torch.manual_seed(0)
+    lengths = [200, 3, 64, 317, 130]
+    seqs = PackedSeqs.from_position_ids(packed_positions(lengths))
+    n = sum(lengths)
+    pos = torch.cat([torch.arange(m) for m in lengths]).to(CUDA)
+    x = torch.randn(n, 96, device=CUDA).bfloat16().requires_grad_()
+    w = torch.randn(96, 4, device=CUDA).requires_grad_()
+    torch.library.opcheck(torch.ops.primerl.causal_conv_silu.default, (x, w, pos))
+    torch.library.opcheck(torch.ops.primerl.causal_conv_silu_bwd.default, (torch.randn_like(x), x.detach(), w.detach(), pos))
+    cu, indices = gdn_fla.chunk_indices(seqs)
+    q, k = (linear_attention.l2norm_rounded(torch.randn(1, n, 2, 128, device=CUDA).bfloat16()) for _ in range(2))
+    v = torch.randn(1, n, 4, 128, device=CUDA).bfloat16()
+    g = -torch.rand(1, n, 4, device=CUDA)
+    beta = torch.rand(1, n, 4, device=CUDA).bfloat16()
+    leaves = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    torch.library.opcheck(torch.ops.primerl.gated_delta_rule_fwd.default, (*leaves, cu, indices, 128**-0.5))
+
+    spec = GatedDeltaNet(num_k_heads=2, num_v_heads=4, head_k_dim=128, head_v_dim=128)
+    layer = linear_attention.GatedDeltaNetMixer(spec, 256, 1e-6).to(CUDA)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.05)
+    xs = torch.randn(1, n, 256, device=CUDA)
+    weights = torch.randn(1, n, 256, device=CUDA)
+    layer.prepare(seqs, xs.device)
+
+    def run(fn):
+        layer.zero_grad()
+        xg = xs.clone().requires_grad_()
+        with torch.autocast(CUDA, dtype=torch.bfloat16):
+            out = fn(xg, None, None, seqs, None)
+        (out.float() * weights).sum().backward()
+        return [("out", out.float()), ("grad x", xg.grad)] + [(f"grad {n}", p.grad.clone()) for n, p in layer.named_parameters()]
+
+    eager = run(layer)
+    compiled = run(torch.compile(layer.forward, fullgraph=True))
+    for (name, a), (_, b) in zip(compiled, eager):
+        check_every_element(f"compiled {name}", a, b, torch.full_like(b, 4 * U * float(b.abs().max())))
+
+
 def test_causal_conv_kernels_match_fp64_cpu_with_gradients():
     """conv_kernels.causal_conv_silu (the DeltaNet conv on CUDA) against silu(causal_conv) in
     fp64 on the CPU, on bf16 inputs (the same values): documents of 70, 2, 64 and 131 tokens

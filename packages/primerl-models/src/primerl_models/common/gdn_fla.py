@@ -12,7 +12,9 @@ transposed products from memory instead of transposing an accumulator (`primerl_
 
     o_NHV = gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs, scale)
 
-q and k are not yet L2-normalised (the kernels do it), their heads may divide v's (GVA).
+q and k come L2-normalised (the caller's compiled graph does it, fused with its neighbours:
+two of fla's launches less a layer, each costing ~0.2 ms of host time where the forward is
+host-bound), their heads may divide v's (GVA).
 
 Legend: N tokens (the rows flattened), H value heads, Hk key heads, K key dim, V value dim,
 C tokens per chunk.
@@ -36,8 +38,8 @@ REPLACE_DQKWG = True
 to show fla's error)."""
 KEEP_STATES = True
 """Keep the forward's WY factors, chunk states and corrected values for the backward
-(_RuleKeepingStates) rather than recompute them as fla's own autograd Function does: ~8 ms of
-a 16k-token Qwen3.5-0.8B step on an H200 for ~260 MB a layer."""
+(_rule_forward) rather than recompute them as fla's own autograd Function does: ~8 ms of a
+16k-token Qwen3.5-0.8B step on an H200 for ~260 MB a layer."""
 
 
 _AVAILABLE: bool | None = None
@@ -64,30 +66,45 @@ def usable(q_NHK: torch.Tensor, key_dim: int) -> bool:
 
 
 def chunk_indices(seqs: PackedSeqs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cu_seqlens int64, fla's chunk indices [L, 2]), built once per forward (a host sync)."""
+    """(cu_seqlens int64, fla's chunk indices [L, 2]), kept on `seqs`: built before the compiled
+    layers (GatedDeltaNetMixer.prepare), else here, eagerly (a host sync: a graph break)."""
     key = ("fla", CHUNK)
     if key not in seqs.chunk_layouts:
-        from fla.ops.utils import prepare_chunk_indices
-
-        cu = seqs.cu_seqlens.long()
-        seqs.chunk_layouts[key] = (cu, prepare_chunk_indices(cu, CHUNK))
+        _build_chunk_indices(seqs)
     return seqs.chunk_layouts[key]
 
 
-@torch.compiler.disable  # Triton kernels behind an autograd.Function: eager inside compiled layers
+@torch.compiler.disable  # a host sync (the number of chunks)
+def _build_chunk_indices(seqs: PackedSeqs) -> None:
+    from fla.ops.utils import prepare_chunk_indices
+
+    cu = seqs.cu_seqlens.long()
+    seqs.chunk_layouts[("fla", CHUNK)] = (cu, prepare_chunk_indices(cu, CHUNK))
+
+
 def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, scale: float) -> torch.Tensor:
-    """o [N, H, V] of the gated delta rule (linear_attention.gated_delta_rule's definition),
-    q and k L2-normalised inside, q scaled by `scale`; the state restarts at each document."""
+    """o [N, H, V] of the gated delta rule (linear_attention.gated_delta_rule's definition) of
+    L2-normalised q and k, q scaled by `scale`; the state restarts at each document. Through
+    the custom ops below: no graph break inside a compiled layer."""
     cu, indices = chunk_indices(seqs)
-    if KEEP_STATES and _stages() is not None:
-        x = (t[None].contiguous() for t in (q_NHK, k_NHK, v_NHV, g_NH.float(), beta_NH))
-        return _RuleKeepingStates.apply(*x, scale, cu, indices)[0]
+    x = [t[None] for t in (q_NHK, k_NHK, v_NHV, g_NH.float(), beta_NH)]
+    if KEEP_STATES and stages_found():
+        return _rule_forward(*x, cu, indices, scale)[0][0]
+    return _fla_rule(*x, cu, indices, scale)[0]
+
+
+@torch.compiler.disable  # fla's own autograd Function
+def _fla_rule(q, k, v, g, beta, cu, indices, scale):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    o, _ = chunk_gated_delta_rule(
-        q_NHK[None], k_NHK[None], v_NHV[None], g_NH[None].float(), beta_NH[None], scale=scale,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=cu, chunk_indices=indices, chunk_size=CHUNK)
-    return o[0]
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=False, cu_seqlens=cu,
+                                  chunk_indices=indices, chunk_size=CHUNK)
+    return o
+
+
+@torch.compiler.assume_constant_result
+def stages_found() -> bool:
+    return _stages() is not None
 
 
 @functools.cache
@@ -95,7 +112,6 @@ def _stages():
     """fla's stage functions of the chunked rule (fla 0.6's layout), or None where they moved:
     then fla's public function runs."""
     try:
-        from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
         from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
         from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
@@ -105,50 +121,88 @@ def _stages():
     except ImportError:
         return None
     return SimpleNamespace(
-        l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd, bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
-        fwd_h=chunk_gated_delta_rule_fwd_h, dqkwg=chunk_bwd_dqkwg, dv_local=chunk_bwd_dv_local, fwd_o=chunk_fwd_o,
-        fwd_intra=chunk_gated_delta_rule_fwd_intra, wy_bwd=prepare_wy_repr_bwd, cumsum=chunk_local_cumsum,
-        rcp_ln2=RCP_LN2)
+        bwd_dhu=chunk_gated_delta_rule_bwd_dhu, fwd_h=chunk_gated_delta_rule_fwd_h, dqkwg=chunk_bwd_dqkwg,
+        dv_local=chunk_bwd_dv_local, fwd_o=chunk_fwd_o, fwd_intra=chunk_gated_delta_rule_fwd_intra,
+        wy_bwd=prepare_wy_repr_bwd, cumsum=chunk_local_cumsum, rcp_ln2=RCP_LN2)
 
 
-class _RuleKeepingStates(torch.autograd.Function):
-    """The rule through fla's stages, [1, N, heads, dim] operands (one packed row): forward
-    L2 norms, the chunk-local decay sums (log2), the WY factors, the chunk states with the
-    corrected values, the output; backward the states' gradients, dq/dk/dw/dg, the WY factors'
-    backward, the decay sums' reverse, the norms' backward, reading the kept states."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, cu, indices):
-        f = _stages()
-        span = dict(cu_seqlens=cu, chunk_indices=indices)
-        q, q_rstd = f.l2norm_fwd(q)
-        k, k_rstd = f.l2norm_fwd(k)
-        g = f.cumsum(g, chunk_size=CHUNK, scale=f.rcp_ln2, **span)
-        w, u, a = f.fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK, **span)
-        h, v_new, _ = f.fwd_h(k=k, w=w, u=u, g=g, initial_state=None, output_final_state=False,
-                              chunk_size=CHUNK, **span)
-        o = f.fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK, **span)
-        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, a, w, h, v_new, cu, indices)
-        ctx.scale = scale
-        return o.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, q_rstd, k, k_rstd, v, g, beta, a, w, h, v_new, cu, indices = ctx.saved_tensors
-        f, scale, span = _stages(), ctx.scale, dict(cu_seqlens=cu, chunk_indices=indices, chunk_size=CHUNK)
-        do = do.contiguous()
-        dv = f.dv_local(q=q, k=k, g=g, do=do, scale=scale, **span)
-        dh, _, dv = f.bwd_dhu(q=q, k=k, w=w, g=g, h0=None, dht=None, do=do, dv=dv, scale=scale, **span)
-        dq, dk, dw, dg = f.dqkwg(q=q, k=k, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, **span)
-        dk2, dv, db, dg2 = f.wy_bwd(k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=dv, cu_seqlens=cu,
-                                    chunk_indices=indices)
-        dk.add_(dk2)
-        dg.add_(dg2)
-        dg = f.cumsum(dg, reverse=True, **span)
-        dq, dk = f.l2norm_bwd(q, q_rstd, dq), f.l2norm_bwd(k, k_rstd, dk)
-        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), None, None, None
+# The rule through fla's stages as two custom ops, [1, N, heads, dim] operands (one packed row,
+# q and k L2-normalised), so that a compiled layer holds them without a graph break (each break
+# costs the host a compiled region's entry and exit, where the forward is host-bound). Forward:
+# the chunk-local decay sums (log2), the WY factors, the chunk states with the corrected values,
+# the output; it returns those intermediates too, kept for the backward (fla's own autograd
+# Function recomputes them: ~8 ms of a 16k-token Qwen3.5-0.8B step on an H200). Backward: the
+# states' gradients, dq/dk/dw/dg, the WY factors' backward, the decay sums' reverse.
+Tensor = torch.Tensor
 
 
+@torch.library.custom_op("primerl::gated_delta_rule_fwd", mutates_args=())
+def _rule_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu: Tensor, indices: Tensor,
+                  scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, g's chunk sums, A, w, h, v_new)."""
+    f = _stages()
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    span = dict(cu_seqlens=cu, chunk_indices=indices)
+    g = f.cumsum(g, chunk_size=CHUNK, scale=f.rcp_ln2, **span)
+    w, u, a = f.fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK, **span)
+    h, v_new, _ = f.fwd_h(k=k, w=w, u=u, g=g, initial_state=None, output_final_state=False, chunk_size=CHUNK, **span)
+    o = f.fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK, **span)
+    return o.to(v.dtype), g.float(), a.to(k.dtype), w.to(k.dtype), h.to(k.dtype), v_new.to(v.dtype)
+
+
+def _like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A contiguous tensor of x's shape (the ops' outputs are contiguous whatever their inputs' strides)."""
+    return x.new_empty(x.shape, dtype=dtype or x.dtype)
+
+
+@_rule_forward.register_fake
+def _(q, k, v, g, beta, cu, indices, scale):
+    (_, n, heads, dv), dk = v.shape, k.shape[-1]
+    return (_like(v), _like(g, torch.float32), k.new_empty(1, n, heads, CHUNK), k.new_empty(1, n, heads, dk),
+            k.new_empty(1, indices.shape[0], heads, dk, dv), _like(v))
+
+
+@torch.library.custom_op("primerl::gated_delta_rule_bwd", mutates_args=())
+def _rule_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, a: Tensor, w: Tensor,
+                   h: Tensor, v_new: Tensor, cu: Tensor, indices: Tensor,
+                   scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg, dbeta) from the forward's kept intermediates (g: its chunk sums)."""
+    f = _stages()
+    q, k, v, beta, do = (t.contiguous() for t in (q, k, v, beta, do))
+    span = dict(cu_seqlens=cu, chunk_indices=indices, chunk_size=CHUNK)
+    dv = f.dv_local(q=q, k=k, g=g, do=do, scale=scale, **span)
+    dh, _, dv = f.bwd_dhu(q=q, k=k, w=w, g=g, h0=None, dht=None, do=do, dv=dv, scale=scale, **span)
+    dq, dk, dw, dg = f.dqkwg(q=q, k=k, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, **span)
+    dk2, dv, db, dg2 = f.wy_bwd(k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=dv, cu_seqlens=cu, chunk_indices=indices)
+    dk.add_(dk2)
+    dg.add_(dg2)
+    dg = f.cumsum(dg, reverse=True, **span)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.float(), db.to(beta.dtype)
+
+
+@_rule_backward.register_fake
+def _(do, q, k, v, g, beta, a, w, h, v_new, cu, indices, scale):
+    return _like(q), _like(k), _like(v), _like(g, torch.float32), _like(beta)
+
+
+def _rule_setup(ctx, inputs, output):
+    q, k, v, _, beta, cu, indices, scale = inputs
+    _, g, a, w, h, v_new = output
+    ctx.mark_non_differentiable(g, a, w, h, v_new)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, g, beta, a, w, h, v_new, cu, indices)
+    ctx.scale = scale
+
+
+def _rule_grad(ctx, do, *_):
+    dq, dk, dv, dg, db = _rule_backward(do, *ctx.saved_tensors, ctx.scale)
+    return dq, dk, dv, dg, db, None, None, None
+
+
+_rule_forward.register_autograd(_rule_grad, setup_context=_rule_setup)
+
+
+@functools.cache
 def triton_miscompiles_dqkwg() -> bool:
     """Hopper with 3.4 <= Triton < 3.7.1: fla's own dq/dk/dg kernel is refused there (#640)."""
     import triton

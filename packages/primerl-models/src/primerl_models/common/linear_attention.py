@@ -121,6 +121,12 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def l2norm_rounded(x: torch.Tensor) -> torch.Tensor:
+    """l2norm in fp32, rounded once to x's dtype (fla's own l2norm kernel's arithmetic): the
+    q and k that gdn_fla.gated_delta_rule takes."""
+    return l2norm(x.float()).to(x.dtype)
+
+
 @torch.compiler.disable  # eager inside compiled layers: a host sync and a Triton kernel
 def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk: int = CHUNK) -> torch.Tensor:
     """o [N, H, V] of S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
@@ -240,6 +246,12 @@ class GatedDeltaNetMixer(nn.Module):
         self.norm = GatedRMSNorm(spec.head_v_dim, eps)
         self.out_proj = nn.Linear(value, dim, bias=False)
 
+    def prepare(self, seqs: PackedSeqs, device: torch.device) -> None:
+        """Build, before the compiled layers, the chunk layout fla's kernels read (a host sync),
+        so that none happens inside them."""
+        if FAST_KERNELS and device.type == "cuda" and gdn_fla.available():
+            gdn_fla.chunk_indices(seqs)
+
     def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend) -> torch.Tensor:
         s = self.spec
         b, t, _ = x_BTD.shape
@@ -265,7 +277,8 @@ class GatedDeltaNetMixer(nn.Module):
             qkv_NC = conv_kernels.causal_conv_silu(qkv_NC, w, doc_positions(seqs))
         else:
             qkv_NC = F.silu(causal_conv(qkv_NC.float(), w.float(), doc_positions(seqs))).to(qkv_NC.dtype)
-        # the rule through fla's bf16 kernels on CUDA (GVA and the L2 norms inside), else the exact fp32 form
+        # the rule through fla's bf16 kernels on CUDA (GVA inside; the L2 norms and v's copy to
+        # contiguous memory here, in the compiled graph), else the exact fp32 form
         fast = FAST_KERNELS and gdn_fla.usable(x_BTD, dk)
         q, k, v = qkv_NC.split([hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
@@ -273,6 +286,7 @@ class GatedDeltaNetMixer(nn.Module):
         dt_bias, a_log = (split.part(p, s.num_v_heads).float() for p in (self.dt_bias, self.A_log))
         g_NH = -a_log.exp() * F.softplus(ba[..., 1].float().reshape(n, hv) + dt_bias)
         if fast:
+            q, k, v = l2norm_rounded(q), l2norm_rounded(k), v.contiguous()
             o = gdn_fla.gated_delta_rule(q, k, v, g_NH, beta_NH.to(v.dtype), seqs, dk**-0.5)
         else:
             if hv > hk:  # each key head serves hv / hk value heads
@@ -342,6 +356,12 @@ class Mamba2Mixer(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(spec.inner))
         self.out_proj = nn.Linear(spec.inner, dim, bias=False)
+
+    def prepare(self, seqs: PackedSeqs, device: torch.device) -> None:
+        """Build, before the compiled layers, the chunk layout fla's kernels read (a host sync),
+        so that none happens inside them."""
+        if FAST_KERNELS and device.type == "cuda" and gdn_fla.available():
+            gdn_fla.chunk_indices(seqs)
 
     def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend) -> torch.Tensor:
         s = self.spec

@@ -245,6 +245,9 @@ class Transformer(nn.Module):
         x_BTD, mrope_3BT = self._embed(input_ids_BT, seqs, pixel_values, image_grid_thw, mrope_positions)
         ropes = self._ropes(position_ids_BT, mrope_3BT)
         ropes[None] = (None, None)  # layers without positions
+        for layer in self.layers:  # host-side layouts a mixer needs (host syncs), outside the compiled layers
+            if hasattr(layer.mixer, "prepare"):
+                layer.mixer.prepare(seqs, x_BTD.device)
         for layer in self.layers:
             x_BTD = layer(x_BTD, *ropes[getattr(layer.spec.mixer, "rope", None)], seqs, self.attn_backend)
         hidden_BTD = self.norm(x_BTD)
