@@ -23,7 +23,7 @@ import torch
 from attention import timed
 from primerl_models.common import gdn_fla
 from primerl_models.common.attention import PackedSeqs
-from primerl_models.common.linear_attention import gated_delta_rule, l2norm
+from primerl_models.common.linear_attention import gated_delta_rule, l2norm, l2norm_rounded
 
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 
@@ -44,7 +44,8 @@ def inputs(lengths: list[int], key_heads: int, heads: int, dim: int, seed: int =
 
 def run_fla(x, seqs, weights, scale):
     leaves = [t.clone().requires_grad_() for t in x]
-    o = gdn_fla.gated_delta_rule(*leaves, seqs, scale)
+    q, k, *rest = leaves  # the norms as the model takes them: fp32, one rounding to bf16
+    o = gdn_fla.gated_delta_rule(l2norm_rounded(q), l2norm_rounded(k), *rest, seqs, scale)
     (o.float() * weights.float()).sum().backward()
     return [o.detach(), *(t.grad for t in leaves)]
 

@@ -246,16 +246,80 @@ PROFILE = False
 KEEP_LOGITS = False  # the :keep flag: chunked_logprobs keeps the logits (trainer.keep_logits)
 
 
+HOST_PROFILE = False  # --host-profile
+TRACE: str | None = None  # --trace: a gzipped Chrome trace of one step, host and GPU (bench/trace_gaps.py reads it)
+
+
 def profile_step(run_step) -> None:
-    """Print the top CUDA kernels of one step (after warm-up)."""
+    """Print the top CUDA kernels of one step (after warm-up); with --trace, write that step's
+    host and GPU timeline too, and list the step's host syncs (each one lets the GPU run dry)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = DEVICE == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+    if TRACE:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         run_step()
         sync()
     print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=45,
                                     max_name_column_width=90))
+    if TRACE:
+        import gzip
+        import os
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+            with open(os.path.join(tmp, "trace.json"), "rb") as src, gzip.open(TRACE, "wb") as dst:
+                dst.write(src.read())
+        if cuda:
+            syncs_of_step(run_step)
+
+
+def host_profile(run_step) -> None:
+    """Print where one step's host time goes (cProfile: the functions by own time and by time
+    inside them); where the host is slower than the GPU, the GPU waits."""
+    import cProfile
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    run_step()
+    prof.disable()
+    sync()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
+
+
+def syncs_of_step(run_step) -> None:
+    """Run one more step with torch's sync debug mode on and print where each host sync came from."""
+    import traceback
+    import warnings
+
+    seen: dict[str, int] = {}
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        stack = "".join(traceback.format_stack(limit=12)[:-2])
+        seen[stack] = seen.get(stack, 0) + 1
+
+    old = warnings.showwarning
+    warnings.showwarning = show
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            run_step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = old
+    sync()
+    print(f"host syncs in one step: {sum(seen.values())} at {len(seen)} places")
+    for stack, count in seen.items():
+        print(f"--- {count}x\n{stack}")
 
 
 def image_row(name: str, seq: int, g: torch.Generator) -> tuple[torch.Tensor, dict]:
@@ -314,6 +378,8 @@ def measure(model, step, seq: int, steps: int, docs: int = 1, vocab: int = VOCAB
         losses.append(float(loss.detach()))
     if PROFILE:
         profile_step(one_step)
+    if HOST_PROFILE:
+        host_profile(one_step)
     return {
         "s_per_step": statistics.median(times),
         "tokens_per_s": seq / statistics.median(times),
@@ -366,6 +432,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one step")
+    parser.add_argument("--host-profile", action="store_true", help="print where one step's host time goes (cProfile)")
+    parser.add_argument("--trace", default=None, help="with --profile: write one step's host + GPU timeline here "
+                        "(gzipped Chrome trace, {run} in the path replaced by the run's flags; bench/trace_gaps.py) "
+                        "and list its host syncs")
     parser.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (torch's global switch)")
     parser.add_argument("--seq", type=int, default=None, help="tokens in the row (default: the shape's)")
     parser.add_argument("--runs", default="transformers,ours",
@@ -376,8 +446,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: check the code path (tiny shapes, :eager runs); no memory, timings mean nothing")
     args = parser.parse_args()
-    global PROFILE, DEVICE, KEEP_LOGITS
+    global PROFILE, DEVICE, KEEP_LOGITS, TRACE, HOST_PROFILE
     PROFILE = args.profile
+    HOST_PROFILE = args.host_profile
+    TRACE = args.trace
     DEVICE = args.device
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     # fla's kernels where installed (transformers' Qwen3.5 takes them too), with primerl's
@@ -392,6 +464,7 @@ def main() -> None:
             # torchgdn: Gated DeltaNet layers through the exact fp32 chunked form, not fla's kernels
             linear_attention.FAST_KERNELS = "torchgdn" not in flags
             KEEP_LOGITS = "keep" in flags
+            TRACE = args.trace and args.trace.replace("{run}", spec.replace(":", "-"))
             row = run(name, impl, args.steps, ac="ac" in flags, compile_layers=impl == "ours" and "eager" not in flags,
                       docs=docs, cudnn="cudnn" in flags, seq=args.seq, lora_rank=lora, train_tower="tower" in flags)
             row["gdn"] = "fla" if fla and "torchgdn" not in flags else "torch"
