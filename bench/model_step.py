@@ -305,17 +305,14 @@ def syncs_of_step(run_step) -> None:
         stack = "".join(traceback.format_stack(limit=12)[:-2])
         seen[stack] = seen.get(stack, 0) + 1
 
-    old = warnings.showwarning
-    warnings.showwarning = show
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning on leaving
             warnings.simplefilter("always")
             warnings.showwarning = show
             run_step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = old
     sync()
     print(f"host syncs in one step: {sum(seen.values())} at {len(seen)} places")
     for stack, count in seen.items():

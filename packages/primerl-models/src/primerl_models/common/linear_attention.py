@@ -357,12 +357,6 @@ class Mamba2Mixer(nn.Module):
         self.norm.weight = nn.Parameter(torch.ones(spec.inner))
         self.out_proj = nn.Linear(spec.inner, dim, bias=False)
 
-    def prepare(self, seqs: PackedSeqs, device: torch.device) -> None:
-        """Build, before the compiled layers, the chunk layout fla's kernels read (a host sync),
-        so that none happens inside them."""
-        if FAST_KERNELS and device.type == "cuda" and gdn_fla.available():
-            gdn_fla.chunk_indices(seqs)
-
     def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend) -> torch.Tensor:
         s = self.spec
         b, t, _ = x_BTD.shape
