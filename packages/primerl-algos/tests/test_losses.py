@@ -248,3 +248,33 @@ def test_a_masked_out_tokens_logprobs_change_nothing(kind, normalization):
         assert metrics2 == pytest.approx(metrics, rel=1e-12, abs=1e-15)
     # while a trained token's does (the comparison above is not blind)
     assert result([pi[0] + 0.3, *pi[1:]], mu)[0] != pytest.approx(loss, rel=1e-6)
+
+
+# Weights by the definition, r = exp(clamp(pi - mu, -20, 20)), with ratio_max 2 and eps 0.2 / 0.28:
+#   aipo  w = min(r, 2):             d = +-19.9 -> 2, e^-19.9;  d = +-20.1 -> 2, e^-20 (value clamped)
+#   cispo w = clip(r, 0.8, 1.28):    d > 0 -> 1.28;  d < 0 -> 0.8
+EDGE_WEIGHTS = [
+    ("aipo", 19.9, 2.0), ("aipo", 20.1, 2.0), ("aipo", -19.9, math.exp(-19.9)), ("aipo", -20.1, math.exp(-20.0)),
+    ("cispo", 19.9, 1.28), ("cispo", 20.1, 1.28), ("cispo", -19.9, 0.8), ("cispo", -20.1, 0.8),
+]
+
+
+@pytest.mark.parametrize(("kind", "d", "w"), EDGE_WEIGHTS)
+def test_aipo_and_cispo_give_minus_w_a_on_tokens_beyond_the_log_ratio_clamp(kind, d, w):
+    # Two tokens with pi - mu = d and A = 1.5, -0.5: l = -w A, dl/dpi = -w A, each over 2 tokens.
+    # The clamp at |d| = 20 bounds r's value only; the gradient must not vanish past it.
+    pi = [-1.0, -0.3] if d > 0 else [-1.0 + d, -0.3 + d]
+    mu = [p - d for p in pi]
+    x = inputs(pi, mu, [1.5, -0.5])
+    loss, grad, _ = run(x, type=kind, ratio_max=2.0, eps_low=0.2, eps_high=0.28)
+    assert loss == pytest.approx((-w * 1.5 + w * 0.5) / 2, rel=1e-9)
+    assert grad == pytest.approx([-w * 1.5 / 2, w * 0.5 / 2], rel=1e-9, abs=0.0)
+
+
+@pytest.mark.parametrize("kind", ["aipo", "cispo"])
+def test_a_masked_minus_inf_logprob_gives_no_nan_gradient(kind):
+    # token 2 is not trained and its trainer logprob is -inf; token 1 (r = 1, A = 1): dl/dpi = -1/1
+    x = inputs([-0.5, -math.inf], [-0.5, -1.0], [1.0, 1.0], mask=[True, False])
+    loss, grad, _ = run(x, scale=LossScale(tokens=1, sequences=1), type=kind)
+    assert loss == pytest.approx(-1.0)
+    assert grad == [pytest.approx(-1.0), 0.0]

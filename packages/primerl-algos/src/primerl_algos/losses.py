@@ -2,7 +2,8 @@
 
 Every loss sees, per token t: pi_t the trainer's logprob (at the token's sampling temperature,
 with gradient), mu_t the inference server's logprob, A_t the advantage, and the loss mask.
-With r_t = exp(pi_t - mu_t) (log-ratio clamped to +-20 so that no ratio is infinite):
+With r_t = exp(pi_t - mu_t) (log-ratio clamped to +-20 so that no ratio is infinite; the clamp
+bounds values only: aipo's and cispo's gradient -w A grad(pi) holds beyond it too):
 
   aipo   l = -min(r, delta) A            gradient -min(r, delta) A grad(pi): truncated IS
   cispo  l = -clip(r, 1-e_lo, 1+e_hi) A  same, with the weight clipped on both sides
@@ -87,27 +88,31 @@ LossFn = Callable[[LossInputs, torch.Tensor, LossConfig], TokenLoss]
 LOSSES: Registry[LossFn] = Registry("loss")
 
 
-def _weighted(ratio: torch.Tensor, weight: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-    """-w A in value, -w A grad(pi) in gradient (w a constant): sg[w / r] r."""
-    return -(weight / ratio).detach() * ratio * adv
+def _weighted(logprobs: torch.Tensor, weight: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """-w A in value, -w A grad(pi) in gradient (w a constant): -sg[w] A exp(pi - sg[pi]).
+
+    The gradient path is pi itself, not the clamped log-ratio: where |pi - mu| > MAX_LOG_RATIO
+    the clamp's derivative is 0, while the definition still gives -w A there. nan_to_num keeps a
+    non-finite pi (a masked token's -inf) from making exp(nan) and a NaN gradient; its own
+    derivative is 0 there."""
+    return -weight.detach() * adv * torch.exp((logprobs - logprobs.detach()).nan_to_num(0.0))
 
 
 @LOSSES.register("aipo")
 def aipo(x: LossInputs, log_ratio: torch.Tensor, cfg: LossConfig) -> TokenLoss:
-    ratio = log_ratio.exp()
+    ratio = log_ratio.detach().exp()
     weight = ratio.clamp(max=cfg.ratio_max)
-    return TokenLoss(_weighted(ratio, weight, x.advantages), clipped_high=ratio.detach() > cfg.ratio_max)
+    return TokenLoss(_weighted(x.logprobs, weight, x.advantages), clipped_high=ratio > cfg.ratio_max)
 
 
 @LOSSES.register("cispo")
 def cispo(x: LossInputs, log_ratio: torch.Tensor, cfg: LossConfig) -> TokenLoss:
-    ratio = log_ratio.exp()
+    ratio = log_ratio.detach().exp()
     weight = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
-    r = ratio.detach()
     return TokenLoss(
-        _weighted(ratio, weight, x.advantages),
-        clipped_low=r < 1 - cfg.eps_low,
-        clipped_high=r > 1 + cfg.eps_high,
+        _weighted(x.logprobs, weight, x.advantages),
+        clipped_low=ratio < 1 - cfg.eps_low,
+        clipped_high=ratio > 1 + cfg.eps_high,
     )
 
 
