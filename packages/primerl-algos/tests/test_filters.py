@@ -1,3 +1,4 @@
+import pytest
 from primerl_algos.config import AdvantageConfig, FilterConfig
 from primerl_algos.filters import filter_rollouts, select
 from primerl_protocol.rollouts import Rollout, Turn
@@ -73,3 +74,28 @@ def test_a_group_whose_advantages_are_not_finite_is_dropped(tmp_path, monkeypatc
     out, report = select(rollouts, FilterConfig(), AdvantageConfig(type="nan_adv:f"), max_tokens=10)
     assert [r.sample_id for r, _ in out] == [2, 3]
     assert dict(report.dropped) == {"non_finite_advantage": 2}
+
+
+# Rewards 0, 0.5, 1: mean m = 0.5 exactly, population std s = sqrt(1/6). By hand, per estimator:
+#   drgrpo r - m = -0.5, 0, 0.5;  grpo (r - m) / (s + 1e-6);  rloo r_i - mean of the others =
+#   0 - 0.75, 0.5 - 0.5, 1 - 0.25;  maxrl (r - m) / m = -1, 0, 1. The middle rollout's is exactly 0.
+S = (1 / 6) ** 0.5
+MIXED_GROUP_ADVANTAGES = {
+    "drgrpo": [-0.5, 0.0, 0.5],
+    "grpo": [-0.5 / (S + 1e-6), 0.0, 0.5 / (S + 1e-6)],
+    "rloo": [-0.75, 0.0, 0.75],
+    "maxrl": [-1.0, 0.0, 1.0],
+}
+
+
+@pytest.mark.parametrize("estimator", sorted(MIXED_GROUP_ADVANTAGES))
+def test_a_group_with_some_zero_advantages_is_kept_whole(estimator):
+    # Only groups whose advantages are ALL zero carry no gradient (docs/algorithms.md, Filters);
+    # here one member's is exactly 0: the group trains, that member included (its tokens count
+    # in the loss's normalisation like any other's).
+    rollouts = [rollout(0, 7, 0.0), rollout(1, 7, 0.5), rollout(2, 7, 1.0)]
+    out, report = select(rollouts, FilterConfig(), AdvantageConfig(type=estimator), max_tokens=10)
+    assert [r.sample_id for r, _ in out] == [0, 1, 2]
+    assert [a for _, a in out] == pytest.approx(MIXED_GROUP_ADVANTAGES[estimator], abs=1e-12)
+    assert out[1][1] == 0.0
+    assert not report.dropped and report.kept == 3
