@@ -3,10 +3,20 @@ warns, and the parent's scoring of the child's lines counts each test at most on
 
 import asyncio
 import logging
+import os
+import tempfile
 
 import pytest
-from primerl_code import CodeConfig, CodeData, CodeTaskset
-from primerl_code.sandbox import HiddenTest, SandboxUnavailable, UNSAFE, require_sandbox, run_tests, score
+from primerl_code import CodeConfig, CodeData, CodeTaskset, isolation
+from primerl_code.sandbox import (
+    UNSAFE,
+    HiddenTest,
+    SandboxUnavailable,
+    _start_unsafe,
+    require_sandbox,
+    run_tests,
+    score,
+)
 
 TESTS = [HiddenTest("add", [2, 3], 5), HiddenTest("add", [-1, 1], 0), HiddenTest("add", [0, 0], 0)]
 ADD = "def add(a, b):\n    return a + b\n"
@@ -56,6 +66,34 @@ def test_the_opt_out_warns_every_time(monkeypatch, caplog):
     monkeypatch.setenv("PRIMERL_SANDBOX", "weaker-please")
     with pytest.raises(ValueError, match="PRIMERL_SANDBOX"):
         require_sandbox()
+
+
+def test_failed_bwrap_spawns_leave_no_descriptor_open(tmp_path, monkeypatch):
+    # a bwrap that passes the probe and is then gone: every spawn fails
+    bwrap = tmp_path / "bwrap"
+    bwrap.symlink_to(isolation.bwrap_path())
+    monkeypatch.setenv("PRIMERL_BWRAP", str(bwrap))
+    require_sandbox()
+    bwrap.unlink()
+
+    async def main() -> tuple[int, int]:
+        with pytest.raises(FileNotFoundError):
+            await run_tests(ADD, TESTS)  # the first one may set up the loop's own machinery
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(50):
+            with pytest.raises(FileNotFoundError):
+                await run_tests(ADD, TESTS)
+        return before, len(os.listdir("/proc/self/fd"))
+
+    before, after = asyncio.run(main())
+    assert after == before
+
+
+def test_a_failed_unsafe_spawn_leaves_no_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes the scratch folder
+    with pytest.raises(FileNotFoundError):
+        asyncio.run(_start_unsafe([str(tmp_path / "no-such-python")], file_mb=1))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_old_style_assert_tests_are_refused():

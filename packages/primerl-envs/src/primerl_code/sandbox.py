@@ -226,6 +226,9 @@ async def _start_bwrap(command: list[str], file_mb: int):
         proc = await asyncio.create_subprocess_exec(
             *argv, env={}, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, pass_fds=(seccomp, info_write))
+    except BaseException:
+        os.close(info_read)  # no bwrap: nothing will write its info, nobody will read it
+        raise
     finally:
         os.close(seccomp)
         os.close(info_write)
@@ -277,9 +280,13 @@ def _pidfd_of_init(info_read: int, bwrap_pid: int) -> int | None:
 async def _start_unsafe(command: list[str], file_mb: int):
     """The runner as a plain child in a temporary folder: rlimits, nothing else."""
     folder = tempfile.mkdtemp(prefix="primerl-unsafe-sandbox-")
-    proc = await asyncio.create_subprocess_exec(
-        *command, cwd=folder, env={}, start_new_session=True,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *command, cwd=folder, env={}, start_new_session=True,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # no child: the caller gets no cleanup to call
+        raise
 
     async def kill() -> None:
         with contextlib.suppress(ProcessLookupError):
