@@ -8,10 +8,12 @@ installed (CI installs it): without it these tests fail, they do not skip.
 """
 
 import asyncio
+import json
 import os
 import socket
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -271,6 +273,105 @@ def test_the_hosts_processes_and_environment_are_invisible(monkeypatch):
         escaped = escaped or open('/proc/1/cmdline', 'rb').read() == {host_init!r}
         escaped = escaped or os.path.exists('/proc/{os.getpid()}/cwd/conftest.py')
     """)).passed == 3
+
+
+READ_EVERYTHING = r"""
+import io, json, os, re, stat, sys
+CANARY = re.compile(rb"LEAK-CANARY-(\d+)-[0-9a-f]{32}")  # does not match itself
+found = {}
+read = {"stdin": 0, "argv": 0, "environ": 0, "fds": 0, "memory": 0, "names": 0, "files": 0, "procs": []}
+
+def look(data):
+    for m in CANARY.finditer(data):
+        found.setdefault(m.group(1).decode(), m.group().decode())
+
+# what is left of stdin (the calls and anything after them), then handed back to the runner
+rest = sys.stdin.read()
+sys.stdin = io.StringIO(rest)
+look(rest.encode())
+read["stdin"] = len(rest)
+for arg in sys.orig_argv + sys.argv:
+    look(os.fsencode(arg))
+    read["argv"] += 1
+for key, value in os.environb.items():
+    look(key + b"=" + value)
+    read["environ"] += 1
+for fd in map(int, os.listdir("/proc/self/fd")):  # every descriptor it holds, without blocking
+    try:
+        os.set_blocking(fd, False)
+        look(os.read(fd, 1 << 20))
+        read["fds"] += 1
+    except OSError:
+        pass
+    finally:
+        try:
+            os.set_blocking(fd, True)
+        except OSError:
+            pass
+# its whole memory (the runner's too: the same process)
+with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", buffering=0) as mem:
+    for line in maps:
+        span, perms = line.split()[:2]
+        start, end = (int(x, 16) for x in span.split("-"))
+        try:
+            if perms[0] == "r":
+                mem.seek(start)
+                look(mem.read(end - start))
+                read["memory"] += end - start
+        except (OSError, OverflowError, MemoryError):
+            pass
+# every name under /, and every file's first MiB: its cwd, /proc (its own and its parent's
+# entries), /dev, and every host file changed since the test began (an unchanged one cannot
+# hold values the test made after that)
+for root, dirs, files in os.walk("/"):
+    for name in dirs + files:
+        look(os.fsencode(name))
+        read["names"] += 1
+    for name in files:
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_ctime < SINCE:
+                continue
+            with open(path, "rb") as f:
+                data = f.read(1 << 20)
+        except OSError:
+            continue
+        look(data)
+        read["files"] += 1
+        if name == "environ" and root.count("/") == 2:
+            read["procs"].append(int(root.split("/")[2]))
+read.update(pid=os.getpid(), ppid=os.getppid(), found=found)
+report = json.dumps({"error": "READ " + json.dumps(read)}).encode() + b"\n"
+for fd in range(3, 64):  # onto the result channel, whichever descriptor it is: the first error line
+    try:
+        os.write(fd, report)
+    except OSError:
+        pass
+
+def answer(i):
+    return found.get(str(i))  # a hidden test's expected value, wherever it was seen
+"""
+
+
+def test_no_expected_value_reaches_the_sandbox():
+    """A submission reads all it can (stdin, argv, environment, descriptors, its memory, every
+    file it can open) and answers each test with the expected value it found there: it must find
+    none and score 0. Its report of what it read comes back as the run's error line."""
+    canaries = [f"LEAK-CANARY-{i}-{uuid.uuid4().hex}" for i in range(3)]
+    tests = [HiddenTest("answer", [i], canary) for i, canary in enumerate(canaries)]
+    since = time.time() - 1.0  # a file system's clock may lag time.time() by a tick
+    r = run(READ_EVERYTHING.replace("SINCE", repr(since)), tests, time_limit_s=20.0)
+    assert not any(canary in (r.error or "") for canary in canaries), r.error
+    assert (r.passed, r.total) == (0, 3)
+    assert r.error.startswith("READ "), r.error
+    read = json.loads(r.error.removeprefix("READ "))
+    assert read["found"] == {}
+    # it did read: the calls on stdin, its command line, its memory, its own and its parent's
+    # /proc entries, a tree of names
+    assert read["stdin"] > 0 and read["argv"] >= 5 and read["memory"] > 1 << 20
+    assert {read["pid"], read["ppid"]} <= set(read["procs"])
+    assert read["names"] > 1000 and read["files"] > 100
 
 
 def test_huge_output_is_bounded():
