@@ -13,7 +13,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from primerl_inference.admin import VLLM_LORA_ROUTES, AdminMiddleware
+from primerl_inference.admin import VLLM_LORA_ROUTES, AdminMiddleware, Gate
 from primerl_inference.config import ADMIN_TOKEN_ENV
 from primerl_protocol import serving
 from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_marker
@@ -410,6 +410,77 @@ def test_a_pause_inside_a_swap_nests_engine_stood_in(token, weights):
         assert status == 200 and step_of(headers) == 2
         _, _, health = await server.admin("GET", serving.HEALTH_ROUTE)
         assert health == {"ready": True, "paused": False, "step": 2, "in_flight": 0, "held": 0}
+
+    asyncio.run(main())
+
+
+def test_a_close_cancelled_while_it_drains_reopens_the_gate():
+    """The gate alone: a close() cancelled while a request drains leaves the gate open."""
+
+    async def main():
+        gate = Gate()
+        await gate.enter()  # one request in flight
+        closing = asyncio.ensure_future(gate.close())
+        await until(lambda: gate.closed == 1, "close() shuts the gate and drains")
+        waiting = asyncio.ensure_future(gate.enter())
+        await until(lambda: gate.held == 1, "a request waits at the closed gate")
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        await done(waiting)  # admitted: the gate is open again
+        assert (gate.closed, gate.active, gate.held) == (0, 2, 0)
+        await gate.leave()
+        await gate.leave()
+        assert await done(asyncio.ensure_future(gate.close())) == 0  # and it still closes
+
+    asyncio.run(main())
+
+
+def test_a_swap_cancelled_while_it_drains_reopens_the_gate_engine_stood_in(token, weights):
+    async def main():
+        server = Server()
+        release = server.hold("a")
+        in_flight = server.start_generate("a", hold="a")
+        await until(lambda: server.app.in_flight() == 1 and server.active() == 1, '"a" is admitted and running')
+        swap = server.start("POST", serving.LOAD_WEIGHTS_ROUTE, {"path": weights(1), "step": 1}, token=TOKEN)
+        await until(lambda: server.closed() == 1 or swap.done(), "the swap closes the gate and drains")
+        late = server.start_generate("late")
+        await until(lambda: server.held() == 1 or late.done(), '"late" waits at the closed gate')
+        swap.cancel()  # the server cancels the admin request while it drains "a"
+        with pytest.raises(asyncio.CancelledError):
+            await swap
+        status, headers, _ = await done(late)  # admitted on the old weights, "a" still running
+        assert status == 200 and step_of(headers) == serving.BASE_STEP
+        assert server.closed() == 0 and not server.mw.swap_lock.locked() and server.engine.calls == []
+        release.set()
+        assert (await done(in_flight))[0] == 200
+        status, _, answer = await server.admin("POST", serving.LOAD_WEIGHTS_ROUTE, {"path": weights(2), "step": 2})
+        assert status == 200 and answer["drained"] == 0  # the next swap closes and reopens as usual
+        assert step_of((await server.generate("after"))[1]) == 2
+
+    asyncio.run(main())
+
+
+def test_a_pause_cancelled_while_it_drains_holds_until_resumed_engine_stood_in(token):
+    async def main():
+        server = Server()
+        release = server.hold("a")
+        in_flight = server.start_generate("a", hold="a")
+        await until(lambda: server.app.in_flight() == 1 and server.active() == 1, '"a" is admitted and running')
+        pause = server.start("POST", serving.PAUSE_ROUTE, token=TOKEN)
+        await until(lambda: server.closed() == 1 or pause.done(), "the pause closes the gate and drains")
+        pause.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pause
+        held = server.start_generate("b")
+        await until(lambda: server.held() == 1 or held.done(), '"b" waits at the gate the pause closed')
+        release.set()
+        assert (await done(in_flight))[0] == 200
+        _, _, health = await server.admin("GET", serving.HEALTH_ROUTE)
+        assert health == {"ready": False, "paused": True, "step": serving.BASE_STEP, "in_flight": 0, "held": 1}
+        assert server.closed() == 1 and not held.done()  # paused it is, until the resume
+        await server.admin("POST", serving.RESUME_ROUTE)
+        assert (await done(held))[0] == 200 and server.closed() == 0
 
     asyncio.run(main())
 

@@ -128,11 +128,20 @@ class Gate:
             self.cond.notify_all()
 
     async def close(self) -> int:
-        """Stop admitting, then wait until nothing admitted is still running; how many were."""
+        """Stop admitting, then wait until nothing admitted is still running; how many were.
+
+        Cancelled (or failing) while it waits, it reopens what it closed: its caller, who gets
+        no return, has nothing to pair an open() with.
+        """
         async with self.cond:
             self.closed += 1
             running = self.active
-            await self.cond.wait_for(lambda: self.active == 0)
+            try:
+                await self.cond.wait_for(lambda: self.active == 0)
+            except BaseException:
+                self.closed -= 1
+                self.cond.notify_all()
+                raise
             return running
 
     async def open(self) -> None:
@@ -238,7 +247,9 @@ class AdminMiddleware:
                 case ("POST", serving.PAUSE_ROUTE):
                     if not self.paused:
                         self.paused = True
-                        await self.gate.close()
+                        # Shielded: a pause cancelled while it drains still holds the gate
+                        # (`paused` says so, and the resume reopens it), as it always did.
+                        await asyncio.shield(self.gate.close())
                     result = {"paused": True}
                 case ("POST", serving.RESUME_ROUTE):
                     if self.paused:
