@@ -1,20 +1,23 @@
 """Sharded checkpoints (DCP) for resuming: model, optimizer, scheduler, step, RNG, data position.
 
 `run_dir/checkpoints/step_N/` holds the DCP shards of model and optimizer, one `rank{r}.pt`
-per rank (RNG states and anything rank-specific) and `meta.json` (step, world size, scheduler
-state, data position, and the size of every other file) written last. A checkpoint is written
-to `.step_N.tmp` and renamed when complete (the layout is primerl_protocol.rundir's). On
-restart rank 0 picks the newest usable checkpoint with the same function the orchestrator
-uses (`rundir.latest_checkpoint`: an unreadable newer one is skipped with a warning) and
-tells the other ranks; if that one then fails to load, the trainer stops naming it rather
-than quietly pick another one the orchestrator would not pick.
+per rank (RNG states and anything rank-specific, as tensors and plain Python values, read back
+with `torch.load(weights_only=True)`, which refuses to run code from the file) and `meta.json`
+(step, world size, scheduler state, data position, and the size of every other file) written
+last. A checkpoint is written to `.step_N.tmp` and renamed when complete (the layout is
+primerl_protocol.rundir's). On restart rank 0 picks the newest usable checkpoint with the same
+function the orchestrator uses (`rundir.latest_checkpoint`: an unreadable newer one is skipped
+with a warning) and tells the other ranks; if that one then fails to load, the trainer stops
+naming it rather than quietly pick another one the orchestrator would not pick.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -35,7 +38,12 @@ class SetupError(RuntimeError):
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's RNG states, as what `torch.load(weights_only=True)` reads: tensors, ints,
+    floats, strings, tuples (numpy's key array as an int64 tensor, not a pickled ndarray)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -43,10 +51,17 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _refusal(err: pickle.UnpicklingError) -> str:
+    """torch's reason for refusing a file under weights_only=True, in one line."""
+    found = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\. Please|$)", str(err), re.MULTILINE)
+    return found.group(1) if found else f"{type(err).__name__}: {str(err)[:200]}"
 
 
 class Checkpointer:
@@ -122,7 +137,17 @@ class Checkpointer:
         scheduler.load_state_dict(meta["scheduler"])
         rank_file = path / f"rank{self.d.rank}.pt"
         if rank_file.exists():
-            _set_rng_state(torch.load(rank_file, weights_only=False)["rng"])
+            try:
+                rank_state = torch.load(rank_file, weights_only=True)
+            except pickle.UnpicklingError as err:  # objects other than tensors and plain values
+                log.warning(
+                    "%s is not plain data (%s): it was written before RNG states were saved as plain tensors "
+                    "(numpy's was a pickled array), or not by primerl, and reading it could run code from it; "
+                    "resuming WITHOUT this rank's RNG states (model, optimizer, schedule and data position are "
+                    "restored; the run goes on, but not bit for bit as an uninterrupted one would)",
+                    rank_file, _refusal(err))
+            else:
+                _set_rng_state(rank_state["rng"])
         return meta
 
     def _drop_newer(self, step: int) -> None:
