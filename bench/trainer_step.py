@@ -94,7 +94,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         for mb in rows:
             loss, _ = loss_fn(model, mb)
-            (loss * d.world_size).backward()
+            loss.backward()  # FSDP2 sums the gradients over ranks (placement.py)
         clip_grad_norm(model, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

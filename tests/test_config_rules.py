@@ -122,6 +122,37 @@ def test_cross_checks_accept_their_boundary(overrides):
     load(RLConfig, *overrides)
 
 
+@pytest.fixture
+def torchrun_ranks(monkeypatch):
+    """This process as a rank of a torchrun job of `n` ranks (the variables torchrun sets)."""
+    def set_world(n: int) -> None:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+        monkeypatch.setenv("WORLD_SIZE", str(n))
+    return set_world
+
+
+@pytest.mark.parametrize("root", [SFTConfig, TrainerRunConfig])
+def test_a_trainer_under_torchrun_takes_torchruns_ranks(torchrun_ranks, root):
+    torchrun_ranks(8)
+    extra = ["data.path=d.jsonl"] if root is SFTConfig else []
+    cfg = load(root, *extra, "trainer.parallel.ep=8", "trainer.parallel.cp=2")  # no transport.trainer_ranks
+    assert cfg.transport.trainer_ranks == 8
+    assert load(root, *extra, "transport.trainer_ranks=8", "trainer.parallel.ep=8").transport.trainer_ranks == 8
+    with pytest.raises(ConfigError, match=r"transport.trainer_ranks = 4, but torchrun started 8 ranks \(WORLD_SIZE = 8\)"):
+        load(root, *extra, "transport.trainer_ranks=4")
+    with pytest.raises(ConfigError, match=r"trainer.parallel.ep = 16 does not divide the trainer's 8 ranks \(torchrun's WORLD_SIZE\)"):
+        load(root, *extra, "trainer.parallel.ep=16")
+
+
+def test_without_torchrun_unset_trainer_ranks_are_one(monkeypatch):
+    """A lone process's own WORLD_SIZE (primerl_trainer.distributed sets it to 1) is not torchrun's."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert load(SFTConfig, "data.path=d.jsonl").transport.ranks == 1
+    with pytest.raises(ConfigError, match=r"ep = 2 does not divide the trainer's 1 ranks \(transport.trainer_ranks\)"):
+        load(SFTConfig, "data.path=d.jsonl", "trainer.parallel.ep=2")
+
+
 @pytest.mark.parametrize("override, key", [
     ("trainer.lora.rank=0", "trainer.lora.rank"),
     ("trainer.lora.dropout=1.0", "trainer.lora.dropout"),

@@ -72,6 +72,17 @@ def test_a_two_node_gpu_rl_job_is_laid_out_from_the_config(tmp_path):
     assert "module load cuda/12.8" in (tmp_path / "run" / "slurm" / "setup.sh").read_text()
 
 
+def test_unset_trainer_ranks_are_the_jobs_gpus_and_reach_the_orchestrator(tmp_path):
+    """transport.trainer_ranks left out: the trainer nodes' GPUs, written into every role's config
+    (the orchestrator packs for them; a trainer under torchrun would take them anyway)."""
+    cfg = rl_config(tmp_path, "slurm.trainer_nodes=2", "slurm.gpus_per_node=8")
+    assert cfg.transport.trainer_ranks is None
+    assert "--nnodes=2 --nproc-per-node=8" in render_rl(cfg).read_text()
+    configs = tmp_path / "run" / "configs"
+    for name, root in {"trainer": TrainerRunConfig, "orchestrator": OrchRunConfig}.items():
+        assert load_config(root, ["@", str(configs / f"{name}.toml")]).transport.trainer_ranks == 16, name
+
+
 def test_colocated_roles_share_nodes(tmp_path):
     cfg = rl_config(tmp_path, "colocate=true", "slurm.inference_nodes=2", "slurm.trainer_nodes=2",
                     "slurm.gpus_per_node=8", "transport.trainer_ranks=16")

@@ -82,7 +82,7 @@ class RLConfig(SharedConfig):
     def __post_init__(self) -> None:
         """Values the trainer and the orchestrator must agree on, checked before anything starts
         (otherwise the trainer refuses batches the orchestrator never sends again)."""
-        self.trainer.parallel.layout(self.transport.trainer_ranks)
+        self.trainer.parallel.layout(self.transport.ranks)
         rows = self.trainer.micro_batch_tokens
         if rows is not None and rows < self.seq_len:
             raise ValueError(

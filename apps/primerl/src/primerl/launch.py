@@ -131,11 +131,11 @@ def gpu_plan(cfg: RLConfig, device: str) -> tuple[list[int], list[int]]:
     elif cfg.trainer_gpus is not None:
         trainer = list(cfg.trainer_gpus)
     else:
-        trainer = list(range(n_inf, n_inf + cfg.transport.trainer_ranks))
+        trainer = list(range(n_inf, n_inf + cfg.transport.ranks))
     if not cfg.colocate and set(trainer) & set(inference):
         raise RunError(f"trainer_gpus {trainer} overlap inference GPUs {inference}; set colocate = true to share them")
-    if len(trainer) != cfg.transport.trainer_ranks:
-        raise RunError(f"transport.trainer_ranks = {cfg.transport.trainer_ranks} but the trainer gets GPUs {trainer} "
+    if len(trainer) != cfg.transport.ranks:
+        raise RunError(f"transport.trainer_ranks = {cfg.transport.ranks} but the trainer gets GPUs {trainer} "
                        "(one rank per GPU)")
     return inference, trainer
 
@@ -209,7 +209,7 @@ def trainer_threads(cfg: RLConfig, trainer_gpus: list[int]) -> int:
     instead of ~0.5 s)."""
     if trainer_gpus or cfg.orchestrator.max_async_level > 0:
         return 1
-    return max(1, len(os.sched_getaffinity(0)) // cfg.transport.trainer_ranks)
+    return max(1, len(os.sched_getaffinity(0)) // cfg.transport.ranks)
 
 
 def run_rl(cfg: RLConfig) -> None:
@@ -245,7 +245,7 @@ def run_rl(cfg: RLConfig) -> None:
         else:
             trainer_env["CUDA_VISIBLE_DEVICES"] = ""
         procs.append(_start("trainer", [  # --standalone: a single-node rendezvous on a free port
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.transport.trainer_ranks}",
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.transport.ranks}",
             "-m", "primerl.trainer_entry", "@", str(trainer_cfg),
         ], logs / "trainer.log", trainer_env))
 
@@ -255,7 +255,7 @@ def run_rl(cfg: RLConfig) -> None:
         write_private(orch_cfg, to_toml(orch))
         procs.append(_start("orchestrator", [sys.executable, "-m", "primerl.orch_entry", "@", str(orch_cfg)],
                             logs / "orchestrator.log", {"PYTHONUNBUFFERED": "1"}))
-        print(f"trainer ({cfg.transport.trainer_ranks} rank(s)) and orchestrator started", flush=True)
+        print(f"trainer ({cfg.transport.ranks} rank(s)) and orchestrator started", flush=True)
         _watch(procs, Progress(run_dir, cfg.max_steps), startup)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP (cli.Stopped)
         print(f"stopping every process ({err.args[0] if err.args else 'Ctrl-C'})", flush=True)

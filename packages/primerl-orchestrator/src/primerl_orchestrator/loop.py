@@ -175,7 +175,7 @@ class Orchestrator:
         t = self.cfg.transport
         settings = t.sockets
         self.senders = []
-        for r in range(t.trainer_ranks):
+        for r in range(t.ranks):
             sender = AsyncSender(t.batch_endpoint(r), BatchMessage, channel=f"batches/rank{r}", bind=True, settings=settings)
             stack.callback(sender.close)
             self.senders.append(sender)
@@ -327,7 +327,7 @@ class Orchestrator:
             t1 = time.monotonic()
             step = self.step
             batches, metrics = build_step(step, groups, self.o, seq_len=self.cfg.seq_len,
-                                          num_ranks=self.cfg.transport.trainer_ranks)
+                                          num_ranks=self.cfg.transport.ranks)
             if bad := [r for g in groups for r in g.rollouts if r.bad_score]:
                 log.warning("step %d: %d rollouts will not train: their environment scored them with something "
                             "that is not a finite number (first: %s)", step, len(bad), bad[0].error)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
 import msgspec
@@ -54,7 +55,7 @@ class WeightsConfig(Config):
 
 
 class ParallelConfig(Config):
-    """How the trainer's ranks (transport.trainer_ranks of them) split the work: a mesh of dp
+    """How the trainer's ranks (torchrun's, or transport.trainer_ranks) split the work: a mesh of dp
     data-parallel groups of cp ranks each (dp x cp = the ranks), every parameter sharded over
     all of them by FSDP2; MoE experts split over ep ranks besides. See docs/trainer.md."""
 
@@ -68,9 +69,10 @@ class ParallelConfig(Config):
     """Expert parallelism: each MoE layer's experts are split over this many ranks (which must
     divide the ranks and the experts), tokens travel to their experts by all-to-all."""
 
-    def layout(self, ranks: int) -> tuple[int, int, int]:
-        """(dp, cp, ep) on `ranks` ranks; ValueError naming the keys when they do not fit."""
-        where, ranks_key = "trainer.parallel", "transport.trainer_ranks"
+    def layout(self, ranks: int, ranks_key: str = "transport.trainer_ranks") -> tuple[int, int, int]:
+        """(dp, cp, ep) on `ranks` ranks (said by `ranks_key`); ValueError naming the keys when
+        they do not fit."""
+        where = "trainer.parallel"
         if ranks % self.cp:
             raise ValueError(f"{where}.cp = {self.cp} does not divide the trainer's {ranks} ranks ({ranks_key})")
         dp = ranks // self.cp
@@ -168,6 +170,32 @@ class SFTDataConfig(Config):
     """Score the eval split every this many steps (0: only at the end)."""
 
 
+def launcher_ranks() -> int | None:
+    """torchrun's world size when this process is one of its ranks, else None. (Only torchrun's
+    own marker counts: a lone trainer process sets WORLD_SIZE=1 itself, primerl_trainer.distributed.)"""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["WORLD_SIZE"])
+
+
+def check_ranks(cfg: TrainerRunConfig | SFTRunConfig) -> None:
+    """The trainer's ranks come from its launcher: under torchrun, transport.trainer_ranks is set
+    to torchrun's count (ValueError naming both when it was set to another); else unset means
+    1. Then the mesh must fit them (ValueError naming the keys)."""
+    transport, world = cfg.transport, launcher_ranks()
+    if world is None:
+        cfg.trainer.parallel.layout(transport.ranks)
+        return
+    if transport.trainer_ranks not in (None, world):
+        raise ValueError(
+            f"transport.trainer_ranks = {transport.trainer_ranks}, but torchrun started {world} ranks (WORLD_SIZE = "
+            f"{world}): leave transport.trainer_ranks unset (a trainer under torchrun takes torchrun's count) or make "
+            "them agree"
+        )
+    transport.trainer_ranks = world
+    cfg.trainer.parallel.layout(world, "torchrun's WORLD_SIZE")
+
+
 class TrainerRunConfig(SharedConfig):
     """The RL trainer's root config (`primerl-trainer`; `primerl_trainer.rl.train`): the shared
     values and its own section."""
@@ -176,7 +204,7 @@ class TrainerRunConfig(SharedConfig):
     """The FSDP2 trainer: optimizer, schedule, loss, checkpoints, weight publishing."""
 
     def __post_init__(self) -> None:
-        self.trainer.parallel.layout(self.transport.trainer_ranks)
+        check_ranks(self)
 
 
 class SFTRunConfig(SharedConfig, kw_only=True):
@@ -188,4 +216,4 @@ class SFTRunConfig(SharedConfig, kw_only=True):
     """The FSDP2 trainer (its loss section is not used)."""
 
     def __post_init__(self) -> None:
-        self.trainer.parallel.layout(self.transport.trainer_ranks)
+        check_ranks(self)

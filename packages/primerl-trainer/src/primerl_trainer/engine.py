@@ -160,9 +160,9 @@ class Session:
         sums, routed = [], None
         for mb in rows:
             loss, m = loss_fn(self.model, mb)
-            # FSDP averages gradients over ranks; each loss is already its share of the global
-            # batch's loss, so scale by the world size to make that average a sum.
-            (loss * d.world_size).backward()
+            # Each loss is already its share of the global batch's loss; FSDP2 sums the
+            # gradients over ranks (placement.py): no scaling by the world size.
+            loss.backward()
             sums.append({"loss": loss.detach(), **m})
             if (stats := self.model.moe_stats()) is not None:
                 routed = stats if routed is None else routed + stats

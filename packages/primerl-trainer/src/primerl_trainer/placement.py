@@ -12,11 +12,14 @@ group g; a group's cp ranks split each of its rows (context_parallel.py). Expert
 groups are ep consecutive ranks (expert_parallel.py). FSDP2 shards every dense parameter over
 all ranks, and each expert weight over the world / ep ranks that hold the same experts.
 
-Gradients: each rank's loss is its share of the global batch's, and the trainer back-propagates
-world x that, so FSDP2's average over all ranks of a dense gradient is the sum over every rank's
-tokens. A rank's expert gradients already hold every token of its EP group (the all-to-all's
-backward brought them), so their reduction over the world / ep ranks holding the same experts
-divides by the world size instead of the group's: the same sum over every token.
+Gradients: each rank's loss is its share of the global batch's loss, back-propagated as it is,
+and every FSDP2 reduction is a plain sum (no average, no divide factor): a dense gradient is
+the sum over all ranks, i.e. over every token of the batch. A rank's expert gradients already
+hold every token of its EP group (the all-to-all's backward brought them), so their sum over
+the world / ep ranks holding the same experts is again the sum over every token; with
+ep = world that "sum" is over one rank, and nothing is reduced or divided. (Dividing instead,
+FSDP2's default, needs a factor per mesh, and torch 2.13 divides twice by a factor set on a
+one-rank mesh with sum-only reductions: EP = world trained on half the expert gradients.)
 
 Activation checkpointing wraps each chosen decoder layer's forward in `torch.utils.checkpoint`
 (non-reentrant): its activations are recomputed in the backward pass instead of being kept.
@@ -204,12 +207,18 @@ def parallelize(
     if mesh is not None and mesh.ep > 1:
         for module in model.modules():
             if isinstance(module, MoE):
-                fully_shard(module.experts, mesh=mesh.experts["efsdp"], **policy)
-                # a sum over the efsdp ranks of gradients that already hold their EP group's
-                # tokens, divided by the world size (not the group's): see the module docstring
-                module.experts.set_gradient_divide_factor(float(mesh.world))
-                module.experts.set_force_sum_reduction_for_comms(True)
+                _summing(fully_shard(module.experts, mesh=mesh.experts["efsdp"], **policy))
     for layer in model.layers:
-        fully_shard(layer, mesh=dense, **policy)
-    fully_shard(model, mesh=dense, **policy)
+        _summing(fully_shard(layer, mesh=dense, **policy))
+    _summing(fully_shard(model, mesh=dense, **policy))
     return model
+
+
+def _summing(module):
+    """FSDP2's gradient reduction of `module` as a plain sum over its mesh (see the module's
+    docstring): a divide factor of 1 and sum-only collectives, so that no version's rule for
+    averaging (AVG, PREMUL_SUM, a division after the collective or on a one-rank mesh in its
+    place) applies."""
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+    return module

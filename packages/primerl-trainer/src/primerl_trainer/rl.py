@@ -67,7 +67,11 @@ def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_r
     if batch.step != step:
         return f"got a batch for step {batch.step} while expecting step {step}: a step was skipped"
     if batch.rank != d.rank or batch.num_ranks != d.world_size:
-        return f"batch for rank {batch.rank} of {batch.num_ranks} arrived at rank {d.rank} of {d.world_size}"
+        why = f"batch for rank {batch.rank} of {batch.num_ranks} arrived at rank {d.rank} of {d.world_size}"
+        if batch.num_ranks != d.world_size:
+            why += (f": the orchestrator packs for its transport.trainer_ranks ({batch.num_ranks}); give it the "
+                    f"trainer's {d.world_size}")
+        return why
     if not batch.micro_batches:
         return f"batch for step {step} has no micro-batches"
     for i, mb in enumerate(batch.micro_batches):

@@ -94,8 +94,12 @@ def _common(cfg, kind: str) -> tuple[Path, dict[str, object]]:
     return folder, values
 
 
-def _ranks_per_node(cfg, nodes: int, ranks: int, key: str) -> int:
+def _ranks_per_node(cfg, nodes: int, ranks: int | None, key: str) -> int:
+    """Ranks of torchrun on each trainer node: one per GPU, or `ranks` split evenly over CPU
+    nodes (unset: one per node). A set `ranks` must be the job's count (SlurmError)."""
     s = cfg.slurm
+    if ranks is None:
+        return s.gpus_per_node or 1
     if s.gpus_per_node:
         if ranks != nodes * s.gpus_per_node:
             raise SlurmError(
@@ -167,8 +171,11 @@ def render_rl(cfg) -> Path:
         "sbatch_lines": _sbatch_lines(s, s.gpus_per_node),
     }
     roles = {"rl": None, "trainer": TrainerRunConfig, "orchestrator": OrchRunConfig, "inference": InferenceRunConfig}
-    # the sockets listen on the orchestrator node's address: per-job CURVE keys admit only this job's trainer
-    cfg = msgspec.structs.replace(_with_token(cfg), transport=cfg.transport.with_run_keys())
+    # the sockets listen on the orchestrator node's address: per-job CURVE keys admit only this job's trainer;
+    # the orchestrator packs for the job's trainer ranks (unset in the config: the job's count)
+    transport = msgspec.structs.replace(cfg.transport.with_run_keys(),
+                                        trainer_ranks=s.trainer_nodes * values["ranks_per_node"])
+    cfg = msgspec.structs.replace(_with_token(cfg), transport=transport)
     return _render(cfg, "rl", roles, values)
 
 

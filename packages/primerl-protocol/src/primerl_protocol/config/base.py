@@ -58,9 +58,11 @@ class TransportConfig(Config):
     """Trainer rank r receives its batches on batch_port + r."""
     policy_port: Port = 5600
     """The orchestrator receives PolicyReady from the trainer here."""
-    trainer_ranks: Positive = 1
-    """Data-parallel ranks of the trainer: the orchestrator packs each step for this many and
-    sends rank r its share on batch_port + r."""
+    trainer_ranks: Positive | None = None
+    """Ranks of the trainer: the orchestrator packs each step for this many and sends rank r
+    its share on batch_port + r. Unset: the launcher's count where it has one (a trainer
+    under torchrun takes torchrun's; `--slurm` the trainer nodes' GPUs), else 1 (`ranks`).
+    Set, it must agree: a trainer under torchrun refuses another value, naming both."""
     sockets: SocketSettings = SocketSettings(recv_timeout_s=1800.0)
     """High-water marks, linger, timeouts and kernel buffers of both sockets. A trainer that
     hears nothing (not even a heartbeat) for recv_timeout_s stops with a clear error. Also
@@ -74,6 +76,11 @@ class TransportConfig(Config):
                 f"${KEYS_ENV} (`CurveKeys.generate().to_toml()` makes them), or run through `primerl rl` "
                 "(it makes keys per run)"
             )
+
+    @property
+    def ranks(self) -> int:
+        """The trainer's ranks as this process knows them: trainer_ranks, or 1 when unset."""
+        return self.trainer_ranks or 1
 
     def with_run_keys(self) -> TransportConfig:
         """This config with CURVE keys: the configured ones, else fresh ones for this run."""
