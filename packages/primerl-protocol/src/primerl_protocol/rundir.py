@@ -38,6 +38,8 @@ META = "meta.json"
 REQUIRED = ("step", "world_size", "data")
 """The keys of meta.json that both sides of a resume need."""
 PREFIX = "step_"
+WANDB_ID = "wandb_run_id"
+"""The run's Weights & Biases run id (one line), so that a resume continues the same W&B run."""
 
 
 class CheckpointError(ValueError):

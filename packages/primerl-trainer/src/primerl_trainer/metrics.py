@@ -1,7 +1,10 @@
 """Per-step metrics: one console line, `run_dir/metrics.jsonl`, and Weights & Biases.
 
 W&B runs offline (files under `run_dir/wandb`) unless an API key is configured or the config
-asks for online; `mode = "disabled"` turns it off. Only rank 0 logs.
+asks for online; `mode = "disabled"` turns it off. Only rank 0 logs. A run directory is one W&B
+run: its id is kept in the run directory (rundir.WANDB_ID) and a resume continues it. Its config
+is the whole run's resolved config (`configs/rl.toml`, written by `primerl rl`) where there is
+one, else this process's; secrets (the admin token, the sockets' CURVE keys) never reach it.
 """
 
 from __future__ import annotations
@@ -9,7 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
+import tomllib
 from pathlib import Path
+
+from primerl_protocol.rundir import WANDB_ID
 
 log = logging.getLogger("primerl.trainer")
 
@@ -28,6 +35,42 @@ def _wandb_mode(mode: str) -> str:
     return "online" if has_key else "offline"
 
 
+SECRETS = ("admin_token", "curve")
+"""Config keys whose values are credentials, wherever they sit."""
+
+
+def redacted(config):
+    """`config` with the value of every key in SECRETS (at any depth) replaced by "<redacted>"."""
+    if isinstance(config, dict):
+        return {k: ("<redacted>" if k in SECRETS and v is not None else redacted(v)) for k, v in config.items()}
+    if isinstance(config, list):
+        return [redacted(v) for v in config]
+    return config
+
+
+def run_config(run_dir: Path, own: dict) -> dict:
+    """What W&B shows as the run's config: `primerl rl`'s resolved config of the whole run if
+    the run directory has one (the trainer's own section is part of it), else `own`; redacted."""
+    whole = run_dir / "configs" / "rl.toml"
+    if whole.is_file():
+        try:
+            return redacted(tomllib.loads(whole.read_text()))
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            log.warning("W&B gets the trainer's config only: %s cannot be read (%s)", whole, err)
+    return redacted(own)
+
+
+def run_id(run_dir: Path) -> str:
+    """This run directory's W&B run id, made (and kept in the run directory) on first use."""
+    path = run_dir / WANDB_ID
+    if path.is_file() and (kept := path.read_text().strip()):
+        return kept
+    run_dir.mkdir(parents=True, exist_ok=True)
+    made = secrets.token_hex(4)
+    path.write_text(made + "\n")
+    return made
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, wandb_cfg, config_dict: dict, is_main: bool, job: str = "trainer"):
         self.is_main = is_main
@@ -39,15 +82,17 @@ class MetricsLogger:
         if mode != "disabled":
             import wandb
 
+            run_dir = Path(run_dir)
             self.run = wandb.init(
                 project=wandb_cfg.project,
-                name=wandb_cfg.name or Path(run_dir).resolve().name,
+                name=wandb_cfg.name or run_dir.resolve().name,
                 tags=wandb_cfg.tags,
                 dir=str(run_dir),
                 mode=mode,
-                config=config_dict,
+                config=run_config(run_dir, config_dict),
                 job_type=job,
-                resume="allow",
+                id=run_id(run_dir),
+                resume="allow",  # a resumed run continues its W&B run
             )
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:

@@ -1,0 +1,45 @@
+"""The trainer's W&B run (real wandb, offline): one run per run directory, continued by a
+resume, whose config is the whole run's and holds no secret."""
+
+from primerl_protocol.config import WandbConfig
+from primerl_protocol.rundir import WANDB_ID
+from primerl_trainer.metrics import MetricsLogger
+
+OWN = {"trainer": {"optimizer": {"lr": 1e-5}},
+       "transport": {"sockets": {"curve": {"server_secret": "S3CRET-SERVER", "client_secret": "S3CRET-CLIENT"}}}}
+
+
+def open_run(run_dir, config=OWN):
+    return MetricsLogger(run_dir, WandbConfig(mode="offline"), config, is_main=True, job="rl")
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+    first = open_run(tmp_path)
+    first.log(0, {"loss": 1.0})
+    first_id = first.run.id
+    first.close()
+    again = open_run(tmp_path)  # the trainer restarted on the same run directory
+    assert again.run.id == first_id
+    again.close()
+    assert (tmp_path / WANDB_ID).read_text().strip() == first_id
+    other = open_run(tmp_path / "other")  # another run directory, another run
+    assert other.run.id != first_id
+    other.close()
+
+
+def test_the_wandb_config_is_the_whole_runs_and_holds_no_secret(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "rl.toml").write_text(
+        '[orchestrator]\ngroup_size = 8\n[inference]\nadmin_token = "T0KEN-VALUE"\n'
+        '[transport.sockets.curve]\nserver_secret = "S3CRET-SERVER"\n')
+    logger = open_run(tmp_path)
+    config = dict(logger.run.config)
+    logger.close()
+    assert config["orchestrator"] == {"group_size": 8}  # the orchestrator's section reaches W&B
+    assert config["inference"]["admin_token"] == "<redacted>"
+    assert config["transport"]["sockets"]["curve"] == "<redacted>"
+    alone = open_run(tmp_path / "trainer-alone")  # no rl.toml: the trainer's own config, redacted
+    config = dict(alone.run.config)
+    alone.close()
+    assert config["trainer"] == {"optimizer": {"lr": 1e-5}}
+    assert "S3CRET" not in repr(config) and config["transport"]["sockets"]["curve"] == "<redacted>"
