@@ -89,6 +89,34 @@ def test_failed_bwrap_spawns_leave_no_descriptor_open(tmp_path, monkeypatch):
     assert after == before
 
 
+def test_a_rollout_cancelled_while_bwrap_starts_leaves_nothing_running(tmp_path, monkeypatch):
+    """Cancelled while waiting for bwrap to say its child's pid (a bwrap slow to start: this
+    one sleeps 2 s first), run_tests leaves no bwrap behind."""
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("PRIMERL_BWRAP", fake_bwrap(tmp_path, "bwrap", (
+        f'[ -e {tmp_path}/probed ] && echo $$ >> {pids} && sleep 2\nexec {isolation.bwrap_path()} "$@"\n')))
+    require_sandbox()  # the probe, once, without the delay
+    (tmp_path / "probed").touch()
+
+    async def main() -> int:
+        task = asyncio.create_task(run_tests(ADD, TESTS))
+        while not pids.exists():
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # inside the wait for bwrap's info
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)  # the loop's child watcher reaps what was killed
+        return int(pids.read_text().split()[0])
+
+    pid = asyncio.run(main())
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), f"the cancelled rollout's bwrap {pid} is still running ({state})"
+
+
 def test_a_failed_unsafe_spawn_leaves_no_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes the scratch folder
     with pytest.raises(FileNotFoundError):

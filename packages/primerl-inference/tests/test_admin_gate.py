@@ -436,6 +436,26 @@ def test_a_close_cancelled_while_it_drains_reopens_the_gate():
     asyncio.run(main())
 
 
+def test_a_request_cancelled_while_it_leaves_is_counted_out():
+    """The gate alone: a request whose leave() is cancelled while it waits for the gate's lock
+    (its connection dropped twice) is still counted out, so the next close() drains."""
+
+    async def main():
+        gate = Gate()
+        await gate.enter()
+        await gate.cond.acquire()  # someone else holds the lock
+        leaving = asyncio.ensure_future(gate.leave())
+        await asyncio.sleep(0.05)
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        gate.cond.release()
+        assert gate.active == 0
+        assert await done(asyncio.ensure_future(gate.close())) == 0
+
+    asyncio.run(main())
+
+
 def test_a_swap_cancelled_while_it_drains_reopens_the_gate_engine_stood_in(token, weights):
     async def main():
         server = Server()

@@ -236,6 +236,10 @@ async def _start_bwrap(command: list[str], file_mb: int):
         init = await asyncio.wait_for(asyncio.to_thread(_pidfd_of_init, info_read, proc.pid), timeout=30)
     except TimeoutError:
         init = None  # bwrap hangs before starting its child; killing bwrap ends the read
+    except BaseException:  # cancelled (the rollout was) while bwrap started: it must not run on
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()  # --die-with-parent takes its sandbox with it; asyncio's watcher reaps it
+        raise
 
     async def kill() -> None:
         with contextlib.suppress(ProcessLookupError):

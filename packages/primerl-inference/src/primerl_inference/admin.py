@@ -123,8 +123,14 @@ class Gate:
             self.active += 1
 
     async def leave(self) -> None:
+        """Count a request out. The count drops at once, before the lock is waited for: a
+        request cancelled again while it waits (its `finally` already runs on a cancellation)
+        would otherwise stay counted, and every later close() would wait for it for ever."""
+        self.active -= 1
+        await asyncio.shield(self._wake())
+
+    async def _wake(self) -> None:
         async with self.cond:
-            self.active -= 1
             self.cond.notify_all()
 
     async def close(self) -> int:
