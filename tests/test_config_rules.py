@@ -80,7 +80,7 @@ def test_batch_size_must_be_a_multiple_of_group_size(root, batch_size, group_siz
     assert f"batch_size ({batch_size}) must be a multiple of group_size ({group_size})" in message
 
 
-@pytest.mark.parametrize("batch_size, group_size", [(16, 8), (8, 8), (7, 1), (256, 8)])
+@pytest.mark.parametrize("batch_size, group_size", [(16, 8), (8, 8), (14, 2), (256, 8)])
 def test_batch_sizes_that_are_whole_groups_are_accepted(batch_size, group_size):
     cfg = load(RLConfig, f"orchestrator.batch_size={batch_size}", f"orchestrator.group_size={group_size}")
     assert (cfg.orchestrator.batch_size, cfg.orchestrator.group_size) == (batch_size, group_size)
@@ -95,6 +95,8 @@ def test_batch_sizes_that_are_whole_groups_are_accepted(batch_size, group_size):
      "config key `inference`: gpus lists 3 GPUs, but 2 replicas x 2 GPUs each need 4"),
     (["seq_len=1024", "trainer.micro_batch_tokens=1023"],
      "trainer.micro_batch_tokens = 1023 is below seq_len = 1024"),
+    (["orchestrator.group_size=1", "orchestrator.batch_size=7"],
+     'config key `orchestrator`: group_size = 1 with advantage.type = "grpo" can never train'),
     (["orchestrator.max_async_level=2", "trainer.weights.keep=2"],
      "trainer.weights.keep = 2 with orchestrator.max_async_level = 2: .* set trainer.weights.keep >= 3"),
     (["transport.trainer_ranks=4", "trainer.parallel.cp=3"],
@@ -103,7 +105,8 @@ def test_batch_sizes_that_are_whole_groups_are_accepted(batch_size, group_size):
      r"trainer.parallel.ep = 8 does not divide the trainer's 4 ranks \(transport.trainer_ranks\)"),
     (["transport.trainer_ranks=8", "trainer.parallel.cp=2", "trainer.parallel.dp=2"],
      r"trainer.parallel.dp x trainer.parallel.cp = 2 x 2 = 4, but the trainer has 8 ranks \(transport.trainer_ranks\)"),
-], ids=["advantage", "loss", "gpus", "rows-one-short", "keep-equal", "cp-ranks", "ep-ranks", "dp-cp"])
+], ids=["advantage", "loss", "gpus", "group-of-one", "rows-one-short", "keep-equal", "cp-ranks", "ep-ranks",
+        "dp-cp"])
 def test_cross_checks_refuse_naming_the_keys(overrides, message):
     with pytest.raises(ConfigError) as err:
         load(RLConfig, *overrides)

@@ -21,3 +21,37 @@ def test_a_group_with_an_exact_zero_advantage_trains_whole_that_member_included(
     assert trained == {0: -0.5, 1: 0.0, 2: 0.5}
     assert batch.num_loss_tokens == 3 * 2 and m["batch/samples"] == 3
     assert not any(k.startswith("filter/") and v for k, v in m.items())
+
+
+def test_each_named_reward_and_metric_is_logged_as_its_mean_over_the_rollouts_that_did_not_error():
+    # Two environments; "exact" and "format" are rewards (verifiers' weighted sum is the reward),
+    # "reply_length" a metric. The errored rollout's scores count nowhere (as in reward/mean).
+    turn = Turn(prompt_ids=[1, 2, 3], completion_ids=[4, 5], completion_logprobs=[-0.5, -0.5])
+
+    def rollout(i, env, exact, fmt, length, error=None):
+        scores = {"reward/exact": exact, "reward/format": fmt, "reply_length": length}
+        return Rollout(sample_id=i, group_id=i // 2, turns=[turn], reward=exact + 0.5 * fmt, env=env,
+                       metrics=scores, error=error)
+
+    groups = [
+        Group(0, "a", 0, [rollout(0, "a", 1.0, 1.0, 4.0), rollout(1, "a", 0.0, 1.0, 6.0)]),
+        Group(1, "b", 1, [rollout(2, "b", 1.0, 0.0, 2.0), rollout(3, "b", 9.0, 9.0, 99.0, error="TaskError: x")]),
+    ]
+    # a reward named "max" does not overwrite the step's reward/max
+    groups[0].rollouts[0].metrics["reward/max"] = 0.25
+    cfg = OrchestratorConfig(batch_size=4, group_size=2)
+    _, m = build_step(0, groups, cfg, seq_len=32, num_ranks=1)
+    assert m["reward/exact"] == (1.0 + 0.0 + 1.0) / 3
+    assert m["reward/format"] == (1.0 + 1.0 + 0.0) / 3
+    assert m["metric/reply_length"] == (4.0 + 6.0 + 2.0) / 3
+    assert m["reward/max"] == 1.5 and m["reward/max_reward"] == 0.25  # rewards 1.5, 0.5, 1.0
+    assert m["reward/mean"] == (1.5 + 0.5 + 1.0) / 3 and m["reward/a/mean"] == 1.0 and m["reward/b/mean"] == 1.0
+    # trained vs filtered: group 0 trains both; group 1 loses its errored rollout and, left with
+    # one, has advantage 0 (filtered as zero_advantage)
+    assert m["rollouts/trained"] == 2 and m["rollouts/filtered"] == 2 and m["rollouts/count"] == 4
+    # a rollout that passes every filter but is longer than a row (seq_len 32) does not train either
+    long = Turn(prompt_ids=[1] * 30, completion_ids=[4] * 10, completion_logprobs=[-0.5] * 10)
+    group = Group(0, "a", 0, [rollout(0, "a", 1.0, 0.0, 1.0),
+                              Rollout(sample_id=1, group_id=0, turns=[long], reward=0.0, env="a")])
+    _, m = build_step(1, [group], OrchestratorConfig(batch_size=2, group_size=2), seq_len=32, num_ranks=1)
+    assert m["filter/longer_than_row"] == 1 and m["rollouts/trained"] == 1 and m["rollouts/filtered"] == 1

@@ -43,3 +43,24 @@ def test_the_wandb_config_is_the_whole_runs_and_holds_no_secret(tmp_path):
     alone.close()
     assert config["trainer"] == {"optimizer": {"lr": 1e-5}}
     assert "S3CRET" not in repr(config) and config["transport"]["sockets"]["curve"] == "<redacted>"
+
+
+def test_the_orchestrators_samples_become_the_steps_wandb_table(tmp_path):
+    import json
+
+    from primerl_protocol.rollouts import RolloutSample
+
+    rows = [RolloutSample(step=10, policy_step=9, env="toy", group_id=3, sample_id=24 + i, prompt="say 1",
+                          completion=reply, reward=float(i == 0), rewards={"reward/exact": float(i == 0)},
+                          advantage=[1.0, -1.0][i], completion_tokens=2) for i, reply in enumerate(["1", "2"])]
+    logger = open_run(tmp_path)
+    logger.log(9, {"loss": 1.0})
+    logger.log(10, {"loss": 0.5}, rows)
+    logger.close()
+    (table,) = tmp_path.glob("wandb/offline-run-*/files/media/table/samples_*.table.json")  # step 10 alone had samples
+    data = json.loads(table.read_text())
+    assert data["columns"][:8] == ["step", "policy_step", "env", "group_id", "sample_id", "prompt", "completion",
+                                   "reward"]
+    got = [dict(zip(data["columns"], row)) for row in data["data"]]
+    assert [(r["sample_id"], r["completion"], r["advantage"], json.loads(r["rewards"])) for r in got] == [
+        (24, "1", 1.0, {"reward/exact": 1.0}), (25, "2", -1.0, {"reward/exact": 0.0})]

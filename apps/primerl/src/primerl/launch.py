@@ -38,6 +38,7 @@ from pathlib import Path
 import msgspec
 from primerl_inference.launcher import resolve_device
 from primerl_inference.launcher import start as start_servers
+from primerl_orchestrator.health import console_notes, step_summary
 from primerl_protocol.config import to_toml, write_private
 
 from primerl.configs import OrchRunConfig, RLConfig, TrainerRunConfig
@@ -193,12 +194,15 @@ class Progress:
             rate = (time.monotonic() - self.started) / self.steps_done
             eta = f" | ETA {rate * (self.max_steps - m['step'] - 1):.0f}s" if self.max_steps else ""
             reward = f"reward {m['reward/mean']:.3f}" if "reward/mean" in m else "reward -"
+            health = step_summary(m)  # errors 12.5% | trained 14/16
             print(
-                f"step {m['step']} | {reward} | {m.get('tokens_per_s', 0):,.0f} tok/s trained, "
-                f"{m.get('rollouts/tokens_per_s', 0):,.0f} generated | off-policy {m.get('off_policy/level', 0):.0f} "
-                f"| kl {m.get('mismatch_kl', float('nan')):.1e}{eta}",
+                f"step {m['step']} | {reward} | {health + ' | ' if health else ''}{m.get('tokens_per_s', 0):,.0f} tok/s "
+                f"trained, {m.get('rollouts/tokens_per_s', 0):,.0f} generated | off-policy "
+                f"{m.get('off_policy/level', 0):.0f} | kl {m.get('mismatch_kl', float('nan')):.1e}{eta}",
                 flush=True,
             )
+            for note in console_notes(m, str(self.path.parent / "logs" / "orchestrator.log")):
+                print(note, flush=True)
 
 
 def trainer_threads(cfg: RLConfig, trainer_gpus: list[int]) -> int:

@@ -33,7 +33,7 @@ from primerl_protocol.rollouts import Rollout
 
 from primerl_envs import compat
 from primerl_envs.config import EnvConfig
-from primerl_envs.rollouts import trace_to_rollout
+from primerl_envs.rollouts import first_traceback, trace_to_rollout
 
 BUILTIN = {
     "reverse-text": "primerl-reverse-text",
@@ -289,7 +289,8 @@ class Environment:
             return list(episode.traces)
         raise EpisodeError(
             f"environment {self.name!r}: episode produced no trace: "
-            + "; ".join(f"{e.type}: {e.message}" for e in episode.errors)
+            + "; ".join(f"{e.type}: {e.message}" for e in episode.errors),
+            traceback=first_traceback(episode.errors),
         )
 
 
@@ -305,7 +306,7 @@ class Environment:
         try:
             traces = await self.run(task, ctx)
         except EpisodeError as e:
-            return [Rollout(sample_id=sample_id, turns=[], error=str(e), **meta)]
+            return [Rollout(sample_id=sample_id, turns=[], error=str(e), traceback=e.traceback, **meta)]
         return [trace_to_rollout(t, sample_id=sample_id + i, **meta) for i, t in enumerate(traces)]
 
 
@@ -344,6 +345,10 @@ def preload(tokenizer: str | None = None) -> None:
 
 class EpisodeError(RuntimeError):
     """An episode that failed before any agent ran (counted as an errored rollout)."""
+
+    def __init__(self, message: str, traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.traceback = traceback
 
 
 def model_context(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from primerl_protocol.rollouts import BAD_SCORE, Rollout, Turn
+from primerl_protocol.rollouts import BAD_SCORE, TRACEBACK_CHARS, Rollout, Turn
 
 from primerl_envs.compat import BAD_SCORES
 from primerl_envs.images import ImageError, message_images
@@ -97,6 +97,16 @@ def _error_text(errors: Iterable) -> str | None:
     return text if len(text) <= 2000 else text[:2000] + "..."
 
 
+def first_traceback(errors: Iterable) -> str | None:
+    """The traceback of the first error that has one (verifiers keeps them for every error but
+    a failed model call), cut to TRACEBACK_CHARS characters (both ends kept)."""
+    text = next((e.traceback for e in errors if getattr(e, "traceback", None)), None)
+    if text is None or len(text) <= TRACEBACK_CHARS:
+        return text
+    half = TRACEBACK_CHARS // 2
+    return f"{text[:half]}\n  ... ({len(text) - 2 * half} characters cut) ...\n{text[-half:]}"
+
+
 def _scores(trace, errored: bool) -> tuple[dict[str, float], list[str]]:
     """(the trace's named rewards and metrics that are finite numbers, what was wrong with the
     others). Environments are not trusted to return numbers: see compat.install. A reward left
@@ -164,6 +174,7 @@ def trace_to_rollout(
         policy_step=policy_step,
         truncated=truncated,
         error=error,
+        traceback=first_traceback(trace.errors) if error is not None else None,
         env=env,
         metrics=metrics,
     )

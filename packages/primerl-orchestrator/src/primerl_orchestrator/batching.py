@@ -31,6 +31,8 @@ class Group:
     position: int
     """The task's position in its environment's task stream (for resuming)."""
     rollouts: list[Rollout] = field(default_factory=list)
+    advantages: dict[int, float] = field(default_factory=dict)
+    """Sample id -> advantage of its rollouts that train (filled by build_step)."""
 
     @property
     def policy_step(self) -> int:
@@ -46,17 +48,25 @@ def _stats(prefix: str, values: list[float]) -> dict[str, float]:
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
-    """Rewards (overall and per environment), truncation and error rates, lengths."""
+    """Rewards (overall, per environment, and each named reward as `reward/<name>`), the
+    environments' own metrics (`metric/<name>`), truncation and error rates, lengths. Named
+    rewards and metrics are means over the rollouts that recorded them (errored ones excluded)."""
     n = len(rollouts)
     if not n:
         return {}
     clean = [r for r in rollouts if r.error is None]
     out = _stats("reward", [r.reward for r in clean])
     by_env: dict[str, list[float]] = defaultdict(list)
+    named: dict[str, list[float]] = defaultdict(list)
     for r in clean:
         by_env[r.env].append(r.reward)
+        for key, value in r.metrics.items():  # rollouts.trace_to_rollout names rewards reward/<name>
+            named[key if key.startswith("reward/") else f"metric/{key}"].append(value)
     for env, rewards in sorted(by_env.items()):
         out[f"reward/{env}/mean"] = float(np.mean(rewards))
+    for key, values in sorted(named.items()):
+        # a reward named mean, min or max would overwrite the totals: it gets a suffix
+        out[key if key not in out else f"{key}_reward"] = float(np.mean(values))
     out["rollouts/count"] = float(n)
     out["rollouts/truncated_rate"] = sum(r.truncated for r in rollouts) / n
     out["rollouts/error_rate"] = (n - len(clean)) / n
@@ -72,18 +82,24 @@ def build_step(
     kept, report = select(rollouts, cfg.filters, cfg.advantage, cfg.sampling.max_tokens)
     samples: list[Sample] = []
     too_long = 0
+    trained: set[int] = set()
+    by_group = {g.group_id: g for g in groups}
     for rollout, advantage in kept:
         for sample in merge_turns(rollout, advantage):
             if len(sample) > seq_len:
                 too_long += 1
             else:
                 samples.append(sample)
+                trained.add(rollout.sample_id)
+                by_group[rollout.group_id].advantages[rollout.sample_id] = advantage
     plan = plan_packing([len(s) for s in samples], seq_len, num_ranks)
     batches = build_batches(samples, plan, step, pad_token_id)
     metrics = rollout_metrics(rollouts)
     for reason, count in sorted(report.dropped.items()):
         metrics[f"filter/{reason}"] = float(count)
     metrics["filter/longer_than_row"] = float(too_long)
+    metrics["rollouts/trained"] = float(len(trained))
+    metrics["rollouts/filtered"] = float(len(rollouts) - len(trained))
     metrics["batch/samples"] = float(len(samples))
     if images := sum(len(s.images) for s in samples):
         metrics["batch/images"] = float(images)

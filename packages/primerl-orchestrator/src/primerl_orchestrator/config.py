@@ -78,6 +78,22 @@ class EvalSettings(Config):
     """A rollout with at least this reward counts as solving its task (pass@k)."""
 
 
+class SamplesConfig(Config):
+    """Rollouts kept as text for people to read (run_dir/orchestrator/rollouts.jsonl, W&B table).
+
+    Each line of the file: prompt, completion, rewards, advantage, policy step, error (a
+    primerl_protocol.rollouts.RolloutSample); with W&B on, the same rows are the run's
+    `samples` table at that step."""
+
+    interval: NonNegative = 10
+    """Keep samples of every this many steps' rollouts, from step 0 (0: never)."""
+    num_groups: Positive = 2
+    """Groups kept per such step (each with all of its group_size rollouts)."""
+    max_mb: Annotated[float, msgspec.Meta(gt=0)] = 100.0
+    """Most megabytes the rollouts files take: when rollouts.jsonl reaches half of it, it
+    becomes rollouts.old.jsonl (replacing the older one) and a new one starts."""
+
+
 class OrchestratorConfig(Config):
     """The asynchronous rollout loop."""
 
@@ -101,11 +117,30 @@ class OrchestratorConfig(Config):
     """Times a rollout is run again on another server when its server failed."""
     send_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     """Longest wait for the trainer to take a batch before the orchestrator gives up."""
+    max_error_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+    """Stop the run when more than this share of a step's rollouts errored (a reward function
+    that raised, a harness failure, a time limit, a server that failed after its retries) for
+    `error_patience` steps in a row, naming the most common error and its traceback (1.0: never)."""
+    error_patience: Positive = 5
+    """Steps in a row above `max_error_rate` before the run stops."""
+    samples: SamplesConfig = msgspec.field(default_factory=SamplesConfig)
+    """Rollouts kept as text (the rollouts file and the W&B samples table)."""
 
     def __post_init__(self) -> None:
         if self.batch_size % self.group_size:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})"
+            )
+        if self.group_size == 1:
+            # compute_advantages gives a group whose rewards are all equal zero advantages, under
+            # every estimator (plugins too): a group of one always is.
+            zero = self.filters.zero_advantage
+            raise ValueError(
+                f'group_size = 1 with advantage.type = "{self.advantage.type}" can never train: advantages '
+                "compare the rollouts of a group, so a group of one rollout has advantage 0, and with "
+                + ("filters.zero_advantage = true every group is dropped: every step would be empty"
+                   if zero else "filters.zero_advantage = false every sample trains with advantage 0: no gradient")
+                + "; use group_size >= 2 (and batch_size a multiple of it)"
             )
 
 

@@ -22,11 +22,14 @@ Three tasks share the state below:
 
 Each step's metrics ride to the trainer with rank 0's batch (logged there with the trainer's,
 on one step axis, to metrics.jsonl and W&B), are printed here and appended to
-`run_dir/orchestrator/metrics.jsonl`. So does the resume state: the data position of every
-environment, the next group id, and the groups started but not yet trained on (they are run
-again after a resume). The trainer stores it in its checkpoint; a restarted orchestrator
-reads the newest checkpoint, continues at the next step and waits for the trainer to publish
-the restored weights. Nothing is repeated or skipped: every group id is trained exactly once.
+`run_dir/orchestrator/metrics.jsonl`; every few steps, some of the step's rollouts as text
+ride along too (samples.py: the rollouts file, the W&B samples table). health.py logs the
+first traceback of each kind of rollout error and stops a run whose rollouts error too much
+for too long. The resume state rides along as well: the data position of every environment,
+the next group id, and the groups started but not yet trained on (they are run again after a
+resume). The trainer stores it in its checkpoint; a restarted orchestrator reads the newest
+checkpoint, continues at the next step and waits for the trainer to publish the restored
+weights. Nothing is repeated or skipped: every group id is trained exactly once.
 """
 
 from __future__ import annotations
@@ -49,14 +52,16 @@ from primerl_protocol import (
     Shutdown,
     TransportTimeout,
 )
-from primerl_protocol.rundir import CheckpointError, latest_checkpoint
+from primerl_protocol.rundir import ORCHESTRATOR, CheckpointError, latest_checkpoint
 from primerl_protocol.serving import LOGPROBS_MODE
 
 from primerl_orchestrator.batching import Group, build_step
 from primerl_orchestrator.config import OrchRunConfig
 from primerl_orchestrator.evals import evaluate
 from primerl_orchestrator.generate import AGENT_SLOTS, open_environments, start_generator
+from primerl_orchestrator.health import Health, step_summary
 from primerl_orchestrator.images import check_images, refuse_task_images, vision_of
+from primerl_orchestrator.samples import Samples
 
 log = logging.getLogger("primerl.orchestrator")
 RATE_WINDOW = 10
@@ -73,7 +78,7 @@ class Orchestrator:
         self.cfg, self.o = cfg, o
         self.G, self.T, self.k = o.group_size, o.batch_size // o.group_size, o.max_async_level
         self.run_dir = Path(cfg.run_dir)
-        self.out_dir = self.run_dir / "orchestrator"
+        self.out_dir = self.run_dir / ORCHESTRATOR
         self.step = 0
         """The step whose batch is being built."""
         self.next_group = 0
@@ -113,6 +118,10 @@ class Orchestrator:
         """Called with every finished group (for benchmarks and tools)."""
         self.vision = None
         """The model's image settings (images.vision_of; None: a text model)."""
+        self.health = Health(o.max_error_rate, o.error_patience)
+        """Rollout errors logged and counted, steps that train nothing, the error-rate stop."""
+        self.samples = Samples(o.samples, self.out_dir)
+        """Rollouts kept as text (its tokenizer is set when the run starts)."""
 
     # -- set-up -----------------------------------------------------------------------
 
@@ -142,6 +151,7 @@ class Orchestrator:
                 return
             # the first model call's imports and tokenizer, while the servers may still be loading
             preload(cfg.model.tokenizer or cfg.model.name)
+            self.samples.tokenizer = cfg.model.tokenizer or cfg.model.name
             # Resumed, the servers may serve anything: the trainer publishes its restored weights first.
             self.vision = vision_of(cfg.model.name)
             self.gen = await start_generator(stack, cfg.model, cfg.inference.server_urls(),
@@ -155,7 +165,7 @@ class Orchestrator:
                 "orchestrator: %d servers (%d healthy), %d x %d rollouts per step, max_async_level %d, from step %d",
                 len(self.pool.servers), len(self.pool.healthy()), self.T, self.G, self.k, self.step,
             )
-            finished = False
+            finished, why = False, "the orchestrator stopped"
             try:
                 self._spawn(self._listen_policy())
                 self._spawn(self._produce())
@@ -164,12 +174,15 @@ class Orchestrator:
                 await self._build()
                 await self._finish()
                 finished = True
+            except Exception as err:
+                why = f"the orchestrator stopped: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                raise
             finally:
                 for task in list(self._tasks) + ([self._eval_task] if self._eval_task else []):
                     task.cancel()
                 await asyncio.gather(*self._tasks, return_exceptions=True)
                 if not finished:
-                    await self._tell_trainer_to_stop("the orchestrator stopped")
+                    await self._tell_trainer_to_stop(why)
 
     def _open_sockets(self, stack: contextlib.AsyncExitStack) -> None:
         t = self.cfg.transport
@@ -334,6 +347,7 @@ class Orchestrator:
             # One move, no await in between: the groups leave the count of started groups as
             # the step advances, so the start rule never sees them gone with the step unchanged.
             self.step, self.taken = step + 1, 0
+            self.health.observe(step, [r for g in groups for r in g.rollouts], metrics)
             self.stale_dropped += stale
             if not self._rate_marks:
                 self._rate_marks.append((self.generation_started or t1, 0, 0))
@@ -357,6 +371,8 @@ class Orchestrator:
             self._load_s = 0.0
             batches[0].metrics = metrics
             batches[0].state = self.resume_state(step + 1)
+            if self.samples.due(step):
+                batches[0].samples = await self.samples.take(step, groups)
             t2 = time.monotonic()
             for sender, batch in zip(self.senders, batches):
                 try:
@@ -368,6 +384,8 @@ class Orchestrator:
             metrics["time/send"] = time.monotonic() - t2
             self.last_sent_at = time.monotonic()
             self._log_step(step, metrics)
+            if (why := self.health.stop_reason(step, metrics)) is not None:
+                raise OrchestratorError(why)  # after the step's batch: the trainer trains it, then stops
             await self._notify()
 
     def resume_state(self, next_step: int) -> dict:
@@ -384,11 +402,10 @@ class Orchestrator:
     def _log_step(self, step: int, m: dict[str, float]) -> None:
         reward = (f"reward {m['reward/mean']:.3f} [{m['reward/min']:.2f}, {m['reward/max']:.2f}]"
                   if "reward/mean" in m else "reward -")
-        log.info(
-            "step %d | %s | off-policy %d | %.1f rollouts/s | %s tok/s | samples %d | wait %.2fs send %.2fs load %.2fs",
-            step, reward, m["off_policy/level"], m["rollouts/per_s"], f"{m['rollouts/tokens_per_s']:,.0f}",
-            m["batch/samples"], m["time/wait_rollouts"], m["time/send"], m["time/load_weights"],
-        )
+        log.info("step %d | %s | %s | off-policy %d | %.1f rollouts/s | %s tok/s | samples %d | wait %.2fs send %.2fs "
+                 "load %.2fs", step, reward, step_summary(m), m["off_policy/level"], m["rollouts/per_s"],
+                 f"{m['rollouts/tokens_per_s']:,.0f}", m["batch/samples"], m["time/wait_rollouts"], m["time/send"],
+                 m["time/load_weights"])
         with (self.out_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"step": step, **m}) + "\n")
 

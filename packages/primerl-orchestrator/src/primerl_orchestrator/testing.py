@@ -8,7 +8,7 @@ and checksum, so inference servers load it through the real admin route (or, giv
 `adapter` folder, a copy of that LoRA adapter, published as an adapter). It writes
 checkpoints' `meta.json` as the trainer does (with the orchestrator's state), resumes from
 them, and can stop abruptly after a given step (a crash). `garbage_server` is a broken
-inference server.
+inference server; `run_builder` runs the orchestrator's batch builder over finished groups.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class TrainerDouble:
     (format peft-lora) instead of the model."""
     steps: list[TrainedStep] = field(default_factory=list)
     published: list[int] = field(default_factory=list)
+    stopped: str | None = None
+    """The reason of the Shutdown the orchestrator sent, if it sent one."""
     error: BaseException | None = None
 
     def start(self) -> TrainerDouble:
@@ -84,7 +86,8 @@ class TrainerDouble:
                 policy.send(self._publish(step - 1))
             while step < self.max_steps:
                 batches = [r.recv(timeout_s=300) for r in rx]
-                if any(isinstance(b, Shutdown) for b in batches):
+                if stop := next((b for b in batches if isinstance(b, Shutdown)), None):
+                    self.stopped = stop.reason or "(no reason)"
                     return
                 batches = [b for b in batches if isinstance(b, TrainBatch)]
                 assert all(b.step == step for b in batches), [b.step for b in batches]
@@ -131,6 +134,43 @@ class TrainerDouble:
         meta = {"step": step, "world_size": 1, "data": {"next_step": step + 1, "orchestrator": orchestrator_state}}
         rundir.write_meta(tmp, meta)
         rundir.publish(tmp, final)
+
+
+def run_builder(orch, groups: list) -> list[TrainBatch]:
+    """Run `orch`'s real batch builder (`Orchestrator._build`, until its max_steps) over
+    `groups`, all finished, in that order, without inference servers or environments (the
+    producer's part is done: the groups are there); rank 0's TrainBatch of every step, as a
+    trainer receives it over a real ZeroMQ socket (inproc). The policy stays at `orch.version`."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from primerl_protocol import AsyncReceiver, AsyncSender
+
+    from primerl_orchestrator.generate import Generator
+    from primerl_orchestrator.servers import ServerPool
+
+    steps = orch.cfg.max_steps - orch.step
+    orch.out_dir.mkdir(parents=True, exist_ok=True)
+    orch.mix = SimpleNamespace(state=lambda: {"current": [0.0], "positions": {}})  # only asked for its state
+    endpoint = f"inproc://batches-{id(orch)}"
+
+    async def go() -> list[TrainBatch]:
+        orch.pool = ServerPool(["http://127.0.0.1:9"], "m", None)  # never started: the builder reads its counters
+        orch.gen = Generator(orch.pool, "m", "m")
+        orch.senders = [AsyncSender(endpoint, BatchMessage, channel="batches/rank0", bind=True)]
+        trainer = AsyncReceiver(endpoint, BatchMessage, channel="batches/rank0")
+        try:
+            orch.done.extend(groups)
+            builder = asyncio.create_task(orch._build())
+            received = [await trainer.recv(timeout_s=10) for _ in range(steps)]
+            await asyncio.wait_for(builder, 5)
+            return received
+        finally:
+            trainer.close(0)
+            orch.senders[0].close(0)
+            await orch.pool.close()
+
+    return asyncio.run(go())
 
 
 class _GarbageHandler(BaseHTTPRequestHandler):

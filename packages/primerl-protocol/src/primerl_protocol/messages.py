@@ -20,10 +20,13 @@ from typing import Any
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 3
+from primerl_protocol.rollouts import RolloutSample
+
+PROTOCOL_VERSION = 4
 """Bumped on any change to a message's fields; peers of other versions are refused.
 2: TrainBatch carries the orchestrator's metrics and resume state.
-3: MicroBatch carries its samples' images (image_pixels, image_sizes)."""
+3: MicroBatch carries its samples' images (image_pixels, image_sizes).
+4: TrainBatch carries readable samples of the step's rollouts (`samples`, for the W&B table)."""
 
 
 class Message(msgspec.Struct, tag=True, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -160,6 +163,9 @@ class TrainBatch(Message):
     state: dict[str, Any] = {}
     """What the orchestrator needs to resume after this step (data positions, unfinished
     groups); the trainer stores it in the checkpoint of this step (rank 0's batch carries it)."""
+    samples: list[RolloutSample] = []
+    """Some of the step's rollouts as text, every `orchestrator.samples.interval` steps, for
+    the trainer's W&B samples table (rank 0's batch carries them)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_ranks:

@@ -12,6 +12,9 @@ import math
 
 import msgspec
 
+TRACEBACK_CHARS = 16_000
+"""Most characters of a traceback a rollout keeps (its first and last halves: a chain's root
+cause comes first, the exception finally raised last)."""
 BAD_SCORE = "BadScore"
 """Error type of a rollout whose reward or metric was not a finite number (it never trains,
 whatever the filters say: `Rollout.bad_score`)."""
@@ -80,6 +83,9 @@ class Rollout(msgspec.Struct, kw_only=True):
     """Cut at the token or turn limit rather than finished."""
     error: str | None = None
     """What went wrong in the environment, if anything (such rollouts never train)."""
+    traceback: str | None = None
+    """The traceback of the exception behind `error`, when there was one (at most
+    TRACEBACK_CHARS characters); the orchestrator logs the first of each kind."""
     env: str = ""
     """Which environment it came from."""
     metrics: dict[str, float] = {}
@@ -93,3 +99,29 @@ class Rollout(msgspec.Struct, kw_only=True):
     def bad_score(self) -> bool:
         """Its environment scored it with something that is not a finite number."""
         return (self.error or "").startswith(BAD_SCORE) or not math.isfinite(self.reward)
+
+
+class RolloutSample(msgspec.Struct, kw_only=True):
+    """One rollout as text, for people to read: a line of the run's rollouts file and a row of
+    the W&B samples table (primerl_orchestrator.samples makes them every few steps)."""
+
+    step: int
+    """The trainer step whose batch the rollout was part of."""
+    policy_step: int
+    """The policy that generated it."""
+    env: str
+    group_id: int
+    sample_id: int
+    prompt: str
+    """The first model call's prompt, decoded (chat template and special tokens included)."""
+    completion: str
+    """Everything after that prompt, decoded: the sampled tokens, and for a multi-turn rollout
+    the tool results and user turns in between."""
+    reward: float
+    rewards: dict[str, float] = {}
+    """The environment's named rewards (and metrics), as it scored them."""
+    advantage: float | None = None
+    """Its advantage, or None when it did not train (filtered, or longer than a row)."""
+    error: str | None = None
+    truncated: bool = False
+    completion_tokens: int = 0

@@ -5,6 +5,8 @@ knows their names.
 
     run_dir/checkpoints/step_N/   DCP shards, rank{r}.pt, meta.json (written last)
     run_dir/weights/step_N/       HF-layout weights, primerl.json (written last, weights.py)
+    run_dir/orchestrator/         the orchestrator's metrics.jsonl, evals.jsonl, and samples
+                                  of rollouts (rollouts.jsonl, the older half in rollouts.old.jsonl)
 
 A folder is written as `.step_N.tmp` beside its final place and renamed by `publish` when
 whole (`durable_rename`: fsynced before and after), so a `step_N` folder with its marker file
@@ -38,6 +40,14 @@ META = "meta.json"
 REQUIRED = ("step", "world_size", "data")
 """The keys of meta.json that both sides of a resume need."""
 PREFIX = "step_"
+ORCHESTRATOR = "orchestrator"
+"""The orchestrator's own files."""
+ROLLOUTS = "rollouts.jsonl"
+"""In ORCHESTRATOR: samples of the run's rollouts as text, one JSON object a line
+(primerl_protocol.rollouts.RolloutSample), every `orchestrator.samples.interval` steps."""
+ROLLOUTS_OLD = "rollouts.old.jsonl"
+"""In ORCHESTRATOR: the previous ROLLOUTS file, moved aside when ROLLOUTS reached half of
+`orchestrator.samples.max_mb` (the two together stay within it)."""
 WANDB_ID = "wandb_run_id"
 """The run's Weights & Biases run id (one line), so that a resume continues the same W&B run."""
 

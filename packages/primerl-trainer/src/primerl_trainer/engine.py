@@ -227,8 +227,8 @@ class Session:
             self.ckpt.save(step, self.model, self.opt, self.sched, data_state)
         return due
 
-    def log(self, step: int, metrics: dict) -> None:
-        self.metrics.log(step, metrics)
+    def log(self, step: int, metrics: dict, samples: list | None = None) -> None:
+        self.metrics.log(step, metrics, samples)
 
     def close(self, failed: bool) -> None:
         """Close the metrics and leave the process group: together after success, at once after

@@ -1,5 +1,8 @@
 """Per-step metrics: one console line, `run_dir/metrics.jsonl`, and Weights & Biases.
 
+Every few steps the orchestrator's batch carries some of its rollouts as text (RolloutSample):
+they become the step's W&B `samples` table (the same rows are in run_dir/orchestrator/rollouts.jsonl).
+
 W&B runs offline (files under `run_dir/wandb`) unless an API key is configured or the config
 asks for online; `mode = "disabled"` turns it off. Only rank 0 logs. A run directory is one W&B
 run: its id is kept in the run directory (rundir.WANDB_ID) and a resume continues it. Its config
@@ -71,6 +74,19 @@ def run_id(run_dir: Path) -> str:
     return made
 
 
+SAMPLE_COLUMNS = ("step", "policy_step", "env", "group_id", "sample_id", "prompt", "completion", "reward",
+                  "rewards", "advantage", "error", "truncated", "completion_tokens")
+"""Columns of the W&B samples table (primerl_protocol.rollouts.RolloutSample's fields; `rewards` as JSON)."""
+
+
+def samples_table(samples: list):
+    """A wandb.Table of RolloutSamples, one row each."""
+    import wandb
+
+    rows = [[json.dumps(s.rewards) if c == "rewards" else getattr(s, c) for c in SAMPLE_COLUMNS] for s in samples]
+    return wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, wandb_cfg, config_dict: dict, is_main: bool, job: str = "trainer"):
         self.is_main = is_main
@@ -95,7 +111,9 @@ class MetricsLogger:
                 resume="allow",  # a resumed run continues its W&B run
             )
 
-    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+    def log(self, step: int, metrics: dict[str, float | None], samples: list | None = None) -> None:
+        """One step's metrics; `samples` (the orchestrator's RolloutSamples, every few steps)
+        become the W&B `samples` table of that step."""
         if not self.is_main:
             return
         metrics = {k: v for k, v in metrics.items() if v is not None}
@@ -105,7 +123,7 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.run is not None:
-            self.run.log(metrics, step=step)
+            self.run.log({**metrics, **({"samples": samples_table(samples)} if samples else {})}, step=step)
 
     def close(self) -> None:
         if self.run is not None:

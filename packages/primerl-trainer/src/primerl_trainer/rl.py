@@ -321,7 +321,7 @@ def train(cfg: TrainerRunConfig) -> None:
                 "policy_lag_s": time.time() - batch.created_at,
                 "time_data": data.wait_s,
                 "time_publish": publish_s,
-            })
+            }, batch.samples)
             step += 1
         if step > session.start_step and not checkpointed:
             session.maybe_checkpoint(step - 1, {"next_step": step, "orchestrator": batch.state}, final=True)
