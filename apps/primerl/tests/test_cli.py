@@ -79,7 +79,8 @@ def test_rl_bad_setups_fail_before_any_process_starts(tmp_path, monkeypatch, set
     seq_len = "seq_len = 8192\n" if setup == "long-rows" else ""
     path.write_text(f'{seq_len}run_dir = "{tmp_path / "run"}"\n[model]\nname = "{name}"\n{envs}')
     result = CliRunner().invoke(main, ["rl", "@", str(path)])
-    assert result.exit_code == 1 and message in result.output, result.output
+    # 2: the user's input is wrong, as for a config error (1 is for what started and failed)
+    assert result.exit_code == 2 and message in result.output, result.output
     assert not (tmp_path / "run" / "logs").exists()  # nothing was started
 
 
@@ -88,10 +89,10 @@ def test_orchestrator_and_eval_without_environments_fail_naming_the_section(conf
     result = CliRunner().invoke(cmd, [*prefix, "@", str(config)])
     assert result.exit_code == 1
     assert "no training environments: add at least one [[envs.train]] entry" in result.output
-    cmd, prefix, _ = COMMANDS["eval"]
-    result = CliRunner().invoke(cmd, [*prefix, "@", str(config), 'inference.urls=["http://127.0.0.1:9"]'])
-    assert result.exit_code == 1
-    assert "no eval environments: add at least one [[envs.eval]] entry" in result.output
+    cmd, prefix, _ = COMMANDS["eval"]  # refused as the config loads, before any server starts
+    result = CliRunner().invoke(cmd, [*prefix, "@", str(config)])
+    assert result.exit_code == 2
+    assert "envs.eval: no eval environments: add at least one [[envs.eval]] entry" in result.output
 
 
 def test_config_error_exits_2_naming_the_key(config):
@@ -177,9 +178,73 @@ def test_merge_lora_refuses_a_missing_adapter_naming_it(tmp_path):
 
     base = build_tiny_model(tmp_path / "base")
     result = CliRunner().invoke(main, ["merge-lora", str(base), str(tmp_path / "nowhere"), str(tmp_path / "out")])
-    assert result.exit_code != 0
+    assert result.exit_code == 2
     assert "primerl merge-lora:" in result.output and "nowhere" in result.output, result.output
     assert not (tmp_path / "out").exists()
+
+
+def lora_adapter(folder: Path, base: Path, recorded: str | None, *, rank: int = 2) -> Path:
+    """A PEFT LoRA adapter on q_proj of every layer of `base` (shapes read off its weights),
+    whose adapter_config.json names `recorded` as its base model."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(base / "model.safetensors")
+    tensors = {}
+    for name, w in weights.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            module = name.removesuffix(".weight")
+            tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, w.shape[1])
+            tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(w.shape[0], rank)
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj"], "bias": "none",
+        "base_model_name_or_path": recorded}))
+    return folder
+
+
+def test_merge_lora_refuses_an_adapter_of_another_base_naming_both(tmp_path):
+    """An adapter whose base_model_name_or_path names another model than BASE is refused
+    (exit 2, nothing written) unless --allow-base-mismatch; the same model under another path
+    (a copy of the folder, the hub id of a download) is accepted."""
+    from primerl_models.tiny import build_tiny_model
+
+    trained_on = build_tiny_model(tmp_path / "Qwen3-Tiny", hidden_size=32, num_layers=1)
+    other = build_tiny_model(tmp_path / "Qwen3-Tiny-Base", hidden_size=32, num_layers=1, seed=1)
+    adapter = lora_adapter(tmp_path / "adapter", trained_on, str(trained_on))
+
+    result = CliRunner().invoke(main, ["merge-lora", str(other), str(adapter), str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert (f"the adapter {adapter} was trained on '{trained_on}' (base_model_name_or_path in its "
+            f"adapter_config.json), not on '{other}'") in result.output, result.output
+    assert "--allow-base-mismatch" in result.output
+    assert not (tmp_path / "out").exists()
+
+    args = ["merge-lora", str(other), str(adapter), str(tmp_path / "out"), "--allow-base-mismatch"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and (tmp_path / "out" / "config.json").exists(), result.output
+    result = CliRunner().invoke(main, ["merge-lora", str(trained_on), str(adapter), str(tmp_path / "same")])
+    assert result.exit_code == 0, result.output
+    hub = lora_adapter(tmp_path / "hub-adapter", trained_on, "some-org/qwen3-tiny")  # names compare, any case
+    result = CliRunner().invoke(main, ["merge-lora", str(trained_on), str(hub), str(tmp_path / "from-hub")])
+    assert result.exit_code == 0, result.output
+
+
+def test_merge_lora_refuses_an_adapter_whose_layers_do_not_fit_the_base_naming_the_layer(tmp_path):
+    """Shapes are checked whatever the names say (--allow-base-mismatch included): an adapter of
+    a wider model of the same name is refused, naming the first layer that does not fit."""
+    from primerl_models.tiny import build_tiny_model
+
+    wide = build_tiny_model(tmp_path / "wide" / "Qwen3-Tiny", hidden_size=64, num_layers=1)
+    base = build_tiny_model(tmp_path / "Qwen3-Tiny", hidden_size=32, num_layers=1)
+    adapter = lora_adapter(tmp_path / "adapter", wide, str(wide))
+    for flags in ([], ["--allow-base-mismatch"]):
+        result = CliRunner().invoke(main, ["merge-lora", str(base), str(adapter), str(tmp_path / "out"), *flags])
+        assert result.exit_code == 2, result.output
+        assert ("adapter module model.layers.0.self_attn.q_proj: A (2, 64) and B (64, 2) of rank 2 do not fit the "
+                "base weight (32, 32)") in result.output, result.output
+        assert not (tmp_path / "out").exists()
 
 
 def test_eval_of_a_run_that_published_adapters_serves_them(tmp_path):
@@ -198,8 +263,10 @@ def test_eval_of_a_run_that_published_adapters_serves_them(tmp_path):
         (folder / "adapter_config.json").write_text(json.dumps({"r": r, "rank_pattern": pattern}))
         write_marker(folder, step, ["adapter_config.json"], 0.0, format=ADAPTER)
 
+    envs = 'envs.eval=[{id = "reverse-text"}]'
+
     def inference(*overrides):
-        return _eval_inference(load_config(EvalConfig, ['model.name="tiny"', f'run="{run}"', *overrides]))
+        return _eval_inference(load_config(EvalConfig, ['model.name="tiny"', f'run="{run}"', envs, *overrides]))
 
     got = inference()
     assert got.enable_lora and got.max_lora_rank == 16
@@ -212,7 +279,7 @@ def test_eval_of_a_run_that_published_adapters_serves_them(tmp_path):
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"")
     write_marker(folder, 0, ["model.safetensors"], 0.0, format=FULL)
-    assert _eval_inference(load_config(EvalConfig, ['model.name="tiny"', f'run="{full}"'])).enable_lora is None
+    assert _eval_inference(load_config(EvalConfig, ['model.name="tiny"', f'run="{full}"', envs])).enable_lora is None
     (rundir.step_folder(run / rundir.WEIGHTS, 1) / "adapter_config.json").write_text('{"rank": 8}')  # no "r"
     with pytest.raises(ValueError, match="step_1/adapter_config.json: not a readable PEFT adapter config"):
         inference()

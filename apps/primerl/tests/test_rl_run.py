@@ -247,6 +247,7 @@ name = "{model}"
 port = {free_port_block(1)}
 [eval]
 num_samples = 2
+temperature = 1.0
 max_tasks = 2
 max_tokens = 8
 [[envs.eval]]
@@ -258,8 +259,10 @@ args = {{num_tasks = 4}}
     records = [json.loads(line) for line in (tmp_path / "evals" / "evals.jsonl").read_text().splitlines()]
     published = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "weights").glob("step_*"))
     assert published and [r["policy"] for r in records] == [step + 1 for step in published]
-    assert all(r["model"].endswith(f"weights/step_{r['policy'] - 1}") for r in records)
+    assert all(r["model"].endswith(f"weights/step_{r['step']}") and r["step"] == r["policy"] - 1 for r in records)
     assert all(r["eval/reverse-text/tasks"] == 2 for r in records)
+    # (this eval once asked for 2 greedy samples: vLLM refused every request, and it passed on error_rate 1.0)
+    assert all(r["eval/reverse-text/error_rate"] == 0.0 for r in records), records
 
 
 def assert_experts_moved(model: Path, run_dir: Path) -> None:

@@ -112,7 +112,7 @@ def test_sft_and_eval_jobs(tmp_path):
     assert "#SBATCH --nodes=4\n" in text and "--nnodes=4 --nproc-per-node=8" in text and "primerl.sft_entry" in text
     bash_syntax_ok(tmp_path / "sft" / "slurm" / "sft.sbatch")
     ev = load_config(EvalConfig, ["model.name=m", f"run_dir={tmp_path / 'ev'}", "slurm.inference_nodes=2",
-                                  "inference.num_replicas=8"])
+                                  "inference.num_replicas=8", 'envs.eval=[{id = "reverse-text"}]'])
     text = render_eval(ev).read_text()
     assert "#SBATCH --nodes=2\n" in text and "i < 8; i++" in text and "primerl eval @" in text
     bash_syntax_ok(tmp_path / "ev" / "slurm" / "eval.sbatch")

@@ -502,12 +502,64 @@ args = {{num_tasks = 6}}
 """)
     result = CliRunner().invoke(main, ["eval", "@", str(config)])
     assert result.exit_code == 0, result.output
-    assert "policy 0: reverse-text/avg@3" in result.output
+    assert f"{model} (policy 0): reverse-text/avg@3" in result.output
     result = CliRunner().invoke(main, ["eval", "@", str(config), f"run={tmp_path / 'run'}"])
     assert result.exit_code == 0, result.output
+    # weights/step_N is policy N + 1, and each is named by its folder
+    assert "weights/step_0 (policy 1): reverse-text/avg@3" in result.output
+    assert "weights/step_2 (policy 3): reverse-text/avg@3" in result.output
     records = [json.loads(line) for line in (tmp_path / "evals" / "evals.jsonl").read_text().splitlines()]
-    assert [r["policy"] for r in records] == [0, 1, 2, 3]
+    assert [(r["policy"], r["step"]) for r in records] == [(0, None), (1, 0), (2, 1), (3, 2)]
     assert records[1]["model"].endswith("weights/step_0")
     for r in records:
         assert r["eval/reverse-text/tasks"] == 4
         assert 0.0 <= r["eval/reverse-text/pass@1"] <= r["eval/reverse-text/pass@3"] <= 1.0
+
+
+def test_an_eval_whose_rollouts_all_errored_says_why_and_records_nothing(servers, tmp_path):
+    """Issue 41's case on a real server: 4 greedy samples of a single-turn task went as one
+    request with n = 4, which vLLM refuses. The settings now refuse it when they load; forced
+    past that check here, every rollout errors and the eval stops with vLLM's own reason
+    (before, it recorded avg@4 0.000 and said nothing). The command on an environment whose
+    reward function always raises (raising_rewards.py) exits 1 with the exception, nothing
+    recorded, so that it can be run again."""
+    from primerl_orchestrator.config import EvalRunConfig
+    from primerl_orchestrator.evals import EvalError, eval_run
+
+    running, model = servers
+    url = next(u for u in running.urls if is_up(u))
+    greedy = EvalSettings(num_samples=4, max_tasks=2, max_tokens=8, temperature=1.0)
+    greedy.temperature = 0.0  # past the settings' own check
+    cfg = EvalRunConfig(model=ModelConfig(name=str(model)), run_dir=str(tmp_path / "forced"), eval=greedy,
+                        inference=InferenceConfig(urls=[url], admin_token=TOKEN),
+                        envs=EnvsConfig(eval=[EnvConfig(id="reverse-text", args={"num_tasks": 4})]))
+    with pytest.raises(EvalError) as err:
+        asyncio.run(eval_run(cfg, [url], TOKEN))
+    message = str(err.value)
+    assert "every rollout of eval environment 'reverse-text' errored" in message
+    assert "greedy" in message.split("the first error:")[1], message  # vLLM's reason
+    assert not (tmp_path / "forced" / "evals.jsonl").exists()
+
+    config = tmp_path / "eval.toml"
+    config.write_text(f"""
+seq_len = 1024
+run_dir = "{tmp_path / 'evals'}"
+[model]
+name = "{model}"
+[inference]
+urls = ["{url}"]
+admin_token = "{TOKEN}"
+[eval]
+max_tasks = 2
+max_tokens = 8
+[[envs.eval]]
+id = "{Path(__file__).parent / 'raising_rewards.py'}"
+name = "raising"
+args = {{num_tasks = 4}}
+""")
+    result = CliRunner().invoke(main, ["eval", "@", str(config)])
+    assert result.exit_code == 1, result.output
+    assert f"primerl eval: every rollout of eval environment 'raising' errored on {model} (policy 0)" in result.output
+    assert "the first error: " in result.output and "the user's reward function is broken" in result.output, \
+        result.output
+    assert not (tmp_path / "evals" / "evals.jsonl").exists()

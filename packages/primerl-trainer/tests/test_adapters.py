@@ -155,7 +155,8 @@ def test_export_merges_a_published_adapter_into_a_full_checkpoint_and_refuses_wh
     """`primerl merge-lora`'s function: a published adapter step merged into its base folder is
     a HF checkpoint equal to the trainer's merged model (fp32, 1e-6), with the base's config and
     tokenizer files. Refused, naming why, with nothing written: an existing output folder, an
-    adapter whose checksum does not match (a modified file), one of another model."""
+    adapter whose checksum does not match (a modified file), one of another model (by the name
+    it records, and by its layers when the names are not checked)."""
     from primerl_models import load_model, save_hf
     from primerl_trainer.adapters import export_merged
 
@@ -178,8 +179,10 @@ def test_export_merges_a_published_adapter_into_a_full_checkpoint_and_refuses_wh
     other = adapted("glm4", cfg)  # gate_up_proj: no such module in a Qwen3
     other_ready = AdapterPublisher(tmp_path / "other", other, cfg, "glm", keep=2, dtype=torch.float32,
                                    d=single()).publish(other, 0)
-    with pytest.raises(ValueError, match="gate_up_proj has no weight in the base model"):
+    with pytest.raises(ValueError, match=f"was trained on 'glm' .*, not on '{base}'"):
         export_merged(base, other_ready.location, tmp_path / "wrong")
+    with pytest.raises(ValueError, match="gate_up_proj has no weight in the base model"):  # whatever the names say
+        export_merged(base, other_ready.location, tmp_path / "wrong", check_base_model=False)
     weights = Path(ready.location) / ADAPTER_WEIGHTS
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1

@@ -42,11 +42,11 @@ TRAINER = TrainerConfig(dtype="float32", optimizer=OptimizerConfig(lr=3e-3), che
 
 @contextlib.contextmanager
 def trainer_running(tmp_path, model_dir, run_dir, max_steps, name="trainer", entry=("-m", "primerl.trainer_entry"),
-                    env=None, **extra):
+                    env=None, trainer=TRAINER, **extra):
     """The trainer under torchrun (output in `tmp_path/name.log`) and the fake orchestrator it
     talks to; killed if it still runs at the end."""
     port = free_port_block(RANKS + 1)
-    cfg = write_trainer_config(tmp_path / f"{name}.toml", model_dir, run_dir, port, max_steps, TRAINER, **extra)
+    cfg = write_trainer_config(tmp_path / f"{name}.toml", model_dir, run_dir, port, max_steps, trainer, **extra)
     orch = FakeOrchestrator("127.0.0.1", port + 1, port, RANKS)
     proc = launch_trainer(cfg, RANKS, tmp_path / f"{name}.log", entry, env)
     try:
@@ -91,7 +91,9 @@ def metrics(run_dir: Path) -> list[dict]:
 def straight_run(tmp_path_factory, model_dir):
     tmp = tmp_path_factory.mktemp("straight")
     run_dir = tmp / "run"
-    rc, ready, log = run_trainer(tmp, model_dir, run_dir, steps=6, wandb="offline")
+    # every 3rd step's weights kept besides the newest 2
+    trainer = msgspec.structs.replace(TRAINER, weights=WeightsConfig(dtype="float32", keep=2, keep_every=3))
+    rc, ready, log = run_trainer(tmp, model_dir, run_dir, steps=6, wandb="offline", trainer=trainer)
     assert rc == 0, log
     return run_dir, ready, log
 
@@ -110,7 +112,8 @@ def test_rl_steps_lower_the_loss_on_a_fixed_batch(straight_run):
 @pytest.mark.slow
 def test_published_weights_are_complete_verified_and_pruned(straight_run):
     run_dir, ready, _ = straight_run
-    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["step_4", "step_5"]  # keep = 2
+    # keep = 2, and keep_every = 3: step_2 (the weights after 3 steps; step_5 is among the newest)
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["step_2", "step_4", "step_5"]
     meta = verify(ready[-1].location)
     assert meta["checksum"] == ready[-1].checksum
     assert (Path(ready[-1].location) / "tokenizer.json").exists()

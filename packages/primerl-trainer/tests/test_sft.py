@@ -124,7 +124,7 @@ def write_data(tmp_path):
 def test_sft_on_two_ranks_lowers_the_loss(tmp_path, model_dir):
     write_data(tmp_path)
     run_dir = tmp_path / "run"
-    run_sft(sft_config(tmp_path, model_dir, run_dir, 12))
+    run_sft(sft_config(tmp_path, model_dir, run_dir, 12, extra="keep = 1\nkeep_every = 6"))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows]
     assert len(losses) == 12
@@ -133,6 +133,8 @@ def test_sft_on_two_ranks_lowers_the_loss(tmp_path, model_dir):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0]
+    # published at the checkpoints (steps 5 and 11): keep = 1, and keep_every = 6 keeps step_5
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["step_11", "step_5"]
     assert (run_dir / "weights" / "step_11" / "primerl.json").exists()
     assert (run_dir / "checkpoints" / "step_11" / "meta.json").exists()
 

@@ -5,9 +5,15 @@ Each command reads its config the same way (see primerl_protocol.config.load):
     primerl rl @ base.toml @ override.toml trainer.optimizer.lr=1e-5 --dry-run
 
 and then hands it to its engine. Commands stay thin: config in, engine call, clear exit code.
-Exit codes: 0 done, 1 the engine failed (it says why), 2 bad config or arguments, 130 stopped
-with Ctrl-C, 143 with SIGTERM (129 SIGHUP): `primerl rl` and `primerl-inference` stop every
-process they started first.
+Exit codes (docs/running.md):
+  0    done
+  1    it started and failed (a process, a server, an eval where every rollout errored): it says why
+  2    the user's input is wrong, found before anything started: a config error (unknown key,
+       wrong type, values that contradict each other), a bad argument (click's usage errors are
+       2 too), or what a pre-start check refused (the model, an environment id, a run with
+       nothing to evaluate, an adapter for another base model)
+  130  stopped with Ctrl-C, 143 with SIGTERM (129 SIGHUP): `primerl rl` and `primerl-inference`
+       stop every process they started first
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from primerl.configs import (
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
+"""The user's input is wrong (config, arguments, a pre-start check): the code click gives usage errors."""
 
 USAGE = """
 Config: TOML files after `@`, composed left to right, then dotted overrides
@@ -40,9 +47,15 @@ config as TOML and exits.
 
 
 def _epilog(root: type) -> str:
+    """The root's sections and top-level keys; those it shares with other roots but never reads
+    (`UNUSED`, e.g. EvalRunConfig's) listed apart, as accepted and ignored."""
+    unused = getattr(root, "UNUSED", ())
     # "\b" stops click from re-wrapping the block below it.
     lines = ["\b", "Config sections and top-level keys:"]
-    lines += [f"  {name:<14} {doc}" for name, doc in sections(root)]
+    lines += [f"  {name:<14} {doc}" for name, doc in sections(root) if name not in unused]
+    if unused:
+        lines += ["", "\b", "Accepted (a run's config may hold them) but unused by this command:",
+                  f"  {', '.join(unused)}"]
     return "\n".join(lines)
 
 
@@ -87,31 +100,34 @@ def config_command(
 
 
 def _slurm_job(prog: str, render, config, submit: bool) -> None:
+    """Write the job (what does not fit the cluster, or a pre-start check, exits 2), submit it
+    if asked (sbatch failing exits 1)."""
+    from primerl.launch import CheckError
     from primerl.slurm import SlurmError
     from primerl.slurm import submit as sbatch
 
     try:
         script = render(config)
-        click.echo(f"wrote {script}")
-        if submit:
-            click.echo(f"submitted job {sbatch(script)}; its output: {config.slurm.log_dir or script.parent}/job-<id>.out")
-        else:
-            click.echo(f"submit it with: sbatch {script}")
+    except (SlurmError, CheckError) as err:
+        click.echo(f"{prog}: {err}", err=True)
+        sys.exit(EXIT_CONFIG)
+    click.echo(f"wrote {script}")
+    if not submit:
+        click.echo(f"submit it with: sbatch {script}")
+        return
+    try:
+        click.echo(f"submitted job {sbatch(script)}; its output: {config.slurm.log_dir or script.parent}/job-<id>.out")
     except SlurmError as err:
         click.echo(f"{prog}: {err}", err=True)
         sys.exit(EXIT_FAILED)
 
 
 def _render_rl(config):
-    """The RL job, after the checks `primerl rl` makes before anything starts."""
-    from primerl.launch import RunError, check
-    from primerl.slurm import SlurmError, render_rl
+    """The RL job, after the checks `primerl rl` makes before anything starts (CheckError)."""
+    from primerl.launch import check
+    from primerl.slurm import render_rl
 
-    try:
-        config = check(config)
-    except RunError as err:
-        raise SlurmError(str(err)) from None
-    return render_rl(config)
+    return render_rl(check(config))
 
 
 def _render(name: str):
@@ -206,14 +222,14 @@ def _run_inference(config: InferenceRunConfig) -> None:
 
 
 def _run_rl(config: RLConfig) -> None:
-    from primerl.launch import RunError, run_rl
+    from primerl.launch import CheckError, RunError, run_rl
 
     try:
         with stop_on_signals():
             run_rl(config)
-    except RunError as err:
+    except RunError as err:  # CheckError: refused before anything started
         click.echo(f"primerl rl: {err}", err=True)
-        sys.exit(EXIT_FAILED)
+        sys.exit(EXIT_CONFIG if isinstance(err, CheckError) else EXIT_FAILED)
     except KeyboardInterrupt as err:
         _stopped("primerl rl", err, "; rerun the same command to resume")
 
@@ -271,22 +287,28 @@ def _run_eval(config: EvalConfig) -> None:
 
     from primerl_envs.environment import EnvLoadError
     from primerl_inference.launcher import LaunchError, launch
-    from primerl_orchestrator.evals import eval_run
+    from primerl_orchestrator.evals import EvalError, eval_run, policy_label, published_steps
     from primerl_orchestrator.loop import configure_logging
     from primerl_orchestrator.servers import NoServerError
 
     configure_logging()
+    try:  # before any server starts (the config's own checks ran when it loaded)
+        if config.run is not None and not published_steps(config.run):
+            raise ValueError(f"run = {config.run}: nothing to evaluate, no complete published weights "
+                             f"({config.run}/weights/step_N)")
+        inference = None if config.inference.urls else _eval_inference(config)
+    except ValueError as err:
+        click.echo(f"primerl eval: {err}", err=True)
+        sys.exit(EXIT_CONFIG)
     servers = None
     try:
-        token = config.inference.resolved_admin_token()
-        if config.inference.urls:
-            urls = config.inference.server_urls()
+        if inference is None:
+            urls, token = config.inference.server_urls(), config.inference.resolved_admin_token()
         else:  # start our own servers for the eval
-            inference = _eval_inference(config)
             servers = launch(inference, config.model.name, config.seq_len, config.run_dir)
             urls, token = servers.urls, inference.resolved_admin_token()
         results = asyncio.run(eval_run(config, urls, token))
-    except (LaunchError, NoServerError, EnvLoadError, ValueError) as err:
+    except (LaunchError, NoServerError, EnvLoadError, EvalError, ValueError) as err:
         click.echo(f"primerl eval: {err}", err=True)
         sys.exit(EXIT_FAILED)
     finally:
@@ -294,7 +316,7 @@ def _run_eval(config: EvalConfig) -> None:
             servers.stop()
     for r in results:
         scores = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in r.items() if "@" in k)
-        click.echo(f"policy {r['policy']}: {scores}")
+        click.echo(f"{policy_label(r)}: {scores}")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -336,17 +358,24 @@ def report(run_dir: str, window: int) -> None:
 @click.argument("out", type=click.Path())
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True,
               help="The merged weights' dtype (auto: the base config's torch_dtype).")
-def merge_lora(base: str, adapter: str, out: str, dtype: str) -> None:
+@click.option("--allow-base-mismatch", is_flag=True,
+              help="Merge even though the adapter's base_model_name_or_path names another model than BASE "
+                   "(BASE is that model under another name). Shapes are checked regardless.")
+def merge_lora(base: str, adapter: str, out: str, dtype: str, allow_base_mismatch: bool) -> None:
     """Merge a LoRA adapter (a run's published RUN_DIR/weights/step_N, or any PEFT LoRA adapter
     folder) into its BASE model folder: a full Hugging Face checkpoint in OUT, for export or
-    for serving without LoRA."""
+    for serving without LoRA. Refused (exit 2, nothing written): an adapter whose
+    base_model_name_or_path names another model than BASE (neither the same folder nor the same
+    name), an adapted layer whose A/B do not fit BASE's weight, a modified published folder, an
+    existing OUT."""
     from primerl_trainer.adapters import export_merged
 
     try:
-        folder = export_merged(base, adapter, out, None if dtype == "auto" else dtype)
+        folder = export_merged(base, adapter, out, None if dtype == "auto" else dtype,
+                               check_base_model=not allow_base_mismatch)
     except (ValueError, FileNotFoundError) as err:
         click.echo(f"primerl merge-lora: {err}", err=True)
-        sys.exit(EXIT_FAILED)
+        sys.exit(EXIT_CONFIG)
     click.echo(f"merged model in {folder}")
 
 

@@ -108,7 +108,8 @@ def _optional_table(t) -> mi.StructType | None:
     return None
 
 
-def _table(path: str, t: mi.StructType, instance) -> list[str]:
+def _table(path: str, t: mi.StructType, instance, unused: tuple[str, ...] = ()) -> list[str]:
+    """The rows of a table's keys; those in `unused` (the root's UNUSED) marked."""
     docs = field_docs(t.cls)
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in t.fields:
@@ -117,6 +118,8 @@ def _table(path: str, t: mi.StructType, instance) -> list[str]:
             continue  # its own table below
         key = f"{path}.{f.encode_name}" if path else f.encode_name
         doc = " ".join(docs.get(f.name, "").split()).replace("|", "\\|")
+        if key in unused:
+            doc = f"*Unused by this command.* {doc}"
         value = getattr(instance, f.name) if instance is not None else _default(f)
         default = "required" if value is msgspec.NODEFAULT else _value_text(value)
         rows.append(f"| `{key}` | {type_name(sub)} | {default} | {doc} |")
@@ -136,10 +139,14 @@ def render() -> str:
     documented: set[tuple[str, type]] = set()
     for command, root in COMMANDS:
         out += [f"## `{command}`", "", class_doc(root), ""]
+        unused = getattr(root, "UNUSED", ())
+        if unused:
+            out += [f"Accepted, as a run's config may hold them, but unused by this command: "
+                    f"{', '.join(f'`{k}`' for k in unused)}.", ""]
         for path, struct, instance in _sections(mi.type_info(root), "", None):
             if path and (path, struct.cls) in documented:
                 continue
-            rows = _table(path, struct, instance)
+            rows = _table(path, struct, instance, unused)
             if not rows:
                 continue
             title = (f"`[[{path[:-2]}]]`" if path.endswith("[]") else f"`[{path}]`") if path else "top level"

@@ -48,6 +48,11 @@ class RunError(RuntimeError):
     """The run cannot start, or one of its processes failed (says which, and why)."""
 
 
+class CheckError(RunError):
+    """What the user gave is wrong, found before anything started (a pre-start check): the
+    command exits 2, as for a config error (primerl.cli)."""
+
+
 @dataclass
 class Proc:
     name: str
@@ -62,8 +67,8 @@ class Proc:
 
 
 def check(cfg: RLConfig) -> RLConfig:
-    """Everything that can fail before a process starts, named; the config with what depends on
-    the model resolved (inference.max_lora_rank for published adapters)."""
+    """Everything that can fail before a process starts, named (CheckError); the config with what
+    depends on the model resolved (inference.max_lora_rank for published adapters)."""
     from primerl_envs.environment import EnvLoadError, resolve_taskset_id
     from primerl_models import family_for, is_hub_id, read_config, resolve_model_folder
 
@@ -74,22 +79,22 @@ def check(cfg: RLConfig) -> RLConfig:
         hf_config = read_config(folder)
         family_for(hf_config, where=f"{cfg.model.name}/config.json")
     except (FileNotFoundError, ValueError) as err:
-        raise RunError(f"model.name: {err}") from None
+        raise CheckError(f"model.name: {err}") from None
     limit = hf_config.get("max_position_embeddings")
     text = hf_config.get("text_config") or {}
     limit = limit or (text.get("max_position_embeddings") if isinstance(text, dict) else None)
     scaled = hf_config.get("rope_scaling") or (text.get("rope_scaling") if isinstance(text, dict) else None)
     if isinstance(limit, int) and not scaled and cfg.seq_len > limit:
-        raise RunError(f"seq_len = {cfg.seq_len} is above the model's max_position_embeddings = {limit} "
+        raise CheckError(f"seq_len = {cfg.seq_len} is above the model's max_position_embeddings = {limit} "
                        f"({cfg.model.name}/config.json): vLLM would refuse to serve it; use seq_len <= {limit}")
     if not cfg.envs.train:
-        raise RunError("envs.train: no training environments; add at least one [[envs.train]] entry")
+        raise CheckError("envs.train: no training environments; add at least one [[envs.train]] entry")
     for section, envs in (("envs.train", cfg.envs.train), ("envs.eval", cfg.envs.eval)):
         for i, env in enumerate(envs):
             try:
                 resolve_taskset_id(env.id)
             except EnvLoadError as err:
-                raise RunError(f"{section}[{i}].id: {err}") from None
+                raise CheckError(f"{section}[{i}].id: {err}") from None
     return fit_lora_rank(cfg, hf_config)
 
 
@@ -106,17 +111,17 @@ def fit_lora_rank(cfg: RLConfig, hf_config: dict) -> RLConfig:
     try:
         need = published_rank(hf_config, lora)
     except ValueError as err:
-        raise RunError(f'trainer.lora.publish = "adapter": {err}') from None
+        raise CheckError(f'trainer.lora.publish = "adapter": {err}') from None
     fit = lora_rank_for(need)
     why = f"the adapters trainer.lora publishes have rank {need}" + (
         f" (trainer.lora.rank = {lora.rank} x {need // lora.rank} layers the checkpoint fuses)" if need != lora.rank else "")
     if fit is None:
-        raise RunError(f"{why}, above the largest vLLM serves ({LORA_RANKS[-1]}): lower trainer.lora.rank, or set "
+        raise CheckError(f"{why}, above the largest vLLM serves ({LORA_RANKS[-1]}): lower trainer.lora.rank, or set "
                        'trainer.lora.publish = "merged"')
     if have is None:
         return msgspec.structs.replace(cfg, inference=msgspec.structs.replace(cfg.inference, max_lora_rank=fit))
     if have < need:
-        raise RunError(f"inference.max_lora_rank = {have}, but {why}: set it to {fit} or more, or leave it unset")
+        raise CheckError(f"inference.max_lora_rank = {have}, but {why}: set it to {fit} or more, or leave it unset")
     return cfg
 
 
@@ -134,9 +139,9 @@ def gpu_plan(cfg: RLConfig, device: str) -> tuple[list[int], list[int]]:
     else:
         trainer = list(range(n_inf, n_inf + cfg.transport.ranks))
     if not cfg.colocate and set(trainer) & set(inference):
-        raise RunError(f"trainer_gpus {trainer} overlap inference GPUs {inference}; set colocate = true to share them")
+        raise CheckError(f"trainer_gpus {trainer} overlap inference GPUs {inference}; set colocate = true to share them")
     if len(trainer) != cfg.transport.ranks:
-        raise RunError(f"transport.trainer_ranks = {cfg.transport.ranks} but the trainer gets GPUs {trainer} "
+        raise CheckError(f"transport.trainer_ranks = {cfg.transport.ranks} but the trainer gets GPUs {trainer} "
                        "(one rank per GPU)")
     return inference, trainer
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import msgspec
 from primerl_algos.config import AdvantageConfig, FilterConfig
 from primerl_envs.config import EnvsConfig
 from primerl_inference.config import InferenceConfig
-from primerl_protocol.config import Config, NonNegative, Positive, SharedConfig
+from primerl_protocol import rundir
+from primerl_protocol.config import Config, ModelConfig, NonNegative, Positive, SharedConfig
 
 
 UNTRUNCATED = {"top_p": 1.0, "top_k": -1, "min_p": 0.0}
@@ -76,6 +77,18 @@ class EvalSettings(Config):
     needed for endless tasksets)."""
     pass_threshold: float = 1.0
     """A rollout with at least this reward counts as solving its task (pass@k)."""
+
+    def __post_init__(self) -> None:
+        # Refused rather than sampled k times greedily: k greedy rollouts are one answer k times,
+        # so avg@k and pass@k would only repeat pass@1 under another name (and vLLM refuses a
+        # group's one request with n > 1 at temperature 0: every rollout errored).
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError(
+                f"num_samples = {self.num_samples} with temperature = 0 (greedy): the {self.num_samples} rollouts of "
+                f"a task would all be the same answer, so avg@{self.num_samples} and pass@{self.num_samples} would "
+                f"only repeat pass@1; set temperature > 0 (e.g. 1.0) to sample {self.num_samples} different "
+                "rollouts, or num_samples = 1 for a greedy eval"
+            )
 
 
 class SamplesConfig(Config):
@@ -158,6 +171,13 @@ class OrchRunConfig(SharedConfig):
 class EvalRunConfig(SharedConfig):
     """The root config of evals outside a run (`primerl_orchestrator.evals.eval_run`)."""
 
+    UNUSED: ClassVar[tuple[str, ...]] = ("max_steps", "transport", "wandb", "envs.train", "eval.interval")
+    """Keys this root shares with a run's configs (so that one file serves both) that evals never
+    read; `--help` and docs/config-reference.md mark them."""
+
+    model: ModelConfig | None = None
+    """The model to evaluate (policy 0); with `run` and no model, the run's own.
+    The run's model is read from RUN/configs/rl.toml, which `primerl rl` writes."""
     inference: InferenceConfig = msgspec.field(default_factory=InferenceConfig)
     """vLLM servers that generate the eval rollouts."""
     envs: EnvsConfig = msgspec.field(default_factory=EnvsConfig)
@@ -165,4 +185,18 @@ class EvalRunConfig(SharedConfig):
     eval: EvalSettings = msgspec.field(default_factory=EvalSettings)
     """Samples per task and sampling temperature."""
     run: str | None = None
-    """Evaluate each published step in this run directory instead of `model`."""
+    """Evaluate each published step in this run directory (RUN/weights/step_N) instead of `model`."""
+
+    def __post_init__(self) -> None:
+        """What `primerl eval` needs, checked when the config loads, before any server starts."""
+        if not self.envs.eval:
+            raise ValueError("envs.eval: no eval environments: add at least one [[envs.eval]] entry")
+        if self.model is None:
+            if self.run is None:
+                raise ValueError("model.name: no model to evaluate: set model.name, or run = RUN_DIR to evaluate "
+                                 "the steps a run published (on the run's model)")
+            table, source = rundir.run_model(self.run)
+            try:
+                self.model = msgspec.convert(table, ModelConfig)
+            except msgspec.ValidationError as err:
+                raise ValueError(f"model: the run's [model] in {source} is not a model config ({err})") from None

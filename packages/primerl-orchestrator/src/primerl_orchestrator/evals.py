@@ -5,7 +5,14 @@ For a task with n rollouts of which c solved it (reward >= the pass threshold):
   pass@k  1 - C(n - c, k) / C(n, k), the unbiased estimate of "at least one of k solves it"
           (Chen et al., 2021), averaged over tasks; with n = k it is 1 if any rollout solved it
   pass@1  c / n averaged over tasks
-Errored rollouts count as unsolved with reward 0 (and are reported as `error_rate`).
+Errored rollouts count as unsolved with reward 0 (and are reported as `error_rate`); the first
+error of each environment is logged, and `primerl eval` stops (EvalError, nothing recorded) at a
+policy where every rollout of an environment errored: a score of 0 would measure nothing.
+
+Policies and folders: `weights/step_N` (the trainer's step N, counted from 0) holds the weights
+after N + 1 optimizer steps, which the servers serve as policy N + 1; the model a run starts
+from is policy 0 (primerl_protocol.rundir). Online evals and evals.jsonl count policies; the
+console names the folder beside it.
 """
 
 from __future__ import annotations
@@ -50,17 +57,32 @@ def score_tasks(rewards_per_task: list[list[float]], k: int, threshold: float) -
     return {f"avg@{k}": sum(avg) / t, "pass@1": sum(p1) / t, f"pass@{k}": sum(pk) / t}
 
 
+class EvalError(RuntimeError):
+    """Every rollout of an eval environment errored: nothing was measured (says which
+    environment, which policy, and the first error)."""
+
+
 async def evaluate(
     envs: list[Environment], gen: Generator, settings, *, max_tokens: int, concurrency: int,
 ) -> dict[str, float]:
-    """`eval/<env>/...` metrics of every environment in `envs` (EvalSettings `settings`).
-    A single-turn environment's k samples of a task go as one request (Generator.play_group);
-    `concurrency` bounds the rollouts in flight either way."""
+    """`eval/<env>/...` metrics of every environment in `envs` (EvalSettings `settings`), the
+    errored rollouts logged (`evaluate_with_errors`)."""
+    return (await evaluate_with_errors(envs, gen, settings, max_tokens=max_tokens, concurrency=concurrency))[0]
+
+
+async def evaluate_with_errors(
+    envs: list[Environment], gen: Generator, settings, *, max_tokens: int, concurrency: int,
+) -> tuple[dict[str, float], dict[str, str]]:
+    """The metrics of `evaluate`, and {environment: its first rollout's error} for each
+    environment whose rollouts errored; each of those is logged with the count (a warning, an
+    error when every rollout errored). A single-turn environment's k samples of a task go as
+    one request (Generator.play_group); `concurrency` bounds the rollouts in flight either way."""
     k = settings.num_samples
     limit = asyncio.Semaphore(concurrency)
     group_limit = asyncio.Semaphore(max(1, concurrency // k))
     sampling = {"temperature": settings.temperature}
     out: dict[str, float] = {}
+    first_errors: dict[str, str] = {}
     t0 = time.monotonic()
 
     async def task_rollouts(env, task, task_index: int) -> list:
@@ -86,16 +108,33 @@ async def evaluate(
             raise ValueError(f"eval environment {env.name!r} has an endless taskset: set eval.max_tasks")
         tasks = [env.tasks.at(i) for i in range(n_tasks)]
         per_task = await asyncio.gather(*(task_rollouts(env, t, ti) for ti, t in enumerate(tasks)))
-        results = [((0.0 if r.error else r.reward), r.error is not None, r.num_completion_tokens)
-                   for rollouts in per_task for r in rollouts]
+        rollouts = [r for group in per_task for r in group]
+        results = [((0.0 if r.error else r.reward), r.error is not None, r.num_completion_tokens) for r in rollouts]
         rewards = [[results[ti * k + i][0] for i in range(k)] for ti in range(n_tasks)]
         for name, value in score_tasks(rewards, k, settings.pass_threshold).items():
             out[f"eval/{env.name}/{name}"] = value
-        out[f"eval/{env.name}/error_rate"] = sum(e for _, e, _ in results) / len(results)
+        errored = [r.error for r in rollouts if r.error is not None]
+        if errored:
+            first_errors[env.name] = _shorten(errored[0])
+            log.log(logging.ERROR if len(errored) == len(rollouts) else logging.WARNING,
+                    "eval of %s: %d of %d rollouts errored; the first: %s",
+                    env.name, len(errored), len(rollouts), first_errors[env.name])
+        out[f"eval/{env.name}/error_rate"] = len(errored) / len(results)
         out[f"eval/{env.name}/completion_tokens"] = sum(t for _, _, t in results) / len(results)
         out[f"eval/{env.name}/tasks"] = float(n_tasks)
     out["time/eval"] = time.monotonic() - t0
-    return out
+    return out, first_errors
+
+
+def _shorten(error: str, limit: int = 2000) -> str:
+    return error if len(error) <= limit else f"{error[:limit]} ... ({len(error) - limit} more characters)"
+
+
+def policy_label(record: dict) -> str:
+    """How the console names an evaluated policy: the folder of a run's step, or the model."""
+    if record.get("step") is None:
+        return f"{record['model']} (policy {record['policy']})"
+    return f"weights/step_{record['step']} (policy {record['policy']})"
 
 
 def published_steps(run: str | Path) -> list[tuple[int, Path, str, str]]:
@@ -112,11 +151,11 @@ def published_steps(run: str | Path) -> list[tuple[int, Path, str, str]]:
 
 
 async def eval_run(cfg: EvalRunConfig, urls: list[str], admin_token: str | None) -> list[dict]:
-    """`primerl eval`: the eval environments on `cfg.model`, or on each published step of
-    `cfg.run` (policy N + 1 = the weights after step N); results appended to
-    `run_dir/evals.jsonl`, steps already there are not evaluated again."""
-    if not cfg.envs.eval:
-        raise ValueError("no eval environments: add at least one [[envs.eval]] entry")
+    """`primerl eval`: the eval environments on `cfg.model` (policy 0), or on each published step
+    of `cfg.run` (weights/step_N, policy N + 1); results appended to `run_dir/evals.jsonl`
+    (`policy`, `step`: N or None for the model, `model`: what was served, the metrics), policies
+    already there are not evaluated again. EvalError at the first policy where every rollout of
+    an environment errored (nothing is recorded for it, so a rerun evaluates it again)."""
     out_path = Path(cfg.run_dir) / "evals.jsonl"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = set()
@@ -124,26 +163,32 @@ async def eval_run(cfg: EvalRunConfig, urls: list[str], admin_token: str | None)
         done = {json.loads(line).get("policy") for line in out_path.read_text().splitlines() if line.strip()}
     e = cfg.eval
     results = []
+    if cfg.run is None:
+        targets = [(0, None, None, None, None)]
+    else:
+        targets = [(step + 1, step, *published) for step, *published in published_steps(cfg.run)]
+        if not targets:
+            raise ValueError(f"{cfg.run} has no published weights (weights/step_N folders)")
     async with contextlib.AsyncExitStack() as stack:
         envs = await open_environments(stack, cfg.envs.eval, cfg.seed)
         gen = await start_generator(stack, cfg.model, urls, admin_token)
-        if cfg.run is None:
-            targets = [(0, None, None, None)]
-        else:
-            targets = [(step + 1, *published) for step, *published in published_steps(cfg.run)]
-            if not targets:
-                raise ValueError(f"{cfg.run} has no published weights (weights/step_N folders)")
-        for policy, folder, digest, fmt in targets:
+        for policy, step, folder, digest, fmt in targets:
+            record = {"policy": policy, "step": step, "model": cfg.model.name if folder is None else str(folder)}
             if policy in done:
-                log.info("policy %d already evaluated in %s", policy, out_path)
+                log.info("%s already evaluated in %s", policy_label(record), out_path)
                 continue
             if folder is not None:
                 await gen.pool.load_weights(str(folder), policy, digest, fmt)
-            metrics = await evaluate(envs, gen, e, max_tokens=e.max_tokens or 1024, concurrency=256)
-            record = {"policy": policy, "model": cfg.model.name if folder is None else str(folder), **metrics}
+            metrics, first_errors = await evaluate_with_errors(envs, gen, e, max_tokens=e.max_tokens or 1024,
+                                                               concurrency=256)
+            for env in envs:
+                if metrics[f"eval/{env.name}/error_rate"] == 1.0:
+                    raise EvalError(f"every rollout of eval environment {env.name!r} errored on {policy_label(record)}, "
+                                    f"so nothing was recorded for it; the first error: {first_errors[env.name]}")
+            record |= metrics
             with out_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            log.info("policy %d | %s", policy, " ".join(f"{k.removeprefix('eval/')} {v:.3f}"
-                                                        for k, v in metrics.items() if "@" in k))
+            log.info("%s | %s", policy_label(record), " ".join(f"{k.removeprefix('eval/')} {v:.3f}"
+                                                                for k, v in metrics.items() if "@" in k))
             results.append(record)
     return results

@@ -5,8 +5,14 @@ knows their names.
 
     run_dir/checkpoints/step_N/   DCP shards, rank{r}.pt, meta.json (written last)
     run_dir/weights/step_N/       HF-layout weights, primerl.json (written last, weights.py)
+    run_dir/configs/rl.toml       the run's resolved config (`primerl rl`; a process's own share
+                                  beside it: trainer.toml, orchestrator.toml, ...)
     run_dir/orchestrator/         the orchestrator's metrics.jsonl, evals.jsonl, and samples
                                   of rollouts (rollouts.jsonl, the older half in rollouts.old.jsonl)
+
+Step N is the trainer's N-th optimizer step counted from 0 (`step` in metrics.jsonl), so
+`weights/step_N` holds the weights after N + 1 optimizer steps: the orchestrator serves them as
+policy N + 1 (policy 0 being the model the run started from).
 
 A folder is written as `.step_N.tmp` beside its final place and renamed by `publish` when
 whole (`durable_rename`: fsynced before and after), so a `step_N` folder with its marker file
@@ -29,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+import tomllib
 from pathlib import Path
 
 log = logging.getLogger("primerl.protocol")
@@ -48,6 +55,9 @@ ROLLOUTS = "rollouts.jsonl"
 ROLLOUTS_OLD = "rollouts.old.jsonl"
 """In ORCHESTRATOR: the previous ROLLOUTS file, moved aside when ROLLOUTS reached half of
 `orchestrator.samples.max_mb` (the two together stay within it)."""
+CONFIGS = "configs"
+RUN_CONFIGS = ("rl.toml", "trainer.toml", "sft.toml")
+"""Files in configs/ that hold the run's [model], in the order they are looked for."""
 WANDB_ID = "wandb_run_id"
 """The run's Weights & Biases run id (one line), so that a resume continues the same W&B run."""
 
@@ -83,6 +93,23 @@ def complete_steps(root: str | Path, marker: str | None) -> list[tuple[int, Path
         if step is not None and (marker is None or (folder / marker).exists()):
             out.append((step, folder))
     return sorted(out)
+
+
+def run_model(run_dir: str | Path) -> tuple[dict, Path]:
+    """The [model] table of the config a run was started with (its RUN_CONFIGS, the first found)
+    and the file it came from; ValueError naming what was looked for."""
+    folder = Path(run_dir) / CONFIGS
+    for name in RUN_CONFIGS:
+        path = folder / name
+        if path.is_file():
+            try:
+                model = tomllib.loads(path.read_text()).get("model")
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+                raise ValueError(f"{path} cannot be read ({err})") from None
+            if isinstance(model, dict):
+                return model, path
+    raise ValueError(f"{run_dir} has no run config with a [model] ({', '.join(RUN_CONFIGS)} in {folder}) to take the "
+                     "run's model from: set model.name")
 
 
 def publish(staging: str | Path, final: str | Path) -> None:

@@ -29,6 +29,7 @@ the tensor; such a model is published merged (trainer.lora.publish = "merged").
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from primerl_trainer.config import LoRAConfig
 from primerl_trainer.distributed import Dist
 from primerl_trainer.lora import LoRALinear, apply_lora
 from primerl_trainer.publish import SIDE_FILES, StepFolders
+
+log = logging.getLogger("primerl.trainer")
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a module's name in adapter_model.safetensors."""
@@ -248,19 +251,63 @@ def merge_adapter(hf: dict[str, torch.Tensor], folder: str | Path) -> dict[str, 
     return out
 
 
+def model_names(name_or_path: str | Path, hf_config: dict | None = None) -> set[str]:
+    """The names a model goes by, lower-cased: the last part of its hub id or folder (a hub
+    cache folder `models--org--name/snapshots/<hash>`: `name`), and of the `_name_or_path`
+    transformers writes into config.json. Copies and downloads of one model share a name."""
+    names = set()
+    for text in (str(name_or_path), (hf_config or {}).get("_name_or_path") or ""):
+        parts = [p for p in Path(text).parts if p not in ("/", ".", "..")]
+        cached = next((p for p in reversed(parts) if p.startswith("models--")), None)
+        if cached is not None:
+            parts = cached.split("--")[1:]
+        if parts:
+            names.add(parts[-1].lower())
+    return names
+
+
+def check_base(base: str | Path, adapter: str | Path, hf_config: dict) -> None:
+    """Refuse an adapter whose adapter_config.json names another base model
+    (`base_model_name_or_path`) than the folder `base`: not the same folder, and no name in
+    common (`model_names`); ValueError naming both. An adapter that names none passes (with a
+    warning)."""
+    base, adapter = Path(base), Path(adapter)
+    try:
+        recorded = json.loads((adapter / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, json.JSONDecodeError, AttributeError) as err:
+        raise ValueError(f"{adapter}: not a readable PEFT adapter folder ({err})") from None
+    if not recorded:
+        log.warning("%s names no base model (base_model_name_or_path): merged onto %s unchecked",
+                    adapter / ADAPTER_CONFIG, base)
+        return
+    same_folder = Path(recorded).expanduser().is_dir() and Path(recorded).expanduser().resolve() == base.resolve()
+    if same_folder or model_names(recorded) & model_names(base, hf_config):
+        return
+    raise ValueError(
+        f"the adapter {adapter} was trained on {recorded!r} (base_model_name_or_path in its {ADAPTER_CONFIG}), "
+        f"not on {str(base)!r}: merged onto another model it gives a model nobody trained. Merge it onto "
+        f"{recorded!r}, or pass --allow-base-mismatch if {str(base)!r} is that model under another name"
+    )
+
+
 def export_merged(base: str | Path, adapter: str | Path, out: str | Path,
-                  dtype: torch.dtype | str | None = None) -> Path:
+                  dtype: torch.dtype | str | None = None, *, check_base_model: bool = True) -> Path:
     """A full HF checkpoint at `out`: the base model folder with the adapter folder (a published
     `weights/step_N` of a LoRA run, whose checksum is verified, or any PEFT LoRA adapter) merged
     in, with the base's config, tokenizer files and the tensors its family carries untrained.
     dtype (a torch dtype or its name, "bfloat16"): the base config's torch_dtype by default. Written to a staging folder and renamed,
-    so `out` is whole or absent; an existing `out` is refused."""
+    so `out` is whole or absent; an existing `out` is refused. Refused too, before the base's
+    weights are read: an adapter of another base model (`check_base`, unless `check_base_model`
+    is False); and, when merging, any adapted layer whose A and B do not fit the base weight
+    (`merge_adapter`, naming the layer)."""
     base, adapter, out = Path(base), Path(adapter), Path(out)
     if out.exists():
         raise ValueError(f"{out} exists: choose a new folder for the merged model")
     if (adapter / MARKER).exists():
         verify(adapter)  # a published folder: its checksum, before anything is read from it
     cfg = read_config(base)
+    if check_base_model:
+        check_base(base, adapter, cfg)
     if dtype is None:
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     if isinstance(dtype, str):

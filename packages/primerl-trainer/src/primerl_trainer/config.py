@@ -50,6 +50,10 @@ class WeightsConfig(Config):
 
     keep: Positive = 3
     """Published weight folders kept on disk (older ones are removed)."""
+    keep_every: NonNegative = 0
+    """Also keep, for later evals (`primerl eval run=RUN_DIR`), the folder of every step N where
+    N + 1 is a multiple of this (the weights after 100, 200, ... optimizer steps: policies 100,
+    200, ...); 0: keep only the newest `keep`."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Data type of the published weights."""
 

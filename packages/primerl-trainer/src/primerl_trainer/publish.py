@@ -5,7 +5,8 @@ large, config and tokenizer files beside them) to `run_dir/weights/step_N`, atom
 everything goes to a temporary folder, a checksum marker (`primerl.json`, xxh3-128 over the
 weight files: several GB/s, where blake2b's ~1 GB/s alone would take seconds for a 2B model)
 is written last, and the folder is renamed into place. Folders beyond `keep`
-are removed, oldest first. The returned PolicyReady(step, location, checksum, format) is what
+are removed, oldest first, but for every `keep_every`-th (trainer.weights.keep_every), kept
+for evals after the run. The returned PolicyReady(step, location, checksum, format) is what
 the orchestrator passes on to inference, which verifies the checksum before swapping weights.
 A LoRA trainer publishes its adapters alone the same way (adapters.py, `AdapterPublisher`),
 unless trainer.lora.publish = "merged": then this one folds them into full weights.
@@ -50,9 +51,12 @@ class StepFolders:
     format = FULL
     """The folders' format (primerl_protocol.weights), in their marker and in PolicyReady."""
 
-    def __init__(self, run_dir: str | Path, keep: int, d: Dist):
+    def __init__(self, run_dir: str | Path, keep: int, d: Dist, keep_every: int = 0):
         self.root = Path(run_dir) / rundir.WEIGHTS
         self.keep, self.d = keep, d
+        self.keep_every = keep_every
+        """Folders of steps N with N + 1 a multiple of this survive the pruning (0: none):
+        trainer.weights.keep_every."""
         self.last_timing: dict[str, float] = {}
         self.last: PolicyReady | None = None
         """The last weights this publisher wrote (on rank 0; None on the others)."""
@@ -97,9 +101,15 @@ class StepFolders:
         for n, folder in rundir.complete_steps(self.root, None):
             if n > step:
                 shutil.rmtree(folder, ignore_errors=True)
-        rundir.prune(self.root, self.keep)
+        self.prune()
         self.last = PolicyReady(step=step, location=str(final.resolve()), checksum=digest, format=self.format)
         return self.last
+
+    def prune(self) -> None:
+        """Remove all but the newest `keep` folders and those `keep_every` keeps."""
+        for n, folder in rundir.complete_steps(self.root, None)[:-self.keep]:
+            if not (self.keep_every and (n + 1) % self.keep_every == 0):
+                shutil.rmtree(folder, ignore_errors=True)
 
     def announce_again(self, step: int) -> PolicyReady | None:
         """The last published weights, announced as those of `step` (which changed nothing)."""

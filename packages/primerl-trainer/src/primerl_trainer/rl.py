@@ -280,6 +280,7 @@ def train(cfg: TrainerRunConfig) -> None:
     """Run the RL trainer with a root config (shared values + `trainer`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     session = Session(cfg, job="rl")
+    session.publisher.keep_every = cfg.trainer.weights.keep_every  # folders kept for evals after the run
     d = session.d
     row_tokens = cfg.trainer.micro_batch_tokens or cfg.seq_len
     vision = ModelImages(session.image_spec, session.args.vision.image_token_id) if session.image_spec else None

@@ -96,6 +96,7 @@ def evaluate(session: Session, samples: list[Sample], row_tokens: int) -> float:
 def train(cfg: SFTRunConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     session = Session(cfg, job="sft")
+    session.publisher.keep_every = cfg.trainer.weights.keep_every  # folders kept for evals after the run
     d = session.d
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no Rust thread pool per rank
     from transformers import AutoTokenizer
