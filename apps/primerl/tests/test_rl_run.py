@@ -104,6 +104,13 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
                                 text=True)
     try:
         wait_until(launcher, lambda: max(steps_of(run_dir), default=-1) >= 1, "step 1")
+        # a second `primerl rl` on the live run's directory is refused, naming it, and changes nothing
+        configs = {p.name: p.read_bytes() for p in (run_dir / "configs").iterdir()}
+        again = subprocess.run([PRIMERL, "rl", "@", str(cfg), "trainer.optimizer.lr=1e-3"], capture_output=True,
+                               text=True, timeout=120)
+        assert again.returncode == 2, again.stdout + again.stderr
+        assert f"another `primerl rl` runs on it: pid {launcher.pid} on host" in again.stderr, again.stderr
+        assert {p.name: p.read_bytes() for p in (run_dir / "configs").iterdir()} == configs
         second = [pid for pid, argv in processes("primerl_inference.serve") if str(port + 1) in argv]
         assert len(second) == 1, second
         os.killpg(second[0], signal.SIGKILL)  # the server and its engine
@@ -130,6 +137,9 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
                          timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resumed from {folder}; continuing at step {resume_at}" in (run_dir / "logs" / "trainer.log").read_text()
+    assert f"resuming from step {resume_at - 1} (checkpoint {folder}): the trainer continues at step {resume_at}" \
+        in out.stdout, out.stdout[-3000:]
+    assert "  inference.num_replicas: 2 -> 1\n" in out.stdout  # an allowed change, printed
     steps = steps_of(run_dir)
     assert steps[len(trained_before):] == list(range(resume_at, max_steps))
     rows = rows_of(run_dir)

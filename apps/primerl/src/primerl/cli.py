@@ -194,11 +194,36 @@ def _stopped(prog: str, err: KeyboardInterrupt, what: str) -> None:
     sys.exit(128 + (err.signum if isinstance(err, Stopped) else signal.SIGINT))
 
 
+def _check_here(prog: str, config, ports: bool | None = True, envs: tuple[str, list] | None = None):
+    """The launchers' checks of this machine before anything starts (primerl.preflight): the run
+    directory, the servers' ports (True: unset ones chosen free; False: unset means the default,
+    8000; None: not checked), the environments `envs` names. A refusal exits 2, naming the key.
+    Returns `config` with its ports."""
+    from primerl.launch import CheckError
+    from primerl.preflight import check_block, check_environments, check_run_dir, with_ports
+
+    try:
+        check_run_dir(config.run_dir)
+        if ports:
+            config = with_ports(config, transport=False)
+        elif ports is False:
+            inf = config.inference
+            check_block("inference.port", inf.base_port, inf.host, inf.num_replicas, "replica",
+                        hint="set inference.port to a free one")
+        if envs is not None:
+            check_environments(*envs)
+    except CheckError as err:
+        click.echo(f"{prog}: {err}", err=True)
+        sys.exit(EXIT_CONFIG)
+    return config
+
+
 def _run_inference(config: InferenceRunConfig) -> None:
     import time
 
     from primerl_inference.launcher import LaunchError, launch
 
+    _check_here("primerl-inference", config, ports=False)
     try:
         servers = launch(config.inference, config.model.name, config.seq_len, config.run_dir)
     except LaunchError as err:
@@ -285,6 +310,8 @@ def _eval_inference(config: EvalConfig):
 def _run_eval(config: EvalConfig) -> None:
     import asyncio
 
+    import msgspec
+
     from primerl_envs.environment import EnvLoadError
     from primerl_inference.launcher import LaunchError, launch
     from primerl_orchestrator.evals import EvalError, eval_run, policy_label, published_steps
@@ -300,6 +327,11 @@ def _run_eval(config: EvalConfig) -> None:
     except ValueError as err:
         click.echo(f"primerl eval: {err}", err=True)
         sys.exit(EXIT_CONFIG)
+    # our own servers get free ports unless set (then refused if busy), as `primerl rl`'s
+    own = None if inference is None else msgspec.structs.replace(config, inference=inference)
+    checked = _check_here("primerl eval", own or config, ports=True if own is not None else None,
+                          envs=("envs.eval", config.envs.eval))
+    inference = None if inference is None else checked.inference
     servers = None
     try:
         if inference is None:

@@ -1,9 +1,13 @@
 """`primerl rl @ cfg.toml`: the whole run on this machine from one config.
 
-1. Checks what can be checked before anything starts: the model folder and its architecture
-   (primerl-models must implement it), every environment id, the trainer's rank count.
-2. Lays out the run directory: `configs/` (the resolved config and each process's
-   projection of it), `logs/` (one log per process).
+1. Checks what can be checked before anything starts, writing nothing (a refusal is a
+   CheckError, exit 2): the run directory's path and its lock (one `primerl rl` per run
+   directory: primerl.resume), the model folder and its architecture (primerl-models must
+   implement it), every environment loaded (import, arguments, one task drawn), the trainer's
+   rank count, the ports (unset ones chosen free, set ones bind-tested: primerl.preflight), and
+   what a resume would change (primerl.resume).
+2. Lays out the run directory: `configs/` (the resolved config, the previous one kept as
+   rl.prev.toml, and each process's projection of it), `logs/` (one log per process).
 3. Starts the inference servers, the torchrun trainer and the orchestrator, each in its own
    process group, all at once: the trainer builds its model and the orchestrator its
    environments while vLLM loads (the orchestrator waits for the first server to serve, up to
@@ -14,7 +18,8 @@
    SIGKILL) and says which one failed, its exit code and the end of its log.
 
 Rerunning the same command on the same run directory resumes: the trainer from its newest
-checkpoint, the orchestrator from the state stored in it.
+checkpoint, the orchestrator from the state stored in it ("resuming from step N" on the
+console); a change of the settings that checkpoint depends on is refused, naming them.
 
 Placement: on a machine without a GPU everything runs on the CPU (`transport.trainer_ranks`
 gloo ranks). With GPUs, inference takes `inference.gpus` (or the first ones) and the trainer
@@ -222,21 +227,52 @@ def trainer_threads(cfg: RLConfig, trainer_gpus: list[int]) -> int:
 
 
 def run_rl(cfg: RLConfig) -> None:
-    """Run the whole RL run; raises RunError naming the failed process."""
+    """Run the whole RL run; raises RunError naming the failed process (CheckError: refused
+    before anything started, the run directory as it was)."""
+    from primerl.preflight import check_run_dir
+    from primerl.resume import RunLock
+
+    with RunLock(check_run_dir(cfg.run_dir)) as lock:
+        if lock.took_over:
+            print(f"taking over the lock of {lock.took_over}: that process is no longer running", flush=True)
+        cfg, device, trainer_gpus = prepare(cfg)
+        _run(cfg, device, trainer_gpus)
+
+
+def prepare(cfg: RLConfig) -> tuple[RLConfig, str, list[int]]:
+    """Every check before anything starts (CheckError), then the run directory laid out: the
+    resolved config (free ports chosen, the run's admin token and socket keys) written to
+    configs/rl.toml, the previous one kept as configs/rl.prev.toml. Returns it, the device
+    and the trainer's GPUs."""
+    from primerl.preflight import check_environments, with_ports
+    from primerl.resume import plan_resume
+
+    given = cfg
     cfg = check(cfg)
-    run_dir = Path(cfg.run_dir)
-    (run_dir / "configs").mkdir(parents=True, exist_ok=True)
-    logs = run_dir / "logs"
-    logs.mkdir(exist_ok=True)
+    for section in ("envs.train", "envs.eval"):
+        check_environments(section, getattr(cfg.envs, section.split(".")[1]))
     device = resolve_device(cfg.inference)
     inference_gpus, trainer_gpus = gpu_plan(cfg, device)
     token = cfg.inference.resolved_admin_token() or secrets.token_hex(16)
+    cfg = with_ports(cfg)
     inference = msgspec.structs.replace(cfg.inference, admin_token=token, device=device,
                                         gpus=inference_gpus or cfg.inference.gpus)
     # per-run CURVE keys (unless configured): only this run's trainer and orchestrator can talk
     cfg = msgspec.structs.replace(cfg, inference=inference, transport=cfg.transport.with_run_keys())
+    run_dir = Path(cfg.run_dir)
+    plan = plan_resume(cfg, given, run_dir)  # refuses a resume that changes what it cannot
+    plan.announce()
+    (run_dir / "configs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    plan.keep_previous()
     write_private(run_dir / "configs" / "rl.toml", to_toml(cfg))
+    return cfg, device, trainer_gpus
 
+
+def _run(cfg: RLConfig, device: str, trainer_gpus: list[int]) -> None:
+    """Start the servers, the trainer and the orchestrator; watch them until done; stop them all."""
+    run_dir = Path(cfg.run_dir)
+    logs = run_dir / "logs"
     procs: list[Proc] = []
     servers = None
     try:

@@ -93,15 +93,12 @@ def verifiers_config(cfg: EnvConfig):
         if cfg.timeout_s is not None:
             raw["timeout"] = {"episode": cfg.timeout_s}
         return vf.resolve_env_config(raw)
-    except ModuleNotFoundError as e:
-        raise EnvLoadError(
-            f"{where}: not found. Built-in environments: {', '.join(BUILTIN)}; otherwise give an "
-            f"installed taskset package or the path of a local module ({e})"
-        ) from e
     except ValidationError as e:
         raise EnvLoadError(f"{where}: bad arguments (envs.*.args): {e}") from e
-    except (TypeError, ValueError, AttributeError, ImportError) as e:
-        raise EnvLoadError(f"{where}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - the user's module: not found, a missing import, the classic API, ...
+        from primerl_envs.checks import explain
+
+        raise explain(cfg, taskset_id, e) from e
 
 
 class TaskStream:

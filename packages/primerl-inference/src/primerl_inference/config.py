@@ -17,6 +17,8 @@ the two the same)."""
 LORA_RANKS: tuple[int, ...] = typing.get_args(MaxLoRARank)
 DEFAULT_MAX_LORA_RANK = 16
 DEFAULT_MAX_LORAS = 1
+DEFAULT_PORT = 8000
+"""The first server's port when `port` is unset and no launcher chose one."""
 
 
 def lora_rank_for(rank: int) -> int | None:
@@ -41,8 +43,11 @@ class InferenceConfig(Config):
     `primerl eval` instead of the host/port/num_replicas layout below."""
     host: str = "127.0.0.1"
     """Interface the servers listen on."""
-    port: Port = 8000
-    """Port of the first replica; replica i listens on port + i."""
+    port: Port | None = None
+    """Port of the first replica; replica i listens on port + i. Unset: `primerl rl` and
+    `primerl eval` take free ports for the servers they start (written to run_dir/configs);
+    `primerl-inference` and an orchestrator started alone use 8000. Set: a busy port is refused
+    before anything starts, naming this key."""
     num_replicas: Positive = 1
     """Server replicas (separate processes, each its own engine), for data parallelism."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -111,7 +116,12 @@ class InferenceConfig(Config):
         if self.urls:
             return [u.rstrip("/") for u in self.urls]
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        return [f"http://{host}:{self.port + i}" for i in range(self.num_replicas)]
+        return [f"http://{host}:{self.base_port + i}" for i in range(self.num_replicas)]
+
+    @property
+    def base_port(self) -> int:
+        """The first replica's port: `port`, or DEFAULT_PORT when unset."""
+        return DEFAULT_PORT if self.port is None else self.port
 
     @property
     def gpus_per_replica(self) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 from primerl_inference.config import ADMIN_TOKEN_ENV, DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, InferenceConfig
 from primerl_inference.serve import INSPECT_ENV
 from primerl_protocol.images import model_images
-from primerl_protocol.serving import LOGPROBS_MODE
+from primerl_protocol.serving import HEALTH_ROUTE, LOGPROBS_MODE
 
 ADMIN_MIDDLEWARE = "primerl_inference.admin.AdminMiddleware"
 WORKER_EXTENSION = "primerl_inference.worker.WorkerExtension"
@@ -64,7 +64,7 @@ def server_command(
 ) -> ServerSpec:
     """argv and environment of replica `replica` (no process is started)."""
     device = device or resolve_device(cfg)
-    port = cfg.port + replica
+    port = cfg.base_port + replica
     argv = [
         sys.executable, "-m", "primerl_inference.serve",
         "--model", model,
@@ -155,6 +155,20 @@ def healthy(url: str) -> bool:
         return False
 
 
+def answers_as_ours(url: str, token: str | None) -> bool:
+    """Whether the server answering at `url` is the one started with admin token `token`: its
+    admin health route takes the token (another run's server, with its own token, answers 401;
+    a server without primerl's routes 404). Without a token nothing tells servers apart: True."""
+    if token is None:
+        return True
+    request = urllib.request.Request(url + HEALTH_ROUTE, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as r:
+            return r.status == 200
+    except (OSError, http.client.HTTPException):  # HTTPError (401, 404) is an OSError
+        return False
+
+
 def log_tail(path: Path, lines: int = 30) -> str:
     """The last `lines` lines of a log (or "(no log)")."""
     try:
@@ -216,7 +230,12 @@ class Servers:
                     problems.append(self.problem(i, f"exited with code {code}"))
                 elif i in pending and healthy(self.specs[i].url):
                     pending.discard(i)
-                    serving.add(i)
+                    if answers_as_ours(self.specs[i].url, self.specs[i].env.get(ADMIN_TOKEN_ENV)):
+                        serving.add(i)
+                    else:  # ours cannot listen there: it would fail to bind, after loading the model
+                        problems.append(self.problem(i, (
+                            f"cannot serve: another server answers at {self.specs[i].url} and refuses this launch's "
+                            f"admin token (another run's server?): port {self.specs[i].port} is taken")))
             if problems and fail_fast:
                 break
             if pending and time.monotonic() > deadline:

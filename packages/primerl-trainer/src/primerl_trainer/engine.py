@@ -30,7 +30,7 @@ from primerl_trainer.config import SFTRunConfig, TrainerRunConfig
 from primerl_trainer.context_parallel import row_logprobs
 from primerl_trainer.distributed import all_reduce_sum, all_reduce_tensor_sum, init_distributed, shutdown
 from primerl_trainer.metrics import MetricsLogger
-from primerl_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+from primerl_trainer.optim import apply_settings, build_optimizer, build_scheduler, clip_grad_norm
 from primerl_trainer.placement import build_mesh, load_for_training
 from primerl_trainer.adapters import AdapterPublisher
 from primerl_trainer.publish import FolderPublisher, StepFolders
@@ -136,6 +136,8 @@ class Session:
             meta = self.ckpt.load(latest, self.model, self.opt, self.sched)
             self.start_step, self.data_state = meta["step"] + 1, meta["data"]
             log.info("resumed from %s; continuing at step %d", latest, self.start_step)
+            if changed := apply_settings(self.opt, self.sched, self.tcfg.optimizer):
+                log.info("the optimizer's settings from the config replace the checkpoint's: %s", ", ".join(changed))
         self.publisher = make_publisher(cfg, self.model, loaded, d)
         self.model_folder = loaded.folder
         self.image_spec = ImageSpec.from_folder(loaded.folder) if getattr(self.model, "visual", None) is not None else None

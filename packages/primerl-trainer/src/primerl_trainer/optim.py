@@ -41,6 +41,24 @@ def build_scheduler(opt: torch.optim.Optimizer, cfg: SchedulerConfig, max_steps:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg, max_steps))
 
 
+def apply_settings(opt: torch.optim.Optimizer, sched, cfg: OptimizerConfig) -> list[str]:
+    """After a resume, make the configured optimizer settings the ones in force. A loaded
+    optimizer and LambdaLR carry the values they were saved with (`lr`, `weight_decay`, `betas`
+    in the param groups, the peak lr in `base_lrs`): without this a resume with a new lr would
+    go on with the old one. The lr becomes the new peak times the schedule's factor at the
+    resumed step. Returns what changed, e.g. ["lr 0.001 -> 0.0005"]."""
+    group = opt.param_groups[0]
+    saved = {"lr": sched.base_lrs[0], "weight_decay": group["weight_decay"], "betas": tuple(group["betas"])}
+    wanted = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": tuple(cfg.betas)}
+    changed = [f"{key} {saved[key]} -> {value}" for key, value in wanted.items() if saved[key] != value]
+    sched.base_lrs = [cfg.lr] * len(opt.param_groups)
+    lrs = [cfg.lr * f(sched.last_epoch) for f in sched.lr_lambdas]
+    for group, lr in zip(opt.param_groups, lrs, strict=True):
+        group.update(lr=lr, initial_lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
+    sched._last_lr = lrs
+    return changed
+
+
 @torch.no_grad()
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     """Clip the global gradient norm (over all ranks' shards, the dense and the expert-parallel

@@ -146,7 +146,7 @@ def _inference_values(cfg) -> dict[str, object]:
     return {
         "inference_nodes": s.inference_nodes,
         "replicas_per_node": _inference_per_node(cfg),
-        "inference_port": cfg.inference.port,
+        "inference_port": cfg.inference.base_port,
         "inference_srun": _srun_args(s, s.gpus_per_node),
     }
 

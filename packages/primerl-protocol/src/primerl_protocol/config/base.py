@@ -18,6 +18,9 @@ Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 C = TypeVar("C", bound="Config")
+DEFAULT_POLICY_PORT, DEFAULT_BATCH_PORT = 5600, 5601
+"""The transport's ports when unset and no launcher chose them (a trainer and an orchestrator
+started by hand, a Slurm job's)."""
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -54,10 +57,12 @@ class TransportConfig(Config):
     """Host the orchestrator binds its sockets on (the trainer connects to it). Any address but
     loopback needs the run's keys (sockets.curve), so that no one else on the network can talk
     to the run; `primerl rl` and `--slurm` make them."""
-    batch_port: Port = 5601
-    """Trainer rank r receives its batches on batch_port + r."""
-    policy_port: Port = 5600
-    """The orchestrator receives PolicyReady from the trainer here."""
+    batch_port: Port | None = None
+    """Trainer rank r receives its batches on batch_port + r. Unset: `primerl rl` takes free
+    ports at launch (written to run_dir/configs); a trainer and an orchestrator started alone
+    use 5601. Set: `primerl rl` refuses a busy one before anything starts, naming this key."""
+    policy_port: Port | None = None
+    """The orchestrator receives PolicyReady from the trainer here. Unset: as batch_port (alone: 5600)."""
     trainer_ranks: Positive | None = None
     """Ranks of the trainer: the orchestrator packs each step for this many and sends rank r
     its share on batch_port + r. Unset: the launcher's count where it has one (a trainer
@@ -90,10 +95,12 @@ class TransportConfig(Config):
         return msgspec.structs.replace(self, sockets=msgspec.structs.replace(self.sockets, curve=keys))
 
     def batch_endpoint(self, rank: int) -> str:
-        return f"tcp://{self.host}:{self.batch_port + rank}"
+        port = DEFAULT_BATCH_PORT if self.batch_port is None else self.batch_port
+        return f"tcp://{self.host}:{port + rank}"
 
     def policy_endpoint(self) -> str:
-        return f"tcp://{self.host}:{self.policy_port}"
+        port = DEFAULT_POLICY_PORT if self.policy_port is None else self.policy_port
+        return f"tcp://{self.host}:{port}"
 
 
 class WandbConfig(Config):
