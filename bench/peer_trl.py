@@ -279,7 +279,7 @@ def run_primerl(run_dir: Path, weights: Path, steps: int) -> dict:
             row = json.loads(line)
             rows[row["step"]] = row
     rewards = [rows[s]["reward/mean"] for s in sorted(rows)]
-    kls = [rows[s].get("mismatch_kl") for s in sorted(rows)]
+    kls = [rows[s].get("trainer/mismatch_kl") for s in sorted(rows)]
     return result | reward_summary(rewards) | {"max_mismatch_kl": max((k for k in kls if k is not None), default=None)}
 
 

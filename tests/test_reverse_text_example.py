@@ -38,7 +38,7 @@ def test_the_reverse_text_example_learns(tmp_path):
     assert [r["step"] for r in rows] == list(range(max_steps))
     rewards = [r["reward/mean"] for r in rows]
     first, last = statistics.mean(rewards[:20]), statistics.mean(rewards[-20:])
-    kls = [r["mismatch_kl"] for r in rows]
+    kls = [r["trainer/mismatch_kl"] for r in rows]
     times = json.loads((tmp_path / "rt" / "times.json").read_text())
     print(f"\nreverse_text: reward first 20 {first:.3f}, last 20 {last:.3f}; max mismatch KL {max(kls):.2e}; "
           f"wall {wall:.0f} s ({times})")

@@ -11,8 +11,8 @@ from primerl.launch import Progress
 
 
 def metrics_line(step: int, **m) -> str:
-    base = {"step": step, "reward/mean": 0.5, "tokens_per_s": 120.0, "rollouts/tokens_per_s": 900.0,
-            "off_policy/level": 1.0, "mismatch_kl": 1e-3, "rollouts/count": 16.0, "rollouts/error_rate": 0.0,
+    base = {"step": step, "reward/mean": 0.5, "trainer/tokens_per_s": 120.0, "rollouts/tokens_per_s": 900.0,
+            "off_policy/level": 1.0, "trainer/mismatch_kl": 1e-3, "rollouts/count": 16.0, "rollouts/error_rate": 0.0,
             "rollouts/trained": 16.0, "rollouts/new_error_kinds": 0.0, "batch/empty_steps": 0.0}
     return json.dumps(base | m) + "\n"
 
@@ -42,6 +42,37 @@ def test_each_step_line_shows_the_error_rate_and_what_trained_with_a_note_for_ne
                         "(filters.zero_advantage drops such groups): the tasks may be too hard or too easy for "
                         "the model, or the reward constant")
     assert len(lines) == 10
+
+
+def test_before_the_first_step_the_console_says_what_the_run_waits_for(tmp_path, capsys):
+    """The servers' start-up, then the first step's rollouts (until the orchestrator logs a
+    step), then the trainer's first step: a line when that changes and every 30 s, none once a
+    step is shown. A resumed run's older orchestrator rows do not count."""
+    now, servers = [0.0], [(0, 2)]
+    (tmp_path / "orchestrator").mkdir()
+    orch = tmp_path / "orchestrator" / "metrics.jsonl"
+    orch.write_text('{"step": 0}\n')  # a resumed run's
+    progress = Progress(tmp_path, max_steps=None, servers=lambda: servers[0], clock=lambda: now[0])
+
+    def at(t, **change):
+        now[0] = t
+        if "servers" in change:
+            servers[0] = change["servers"]
+        progress.poll()
+        return capsys.readouterr().out
+
+    assert at(0.0) == "waiting for the inference servers to start (0 of 2 serving), 0s so far\n"
+    assert at(10.0) == ""
+    assert at(12.0, servers=(1, 2)) == "waiting for the inference servers to start (1 of 2 serving), 12s so far\n"
+    assert at(41.9) == ""
+    assert at(42.0) == "waiting for the inference servers to start (1 of 2 serving), 42s so far\n"
+    assert at(50.0, servers=None) == "waiting for the first step's rollouts (the orchestrator generates them), 50s so far\n"
+    with orch.open("a") as f:
+        f.write('{"step": 1}\n')
+    assert at(61.0) == "waiting for the trainer's first step (it loads the model first), 61s so far\n"
+    (tmp_path / "metrics.jsonl").write_text(metrics_line(1))
+    assert at(95.0).startswith("step 1 | reward 0.500 |")
+    assert at(200.0) == ""  # a step was shown: no more waiting lines
 
 
 @pytest.mark.parametrize("group_size, refused", [(1, True), (2, False)])

@@ -143,7 +143,7 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
     steps = steps_of(run_dir)
     assert steps[len(trained_before):] == list(range(resume_at, max_steps))
     rows = rows_of(run_dir)
-    assert all("reward/mean" in r and "loss" in r for r in rows)
+    assert all("reward/mean" in r and "trainer/loss" in r for r in rows)
     assert rows[-1]["servers/healthy"] == 1 and rows[-1]["servers/unhealthy"] == 0
     assert not leftovers(run_dir)
 
@@ -233,7 +233,7 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
     if any("parallel.ep" in x for x in layout):  # routing statistics over both ranks: the busiest expert over the mean, >= 1
         assert all(r["moe/max_load"] >= 1.0 for r in rows)
     assert all(r["policy/version"] == r["step"] for r in rows), [r["policy/version"] for r in rows]
-    kls = [r["mismatch_kl"] for r in rows]
+    kls = [r["trainer/mismatch_kl"] for r in rows]
     assert max(kls[:exact_steps]) < 1e-6, kls
     assert not leftovers(run_dir)
     if "trainer.lora.publish=merged" in layout:
@@ -335,7 +335,7 @@ def test_lora_trains_on_multi_turn_tool_use_with_tool_results_masked_out(tmp_pat
     for r in rows:
         assert r["batch/samples"] > 0 and not any(v for k, v in r.items() if k.startswith("filter/")), r
         assert r["batch/loss_tokens"] == r["rollouts/completion_tokens/mean"] * r["rollouts/count"], r
-    assert max(r["mismatch_kl"] for r in rows) < 1e-6, [r["mismatch_kl"] for r in rows]
+    assert max(r["trainer/mismatch_kl"] for r in rows) < 1e-6, [r["trainer/mismatch_kl"] for r in rows]
     assert json.loads((run_dir / "weights" / "step_2" / "primerl.json").read_text())["format"] == "peft-lora"
     assert not leftovers(run_dir)
 
@@ -373,12 +373,12 @@ args = {{num_tasks = 64}}"""))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    kls = [r["mismatch_kl"] for r in rows]
+    kls = [r["trainer/mismatch_kl"] for r in rows]
     assert max(kls) < 1e-6, kls
     # each trained sample is a shapes rollout with its one picture; the 250-pixel groups never train
     assert all(r.get("batch/images", 0) == r["batch/samples"] > 0 for r in rows), rows
     assert all(r["rollouts/error_rate"] >= 0.5 for r in rows), [r["rollouts/error_rate"] for r in rows]
-    assert all(r["grad_norm"] > 0.1 for r in rows[:2])  # the weights moved before steps 1 and 2
+    assert all(r["trainer/grad_norm"] > 0.1 for r in rows[:2])  # the weights moved before steps 1 and 2
     log = (run_dir / "logs" / "orchestrator.log").read_text()
     assert re.search(r"ImageError: environment 'shapes-250', task '[0-9a-f]+': image 1 of the prompt: an image of "
                      r"250 x 250 pixels would be resized to 256 x 256 by the model's processor", log), log[-3000:]

@@ -306,10 +306,10 @@ def test_with_the_real_trainer_on_two_ranks(servers, tmp_path):
     rows, url = real_trainer_run(servers, tmp_path, ranks=2, max_steps=3, temperature=0.7)
     for r in rows:  # the trainer's own metrics and the orchestrator's, on one step
         assert "loss" in r and "mismatch_kl" in r and 0.0 <= r["reward/mean"] <= 1.0
-        assert r["mismatch_kl"] < 1e-2 or r["off_policy/level"] > 0  # same weights: trainer and vLLM agree
+        assert r["trainer/mismatch_kl"] < 1e-2 or r["off_policy/level"] > 0  # same weights: trainer and vLLM agree
     # step 0: vLLM and the trainer hold the same fp32 weights and score the same distribution
     # (with vLLM's raw logprobs this is ~1e-2 at 0.7: the ratio of two different temperatures)
-    assert rows[0]["mismatch_kl"] < 1e-6
+    assert rows[0]["trainer/mismatch_kl"] < 1e-6
     meta = json.loads((tmp_path / "run" / "checkpoints" / "step_1" / "meta.json").read_text())
     assert meta["data"]["orchestrator"]["next_step"] == 2 and meta["world_size"] == 2
     assert servers[0].policy(url) == 3  # the final policy is served
@@ -317,7 +317,7 @@ def test_with_the_real_trainer_on_two_ranks(servers, tmp_path):
 
 def test_trainer_and_sampler_agree_above_temperature_one(servers, tmp_path):
     rows, _ = real_trainer_run(servers, tmp_path, ranks=1, max_steps=1, temperature=1.3)
-    assert rows[0]["mismatch_kl"] < 1e-6 and rows[0]["batch/loss_tokens"] > 0
+    assert rows[0]["trainer/mismatch_kl"] < 1e-6 and rows[0]["batch/loss_tokens"] > 0
 
 
 def test_rewards_that_are_not_finite_numbers_never_reach_the_weights(servers, tmp_path):
@@ -340,7 +340,7 @@ def test_rewards_that_are_not_finite_numbers_never_reach_the_weights(servers, tm
         assert shown in reasons
     assert all(r.error.startswith("BadScore: environment 'flaky': reward 'flaky'") for r in bad)
     for r in rows:
-        assert all(math.isfinite(r[key]) for key in ("loss", "grad_norm", "reward/mean")) and r["step_skipped"] == 0
+        assert all(math.isfinite(r[key]) for key in ("trainer/loss", "trainer/grad_norm", "reward/mean")) and r["trainer/step_skipped"] == 0
     final = load_model(tmp_path / "run" / "weights" / "step_2")
     assert all(bool(torch.isfinite(t).all()) for t in final.state_dict().values())
 

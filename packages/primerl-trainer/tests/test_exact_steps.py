@@ -291,9 +291,9 @@ def test_unequal_token_counts_train_like_one_process_on_the_union(runs):
     assert local[1] >= 3 * local[0], local
     (loss, norm, _), _ = runs["ref"]
     row = runs["rows"][0]
-    assert row["step"] == 0 and row["lr"] == pytest.approx(LR / 2, rel=1e-12)
-    assert row["loss"] == pytest.approx(loss, rel=RTOL, abs=1e-7), (row["loss"], loss)
-    assert row["grad_norm"] == pytest.approx(norm, rel=RTOL), (row["grad_norm"], norm)
+    assert row["step"] == 0 and row["trainer/lr"] == pytest.approx(LR / 2, rel=1e-12)
+    assert row["trainer/loss"] == pytest.approx(loss, rel=RTOL, abs=1e-7), (row["trainer/loss"], loss)
+    assert row["trainer/grad_norm"] == pytest.approx(norm, rel=RTOL), (row["trainer/grad_norm"], norm)
     assert_weights_close(runs["weights_a"], runs["ref_weights"][0], runs["initial"], runs["ref"][0][2], LR / 2,
                          "step 0 (2 ranks)")
     assert runs["ckpt_a"]["world_size"] == 2
@@ -312,9 +312,9 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint_continues_the_same_run(ru
     _, (loss, norm, _) = runs["ref"]
     rows = runs["rows"]
     assert [r["step"] for r in rows] == [0, 1]
-    assert rows[1]["lr"] == pytest.approx(LR, rel=1e-12)
-    assert rows[1]["loss"] == pytest.approx(loss, rel=RTOL, abs=1e-7), (rows[1]["loss"], loss)
-    assert rows[1]["grad_norm"] == pytest.approx(norm, rel=RTOL), (rows[1]["grad_norm"], norm)
+    assert rows[1]["trainer/lr"] == pytest.approx(LR, rel=1e-12)
+    assert rows[1]["trainer/loss"] == pytest.approx(loss, rel=RTOL, abs=1e-7), (rows[1]["trainer/loss"], loss)
+    assert rows[1]["trainer/grad_norm"] == pytest.approx(norm, rel=RTOL), (rows[1]["trainer/grad_norm"], norm)
     final = runs["ready_b"]
     assert final.step == 1 and Path(final.location).is_dir(), final
     assert verify(final.location)["checksum"] == final.checksum

@@ -13,6 +13,23 @@ def open_run(run_dir, config=OWN):
     return MetricsLogger(run_dir, WandbConfig(mode="offline"), config, is_main=True, job="rl")
 
 
+def test_every_metric_is_logged_under_a_namespace(tmp_path, caplog):
+    """The trainer computes its own metrics without a namespace: they are logged as
+    `trainer/<name>`; what has one (the step's time split, the orchestrator's) is kept; None
+    (no GPU: no MFU) is left out. The console line reads the namespaced keys."""
+    import json
+    import logging
+
+    logger = MetricsLogger(tmp_path, WandbConfig(mode="disabled"), OWN, is_main=True)
+    with caplog.at_level(logging.INFO, logger="primerl.trainer"):
+        logger.log(3, {"loss": 0.25, "grad_norm": 1.5, "mfu": None, "time/fwd_bwd": 0.5, "time/wait_rollouts": 2.0,
+                       "reward/mean": 0.75, "moe/max_load": 1.25})
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row == {"step": 3, "trainer/loss": 0.25, "trainer/grad_norm": 1.5, "time/fwd_bwd": 0.5,
+                   "time/wait_rollouts": 2.0, "reward/mean": 0.75, "moe/max_load": 1.25}
+    assert "step 3 | loss 0.2500 | grad 1.500 | fwd_bwd 0.50s" in caplog.text
+
+
 def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     first = open_run(tmp_path)
     first.log(0, {"loss": 1.0})

@@ -18,6 +18,7 @@ from primerl_protocol.weights import verify
 from primerl_trainer.distributed import Dist
 from primerl_trainer.rl import validate_batch
 from primerl_trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig, WeightsConfig
+from primerl_trainer.metrics import NAMESPACES
 from primerl_trainer.testing import (
     FakeOrchestrator,
     free_port_block,
@@ -101,7 +102,7 @@ def straight_run(tmp_path_factory, model_dir):
 @pytest.mark.slow
 def test_rl_steps_lower_the_loss_on_a_fixed_batch(straight_run):
     run_dir, ready, _ = straight_run
-    losses = [m["loss"] for m in metrics(run_dir)]
+    losses = [m["trainer/loss"] for m in metrics(run_dir)]
     assert len(losses) == 6
     # A smoke check (the margin is not derived): that the steps are exactly a single process's
     # steps on the same data is proved by test_exact_steps.py.
@@ -144,8 +145,11 @@ def test_published_weights_load_in_transformers_with_the_trainer_logits(straight
 def test_metrics_go_to_jsonl_and_offline_wandb(straight_run):
     run_dir, _, log = straight_run
     first = metrics(run_dir)[0]
-    for key in ("loss", "mismatch_kl", "entropy", "grad_norm", "lr", "tokens_per_s", "time_fwd_bwd", "time_publish"):
+    for key in ("trainer/loss", "trainer/mismatch_kl", "trainer/entropy", "trainer/grad_norm", "trainer/lr",
+                "trainer/tokens_per_s", "time/fwd_bwd", "time/publish", "time/data", "time/optimizer"):
         assert key in first, key
+    # one scheme (docs/metrics.md): every key has a namespace of the documented list
+    assert {k.split("/")[0] for k in first if k != "step"} <= set(NAMESPACES), sorted(first)
     # the orchestrator's metrics of each step, logged on the same step
     assert [m["reward/mean"] for m in metrics(run_dir)] == pytest.approx([s / 10 for s in range(6)])
     assert "step 0 | loss" in log  # the console line
@@ -305,11 +309,11 @@ def test_non_finite_and_empty_steps_move_no_weights_and_publish_nothing_new(tmp_
         assert (r.location, r.checksum) == (ready[0].location, ready[0].checksum)
     assert not (tmp_path / "run" / "weights" / "step_1").exists() and not (tmp_path / "run" / "weights" / "step_2").exists()
     rows = metrics(tmp_path / "run")
-    assert not math.isfinite(rows[1]["loss"]) and "step skipped: the loss is not finite" in log
-    assert [m["step_skipped"] for m in rows] == [0, 1, 0, 0] and rows[-1]["steps_skipped"] == 1
-    assert [m["step_empty"] for m in rows] == [0, 0, 1, 0]
+    assert not math.isfinite(rows[1]["trainer/loss"]) and "step skipped: the loss is not finite" in log
+    assert [m["trainer/step_skipped"] for m in rows] == [0, 1, 0, 0] and rows[-1]["trainer/steps_skipped"] == 1
+    assert [m["trainer/step_empty"] for m in rows] == [0, 0, 1, 0]
     straight = metrics(straight_run[0])
-    np.testing.assert_allclose([rows[0]["loss"], rows[3]["loss"]], [straight[0]["loss"], straight[1]["loss"]], atol=1e-6, rtol=0)
-    assert rows[3]["lr"] == straight[1]["lr"]  # the schedule did not move either
+    np.testing.assert_allclose([rows[0]["trainer/loss"], rows[3]["trainer/loss"]], [straight[0]["trainer/loss"], straight[1]["trainer/loss"]], atol=1e-6, rtol=0)
+    assert rows[3]["trainer/lr"] == straight[1]["trainer/lr"]  # the schedule did not move either
     final = load_model(ready[3].location)
     assert all(bool(torch.isfinite(t).all()) for t in final.state_dict().values())

@@ -126,12 +126,12 @@ def test_sft_on_two_ranks_lowers_the_loss(tmp_path, model_dir):
     run_dir = tmp_path / "run"
     run_sft(sft_config(tmp_path, model_dir, run_dir, 12, extra="keep = 1\nkeep_every = 6"))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows]
+    losses = [r["trainer/loss"] for r in rows]
     assert len(losses) == 12
     # A smoke check (the margin is not derived); the exact per-step check is the RL trainer's
     # (test_exact_steps.py), whose steps run the same FSDP2 forward, backward and optimizer.
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
-    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    evals = [r["trainer/eval_loss"] for r in rows if "trainer/eval_loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0]
     # published at the checkpoints (steps 5 and 11): keep = 1, and keep_every = 6 keeps step_5
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["step_11", "step_5"]
@@ -151,7 +151,7 @@ def test_sft_resumes_with_the_next_batch(tmp_path, model_dir):
     assert "resumed from" in out.stdout + out.stderr
 
     def losses(run_dir):
-        return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [json.loads(line)["trainer/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
     a, b = losses(straight), losses(resumed)
     assert len(a) == len(b) == 8
@@ -196,7 +196,7 @@ def test_sft_with_lora_trains_only_the_adapters_resumes_exactly_and_publishes_ei
     run_sft(sft_config(tmp_path, model_dir, resumed, 8, interval=4, extra=LORA))
 
     def losses(run_dir):
-        return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [json.loads(line)["trainer/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
     a, b = losses(straight), losses(resumed)
     assert len(a) == len(b) == 8 and max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (a, b)

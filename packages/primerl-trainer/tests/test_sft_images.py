@@ -230,7 +230,7 @@ def test_sft_with_images_on_two_ranks(tmp_path, vlm_dir):
            "-m", "primerl.sft_entry", "@", str(cfg)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
-    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [json.loads(line)["trainer/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     print("losses", losses)
     assert len(losses) == 3 and all(np.isfinite(losses)) and losses[2] < losses[0], losses
 

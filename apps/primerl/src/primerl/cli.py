@@ -371,8 +371,10 @@ for _name, _root, _summary, _engine, _slurm in [
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--window", default=20, show_default=True, help="Steps in the reward's moving average and the summary's first/last means.")
 def report(run_dir: str, window: int) -> None:
-    """PNG plots (reward, loss, mismatch KL, entropy, tokens/s, off-policy level) and a text
-    summary of a run, written to RUN_DIR/report/ (for runs without Weights & Biases)."""
+    """PNG plots (reward, loss, mismatch KL, entropy, completion length, errored/truncated/
+    filtered rollouts, grad norm, lr, tokens/s, off-policy level, time split, evals) and a text
+    summary of a run, written to RUN_DIR/report/ (for runs without Weights & Biases; metric
+    names: docs/metrics.md)."""
     from primerl.report import ReportError, write_report
 
     try:

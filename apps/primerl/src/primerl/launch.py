@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,16 +179,41 @@ def _stop(procs: list[Proc], timeout_s: float = 20.0) -> None:
 
 
 class Progress:
-    """One line per finished step, from the trainer's metrics.jsonl."""
+    """One line per finished step, from the trainer's metrics.jsonl (docs/metrics.md's names).
+    Until the first step, what the run waits for: the servers' start-up (`servers`: how many
+    serve, of how many; None once start-up is over), the first step's rollouts (until the
+    orchestrator logs a step) or the trainer's first step; a line when that changes and every
+    `remind_s` seconds."""
 
-    def __init__(self, run_dir: Path, max_steps: int | None):
+    def __init__(self, run_dir: Path, max_steps: int | None,
+                 servers: Callable[[], tuple[int, int] | None] | None = None, remind_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.path = run_dir / "metrics.jsonl"
+        self.orch_path = run_dir / "orchestrator" / "metrics.jsonl"
         self.max_steps = max_steps
         self.seen = self.path.stat().st_size if self.path.exists() else 0
-        self.started = time.monotonic()
+        self.orch_seen = self.orch_path.stat().st_size if self.orch_path.exists() else 0
+        self.servers, self.remind_s, self.clock = servers, remind_s, clock
+        self.started = clock()
         self.steps_done = 0
+        self.waiting: tuple[str, float] | None = None  # (what, when said)
+
+    def waiting_for(self) -> str:
+        if self.servers is not None and (state := self.servers()) is not None:
+            return f"the inference servers to start ({state[0]} of {state[1]} serving)"
+        if not self.orch_path.exists() or self.orch_path.stat().st_size <= self.orch_seen:
+            return "the first step's rollouts (the orchestrator generates them)"
+        return "the trainer's first step (it loads the model first)"
 
     def poll(self) -> None:
+        self._steps()
+        if self.steps_done == 0:
+            what, now = self.waiting_for(), self.clock()
+            if self.waiting is None or self.waiting[0] != what or now - self.waiting[1] >= self.remind_s:
+                print(f"waiting for {what}, {now - self.started:.0f}s so far", flush=True)
+                self.waiting = (what, now)
+
+    def _steps(self) -> None:
         if not self.path.exists() or self.path.stat().st_size <= self.seen:
             return
         with self.path.open() as f:
@@ -201,14 +227,15 @@ class Progress:
             except json.JSONDecodeError:
                 continue
             self.steps_done += 1
-            rate = (time.monotonic() - self.started) / self.steps_done
+            rate = (self.clock() - self.started) / self.steps_done
             eta = f" | ETA {rate * (self.max_steps - m['step'] - 1):.0f}s" if self.max_steps else ""
             reward = f"reward {m['reward/mean']:.3f}" if "reward/mean" in m else "reward -"
             health = step_summary(m)  # errors 12.5% | trained 14/16
             print(
-                f"step {m['step']} | {reward} | {health + ' | ' if health else ''}{m.get('tokens_per_s', 0):,.0f} tok/s "
-                f"trained, {m.get('rollouts/tokens_per_s', 0):,.0f} generated | off-policy "
-                f"{m.get('off_policy/level', 0):.0f} | kl {m.get('mismatch_kl', float('nan')):.1e}{eta}",
+                f"step {m['step']} | {reward} | {health + ' | ' if health else ''}"
+                f"{m.get('trainer/tokens_per_s', 0):,.0f} tok/s trained, {m.get('rollouts/tokens_per_s', 0):,.0f} "
+                f"generated | off-policy {m.get('off_policy/level', 0):.0f} | kl "
+                f"{m.get('trainer/mismatch_kl', float('nan')):.1e}{eta}",
                 flush=True,
             )
             for note in console_notes(m, str(self.path.parent / "logs" / "orchestrator.log")):
@@ -301,7 +328,7 @@ def _run(cfg: RLConfig, device: str, trainer_gpus: list[int]) -> None:
         procs.append(_start("orchestrator", [sys.executable, "-m", "primerl.orch_entry", "@", str(orch_cfg)],
                             logs / "orchestrator.log", {"PYTHONUNBUFFERED": "1"}))
         print(f"trainer ({cfg.transport.ranks} rank(s)) and orchestrator started", flush=True)
-        _watch(procs, Progress(run_dir, cfg.max_steps), startup)
+        _watch(procs, Progress(run_dir, cfg.max_steps, startup.state), startup)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP (cli.Stopped)
         print(f"stopping every process ({err.args[0] if err.args else 'Ctrl-C'})", flush=True)
         raise
@@ -338,6 +365,10 @@ class ServersStartup:
         if self.error is not None:
             raise RunError(f"inference: {self.error}")
 
+    def state(self) -> tuple[int, int] | None:
+        """(servers serving, servers) while start-up goes on; None once it is over."""
+        return None if self.done else (len(self.serving), len(self.servers.specs))
+
 
 def _watch(procs: list[Proc], progress: Progress, startup: ServersStartup | None = None) -> None:
     """Until the trainer and the orchestrator have both finished; the first failure stops all
@@ -366,6 +397,6 @@ def _watch(procs: list[Proc], progress: Progress, startup: ServersStartup | None
             raise RunError(f"{p.name} {reason}; last lines of {p.log}:\n{p.tail()}")
         if all(p.popen.poll() == 0 for p in procs if p.name in finishers):
             progress.poll()
-            print("run finished", flush=True)
+            print(f"run finished; plots and a summary: primerl report {progress.path.parent}", flush=True)
             return
         time.sleep(0.1)  # cheap (a stat and a poll per process); the step lines and the end show within 0.1 s

@@ -207,8 +207,8 @@ class Session:
             "tokens_per_s": tokens / max(t2 - t0, 1e-9),
             "mfu": flops / max(t2 - t0, 1e-9) / (self.peak * d.world_size) if self.peak else None,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else None,
-            "time_fwd_bwd": t1 - t0,
-            "time_optimizer": t2 - t1,
+            "time/fwd_bwd": t1 - t0,
+            "time/optimizer": t2 - t1,
         }
 
     def publish(self, step: int, unchanged: bool = False) -> tuple[PolicyReady | None, float]:

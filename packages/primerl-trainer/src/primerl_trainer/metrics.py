@@ -23,12 +23,29 @@ from primerl_protocol.rundir import WANDB_ID
 
 log = logging.getLogger("primerl.trainer")
 
+NAMESPACES = ("trainer", "moe", "time", "reward", "metric", "rollouts", "filter", "off_policy", "batch", "policy",
+              "servers", "eval")
+"""Every metric is `<namespace>/<name>` (docs/metrics.md): the trainer's step (`trainer/`), the
+experts' load (`moe/`), the step's time split in seconds, trainer and orchestrator (`time/`), the
+environments' rewards and metrics (`reward/`, `metric/`) and the orchestrator's rollouts, filters,
+off-policy level, batch, policy version and servers, and the online evals (`eval/`, on the step
+after the eval finished; also in orchestrator/evals.jsonl)."""
+
+
+def namespaced(metrics: dict) -> dict:
+    """`metrics` with the trainer's own keys, computed without a namespace (`loss`,
+    `grad_norm`, the loss's metrics), under `trainer/`; keys that have one are kept."""
+    return {k if "/" in k else f"trainer/{k}": v for k, v in metrics.items()}
+
+
 # Shown on the console, in this order, with these formats (everything goes to the files).
 CONSOLE = [
-    ("loss", "loss {:.4f}"), ("mismatch_kl", "kl {:.2e}"), ("entropy", "ent {:.3f}"),
-    ("grad_norm", "grad {:.3f}"), ("lr", "lr {:.2e}"), ("tokens_per_s", "{:,.0f} tok/s"),
-    ("mfu", "mfu {:.1%}"), ("peak_mem_gib", "mem {:.1f}G"),
+    ("trainer/loss", "loss {:.4f}"), ("trainer/mismatch_kl", "kl {:.2e}"), ("trainer/entropy", "ent {:.3f}"),
+    ("trainer/grad_norm", "grad {:.3f}"), ("trainer/lr", "lr {:.2e}"), ("trainer/tokens_per_s", "{:,.0f} tok/s"),
+    ("trainer/mfu", "mfu {:.1%}"), ("trainer/peak_mem_gib", "mem {:.1f}G"),
 ]
+TIMES = ("time/data", "time/fwd_bwd", "time/optimizer", "time/publish")
+"""The trainer's part of the step's time split, shown on its console line."""
 
 
 def _wandb_mode(mode: str) -> str:
@@ -112,13 +129,13 @@ class MetricsLogger:
             )
 
     def log(self, step: int, metrics: dict[str, float | None], samples: list | None = None) -> None:
-        """One step's metrics; `samples` (the orchestrator's RolloutSamples, every few steps)
+        """One step's metrics (None values left out, see `namespaced`); `samples` (the orchestrator's RolloutSamples, every few steps)
         become the W&B `samples` table of that step."""
         if not self.is_main:
             return
-        metrics = {k: v for k, v in metrics.items() if v is not None}
+        metrics = namespaced({k: v for k, v in metrics.items() if v is not None})
         line = " | ".join(fmt.format(metrics[k]) for k, fmt in CONSOLE if metrics.get(k) is not None)
-        times = " ".join(f"{k[5:]} {v:.2f}s" for k, v in metrics.items() if k.startswith("time_"))
+        times = " ".join(f"{k[5:]} {metrics[k]:.2f}s" for k in TIMES if k in metrics)
         log.info("step %d | %s | %s", step, line, times)
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")

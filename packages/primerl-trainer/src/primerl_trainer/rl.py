@@ -320,8 +320,8 @@ def train(cfg: TrainerRunConfig) -> None:
                 **batch.metrics,
                 **stats,
                 "policy_lag_s": time.time() - batch.created_at,
-                "time_data": data.wait_s,
-                "time_publish": publish_s,
+                "time/data": data.wait_s,
+                "time/publish": publish_s,
             }, batch.samples)
             step += 1
         if step > session.start_step and not checkpointed:

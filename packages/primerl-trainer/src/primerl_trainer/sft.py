@@ -125,7 +125,7 @@ def train(cfg: SFTRunConfig) -> None:
             interval = cfg.data.eval_interval
             if eval_samples and (last or (interval and (step + 1) % interval == 0)):
                 stats["eval_loss"] = evaluate(session, eval_samples, row_tokens)
-            session.log(step, {**stats, "epoch": batches.epoch, "time_data": t_data, "time_publish": publish_s})
+            session.log(step, {**stats, "epoch": batches.epoch, "time/data": t_data, "time/publish": publish_s})
             step += 1
         failed = False
     finally:
