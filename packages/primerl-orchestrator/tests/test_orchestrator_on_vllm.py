@@ -305,7 +305,7 @@ def test_with_the_real_trainer_on_two_ranks(servers, tmp_path):
     sampled at temperature 0.7 (the servers report logprobs after temperature scaling)."""
     rows, url = real_trainer_run(servers, tmp_path, ranks=2, max_steps=3, temperature=0.7)
     for r in rows:  # the trainer's own metrics and the orchestrator's, on one step
-        assert "loss" in r and "mismatch_kl" in r and 0.0 <= r["reward/mean"] <= 1.0
+        assert "trainer/loss" in r and "trainer/mismatch_kl" in r and 0.0 <= r["reward/mean"] <= 1.0
         assert r["trainer/mismatch_kl"] < 1e-2 or r["off_policy/level"] > 0  # same weights: trainer and vLLM agree
     # step 0: vLLM and the trainer hold the same fp32 weights and score the same distribution
     # (with vLLM's raw logprobs this is ~1e-2 at 0.7: the ratio of two different temperatures)
