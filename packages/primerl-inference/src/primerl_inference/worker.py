@@ -26,6 +26,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from primerl_inference import transfer
+
+transfer.register()  # vLLM's worker imports this module before it builds its weight-transfer engine
+
 RELOADED_AGAIN = {"GptOssForCausalLM": (".self_attn.sinks", ".mlp.experts.")}
 """Model classes whose loader bypasses the weight loaders for some tensors: the checkpoint name
 pieces of those tensors, loaded again after each reload."""
@@ -43,6 +47,23 @@ def tensors_named(folder: str | Path, pieces: tuple[str, ...]):
 
 
 class WorkerExtension:
+    def primerl_received_weights(self) -> tuple[int, str, int] | None:
+        """After an in-memory update (transfer.py; vLLM's finish_weight_update has run): the
+        same repairs as after a folder reload, then (step, checksum, bytes) of what the engine
+        received whole (None: the update did not arrive whole)."""
+        engine = self.weight_transfer_engine
+        received, kept = engine.received, engine.kept
+        engine.kept = []
+        if kept:
+            import torch
+
+            with torch.no_grad():
+                self.model_runner.get_model().load_weights(kept)
+        self._primerl_repack_kept_weights()
+        self.model_runner.reset_encoder_cache()
+        self.model_runner.reset_mm_cache()
+        return received
+
     def primerl_reload_weights(self, weights_path: str) -> int:
         self.reload_weights(weights_path=weights_path)
         model = self.model_runner.get_model()

@@ -42,6 +42,13 @@ with a `step`, a published adapter folder that becomes the policy (409: refused,
 policy kept)."""
 LORA_UNLOAD_ROUTE = "/admin/lora/unload"
 """POST LoraUnload."""
+WEIGHTS_JOIN_ROUTE = "/admin/weights/join"
+"""POST JoinTransfer -> {"joined": true}: the server's workers join the trainer's weight-transfer
+group (primerl_protocol.transfer); answers once every member is in (or 409 after its timeout)."""
+WEIGHTS_RECEIVE_ROUTE = "/admin/weights/receive"
+"""POST ReceiveWeights -> ReceiveAnswer: close the gate, drain, receive the update the trainer
+sends in memory, verify it and serve it as policy `step` (409: refused or damaged; the server
+then serves the newest folder it loaded, or its base weights, and says which)."""
 STEP_HEADER = "x-primerl-policy-step"
 """Response header of every generation request: the policy step that produced it."""
 BASE_STEP = -1
@@ -82,6 +89,33 @@ class LoadAnswer(_Body):
     """How many requests were in flight when the swap closed the gate (it waited for each)."""
     swap_s: float
     """Seconds the new weights took to load."""
+
+
+class JoinTransfer(_Body):
+    host: str
+    """The trainer's rendezvous store."""
+    port: int
+    secret: str
+    """The run's secret: every rendezvous key is under it (primerl_protocol.transfer)."""
+    rank: int
+    """The group rank of this server's first worker (the trainer is rank 0)."""
+    world_size: int
+    timeout_s: float = 600.0
+
+
+class ReceiveWeights(_Body):
+    step: int
+    """The policy step the trainer is sending; a stream of another step is refused."""
+
+
+class ReceiveAnswer(_Body):
+    step: int
+    checksum: str
+    nbytes: int
+    drain_s: float
+    drained: int
+    swap_s: float
+    """Seconds from the gate closed and drained to the new weights served (the transfer included)."""
 
 
 class LoraLoad(_Body):

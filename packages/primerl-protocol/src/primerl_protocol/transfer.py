@@ -1,0 +1,212 @@
+"""Weights in memory: the stream the trainer sends to the inference servers' workers
+(`trainer.weights.transport = "memory"`), defined once for both sides.
+
+The trainer's rank 0 and the workers of a server form one process group (gloo on CPU; its
+rendezvous is a TCP store on the trainer, every key under the run's secret, so a process that
+does not know the secret cannot take a rank in it). An update is a sequence of broadcasts from
+rank 0, one group of tensors (a decoder layer, or the embeddings, or the head) at a time:
+
+    for each group:   [header size] [header: GroupHeader, JSON] [the group's bytes]
+    at the end:       [header size] [header: GroupHeader with end = true and the checksum]
+
+Each group's bytes are its tensors in HF's names and layout, cast to the published dtype,
+back to back (each at a 16-byte aligned offset). The checksum (xxh3-128 over every group's
+bytes in order) lets the receiver verify what it got before it serves it; a receiver that
+reads a header naming another step than the one it was told to receive refuses the update.
+Everything in a header is checked (dtypes from a fixed list, offsets inside the buffer, sizes
+that add up) before a byte of it is used: the stream is input from another process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import xxhash
+
+BACKEND = "primerl_gloo"
+"""The name of the servers' weight-transfer engine (vLLM's `--weight-transfer-config`)."""
+
+ALIGN = 16
+"""Every tensor starts at a multiple of this in its group's buffer (any dtype can view it)."""
+
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int64": 8, "int32": 4, "uint8": 1}
+"""The dtypes a stream may carry, with their sizes in bytes."""
+
+MAX_HEADER_BYTES = 64 << 20
+"""A header longer than this is refused (a sane one is a few KB per layer)."""
+
+
+class TensorSpec(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+
+
+class GroupHeader(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    step: int
+    """The policy step the update holds (the same in every header of an update)."""
+    tensors: list[TensorSpec] = []
+    nbytes: int = 0
+    """Size of the group's buffer, which follows this header."""
+    end: bool = False
+    """The last header of an update: no buffer follows; `checksum` covers every group's bytes."""
+    checksum: str | None = None
+
+
+def nbytes(spec: TensorSpec) -> int:
+    return math.prod(spec.shape) * DTYPES[spec.dtype]
+
+
+def layout(specs: list[tuple[str, str, list[int]]]) -> tuple[list[TensorSpec], int]:
+    """Offsets of (name, dtype, shape) packed back to back at ALIGN; (specs, buffer size)."""
+    out, at = [], 0
+    for name, dtype, shape in specs:
+        out.append(TensorSpec(name, dtype, list(shape), at))
+        at += -(-nbytes(out[-1]) // ALIGN) * ALIGN
+    return out, at
+
+
+def encode_header(header: GroupHeader) -> bytes:
+    return msgspec.json.encode(header)
+
+
+def decode_header(data: bytes, step: int) -> GroupHeader:
+    """A received header, checked; ValueError saying what is wrong with it."""
+    try:
+        header = msgspec.json.decode(data, type=GroupHeader)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise ValueError(f"the weight stream's header is malformed: {err}") from None
+    if header.step != step:
+        raise ValueError(f"the trainer sent the weights of step {header.step}, this server was told to receive step {step}")
+    if header.end:
+        if header.checksum is None or header.tensors or header.nbytes:
+            raise ValueError("the weight stream's end header must carry the checksum and nothing else")
+        return header
+    if header.nbytes < 0:
+        raise ValueError(f"the weight stream's header gives a negative size ({header.nbytes})")
+    for spec in header.tensors:
+        if spec.dtype not in DTYPES:
+            raise ValueError(f"the weight stream carries {spec.name} as {spec.dtype!r}, not one of {sorted(DTYPES)}")
+        if any(d < 0 for d in spec.shape) or spec.offset < 0 or spec.offset % ALIGN:
+            raise ValueError(f"the weight stream places {spec.name} at offset {spec.offset} with shape {spec.shape}")
+        if spec.offset + nbytes(spec) > header.nbytes:
+            raise ValueError(f"the weight stream's {spec.name} ends past its group's {header.nbytes} bytes")
+    return header
+
+
+def new_checksum():
+    """The running checksum of an update (feed it each group's bytes, in order)."""
+    return xxhash.xxh3_128()
+
+
+# -- the broadcasts (torch is imported here only: the rest of primerl_protocol is torch-free) --
+
+
+def open_group(host: str, port: int, secret: str, rank: int, world_size: int, timeout_s: float):
+    """This process's member of the transfer group: rank 0 (the trainer) hosts the rendezvous
+    store on (host, port) (port 0: a free one; read it back with `group_port`), the others join
+    it. Blocks until all `world_size` ranks are in, at most `timeout_s` (RuntimeError). Every
+    key of the rendezvous is under `secret`."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    return Group(dist.ProcessGroupGloo(dist.PrefixStore(f"primerl-weights/{secret}/", store), rank, world_size, timeout),
+                 store)
+
+
+class Group:
+    """A member of a transfer group: gloo's process group and the store it met through (which
+    must live as long as it does; `store.port` is the port rank 0 hosts it on)."""
+
+    def __init__(self, pg, store):
+        self.pg, self.store = pg, store
+
+
+def broadcast(group: Group, tensor) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.pg.broadcast([tensor], opts).wait()
+
+
+def send_bytes(group, data: bytes) -> None:
+    import torch
+
+    broadcast(group, torch.tensor([len(data)], dtype=torch.int64))
+    broadcast(group, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def recv_bytes(group, limit: int = MAX_HEADER_BYTES) -> bytes:
+    import torch
+
+    size = torch.zeros(1, dtype=torch.int64)
+    broadcast(group, size)
+    n = int(size[0])
+    if not 0 < n <= limit:
+        raise ValueError(f"the weight stream announced a header of {n} bytes (at most {limit})")
+    data = torch.empty(n, dtype=torch.uint8)
+    broadcast(group, data)
+    return data.numpy().tobytes()
+
+
+def pack(tensors: list[tuple[str, object]]):
+    """(specs, buffer) of tensors on one device: one uint8 tensor there holding them at their
+    offsets (one copy each on the device; the buffer then crosses to the host in one piece)."""
+    import torch
+
+    specs, size = layout([(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors])
+    buffer = torch.empty(size, dtype=torch.uint8, device=tensors[0][1].device if tensors else "cpu")
+    for spec, (_, t) in zip(specs, tensors):
+        buffer[spec.offset: spec.offset + nbytes(spec)].view(t.dtype).view(t.shape).copy_(t)
+    return specs, buffer
+
+
+def unpack(header: GroupHeader, buffer) -> list[tuple[str, object]]:
+    """The (name, tensor) views of a received group's buffer (checked by decode_header)."""
+    import torch
+
+    return [(s.name, buffer[s.offset: s.offset + nbytes(s)].view(getattr(torch, s.dtype)).view(s.shape))
+            for s in header.tensors]
+
+
+def send_update(group, step: int, groups) -> str:
+    """Send an update (rank 0): `groups` yields each group's [(HF name, tensor)], all of a group
+    on one device; returns the checksum."""
+    digest = new_checksum()
+    for tensors in groups:
+        specs, buffer = pack(tensors)
+        buffer = buffer.cpu()  # gloo sends from host memory
+        send_bytes(group, encode_header(GroupHeader(step=step, tensors=specs, nbytes=buffer.numel())))
+        broadcast(group, buffer)
+        digest.update(memoryview(buffer.numpy()))
+    checksum = digest.hexdigest()
+    send_bytes(group, encode_header(GroupHeader(step=step, end=True, checksum=checksum)))
+    return checksum
+
+
+def receive_update(group, step: int, load) -> tuple[str, int]:
+    """Receive an update of `step` (a worker), giving each group's tensors to `load`; returns
+    (checksum, bytes). ValueError if a header is malformed or the checksum does not match: the
+    tensors already given to `load` are then not the trainer's."""
+    import torch
+
+    digest, received = new_checksum(), 0
+    while True:
+        header = decode_header(recv_bytes(group), step)
+        if header.end:
+            break
+        buffer = torch.empty(header.nbytes, dtype=torch.uint8)
+        broadcast(group, buffer)
+        digest.update(memoryview(buffer.numpy()))
+        received += header.nbytes
+        load(unpack(header, buffer))
+    if digest.hexdigest() != header.checksum:
+        raise ValueError(f"the weights of step {step} arrived damaged: checksum {digest.hexdigest()}, "
+                         f"the trainer sent {header.checksum}")
+    return header.checksum, received
