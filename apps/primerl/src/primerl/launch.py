@@ -46,6 +46,7 @@ from primerl_inference.launcher import resolve_device
 from primerl_inference.launcher import start as start_servers
 from primerl_orchestrator.health import console_notes, step_summary
 from primerl_protocol.config import to_toml, write_private
+from primerl_protocol.serving import ADMIN_TOKEN_ENV
 
 from primerl.configs import OrchRunConfig, RLConfig, TrainerRunConfig
 
@@ -101,6 +102,10 @@ def check(cfg: RLConfig) -> RLConfig:
                 resolve_taskset_id(env.id)
             except EnvLoadError as err:
                 raise CheckError(f"{section}[{i}].id: {err}") from None
+    if cfg.trainer.weights.transport == "memory" and cfg.inference.data_parallel_size > 1:
+        raise CheckError("trainer.weights.transport = \"memory\" with inference.data_parallel_size = "
+                         f"{cfg.inference.data_parallel_size}: weights in memory reach servers without vLLM's own "
+                         "data parallelism only (for now); use inference.num_replicas for more servers")
     return fit_lora_rank(cfg, hf_config)
 
 
@@ -309,9 +314,11 @@ def _run(cfg: RLConfig, device: str, trainer_gpus: list[int]) -> None:
         startup = ServersStartup(servers)
 
         trainer_cfg = run_dir / "configs" / "trainer.toml"
-        write_private(trainer_cfg, to_toml(cfg.project(TrainerRunConfig)))
+        write_private(trainer_cfg, to_toml(with_servers(cfg.project(TrainerRunConfig), servers.urls, cfg.inference)))
         trainer_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(trainer_threads(cfg, trainer_gpus)),
                        "PYTHONUNBUFFERED": "1"}
+        if cfg.trainer.weights.transport == "memory":  # it joins the servers through their admin routes
+            trainer_env[ADMIN_TOKEN_ENV] = cfg.inference.resolved_admin_token()
         if trainer_gpus:
             trainer_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, trainer_gpus))
         else:
@@ -334,6 +341,16 @@ def _run(cfg: RLConfig, device: str, trainer_gpus: list[int]) -> None:
         raise
     finally:
         _stop(procs)
+
+
+def with_servers(trainer: TrainerRunConfig, urls: list[str], inference) -> TrainerRunConfig:
+    """The trainer's config with the servers it sends weights to in memory (as they were started:
+    their URLs, and each one's workers), when trainer.weights.transport = "memory"."""
+    weights = trainer.trainer.weights
+    if weights.transport != "memory":
+        return trainer
+    weights = msgspec.structs.replace(weights, servers=list(urls), workers_per_server=inference.tensor_parallel_size)
+    return msgspec.structs.replace(trainer, trainer=msgspec.structs.replace(trainer.trainer, weights=weights))
 
 
 class ServersStartup:

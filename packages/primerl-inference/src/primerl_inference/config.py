@@ -8,9 +8,8 @@ from typing import Annotated, Literal
 
 import msgspec
 from primerl_protocol.config import Config, Port, Positive, SharedConfig
+from primerl_protocol.serving import ADMIN_TOKEN_ENV
 
-
-ADMIN_TOKEN_ENV = "PRIMERL_ADMIN_TOKEN"
 MaxLoRARank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
 """The values vLLM's --max-lora-rank takes (vllm/config/lora.py MaxLoRARanks; a test keeps
 the two the same)."""

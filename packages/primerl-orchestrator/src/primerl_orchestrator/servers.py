@@ -49,11 +49,13 @@ from primerl_protocol.serving import (
     LoraLoad,
     LoraUnload,
     PolicyAnswer,
+    ReceiveWeights,
+    WEIGHTS_RECEIVE_ROUTE,
     adapter_name,
     bearer,
     decode_answer,
 )
-from primerl_protocol.weights import ADAPTER, FULL, FORMATS
+from primerl_protocol.weights import ADAPTER, FORMATS, FULL, MEMORY
 
 log = logging.getLogger("primerl.orchestrator")
 
@@ -99,7 +101,9 @@ class Weights:
     version: int
     checksum: str | None
     format: str = FULL
-    """primerl_protocol.weights.FULL (whole weights) or ADAPTER (a LoRA adapter)."""
+    """primerl_protocol.weights.FULL (whole weights), ADAPTER (a LoRA adapter) or MEMORY (whole
+    weights the trainer sends to the servers in `served`; `path` a folder of them, or "")."""
+    served: tuple[str, ...] = ()
 
     @property
     def adapter(self) -> str | None:
@@ -317,8 +321,17 @@ class ServerPool:
         if r.status_code != 200:
             raise RuntimeError(f"{route} answered HTTP {r.status_code}: {r.text[:300]}")
 
-    async def _load(self, server: Server, w: Weights) -> None:
-        if w.adapter is None:
+    async def _load(self, server: Server, w: Weights, receive: bool = False) -> None:
+        """Have `server` serve `w`. Weights in memory are received only when the trainer is
+        sending them (`receive`: from load_weights); later (a probe, a revival) only a folder
+        of them can be loaded."""
+        if w.format == MEMORY and receive and server.url in w.served:
+            await self._post(server, WEIGHTS_RECEIVE_ROUTE, ReceiveWeights(step=w.version), self.load_timeout_s)
+            server.adapters.clear()
+        elif w.format == MEMORY and not w.path:
+            raise RuntimeError(f"policy {w.version} was sent in memory and there is no folder of it to load "
+                               "(trainer.weights.folder_every); this server gets the next policy the trainer sends")
+        elif w.adapter is None:
             await self._post(server, LOAD_WEIGHTS_ROUTE, LoadWeights(path=w.path, step=w.version, checksum=w.checksum),
                              self.load_timeout_s)
             server.adapters.clear()  # the server dropped them: they adapted the weights it replaced
@@ -345,19 +358,24 @@ class ServerPool:
         self._unloads.add(task)
         task.add_done_callback(self._unloads.discard)
 
-    async def load_weights(self, path: str, version: int, checksum: str | None = None, format: str = FULL) -> float:
+    async def load_weights(self, path: str, version: int, checksum: str | None = None, format: str = FULL,
+                           served: list[str] | None = None) -> float:
         """Every healthy server loads the weights at `path` as policy `version`; seconds taken.
         `format` (primerl_protocol.weights): FULL weights replace the served ones; an ADAPTER
-        is loaded beside the base weights, and requests name it from then on.
+        is loaded beside the base weights, and requests name it from then on; MEMORY weights
+        are received from the trainer by the servers in `served` (the trainer is sending them),
+        and loaded from the folder `path` by the others if there is one.
 
         A server that fails to load is marked unhealthy (it would serve an old policy);
         weights refused by every server raise NoServerError."""
-        if format not in FORMATS:
-            raise ValueError(f"policy {version} at {path} has format {format!r}, not one of {', '.join(FORMATS)}")
+        if format not in (*FORMATS, MEMORY):
+            raise ValueError(f"policy {version} at {path} has format {format!r}, not one of {', '.join(FORMATS)}, {MEMORY}")
         t0 = time.monotonic()
-        self.weights = w = Weights(path, version, checksum, format)
+        # in memory: the stream's checksum is not the folder's, so a probe checks the step only
+        self.weights = w = Weights(path, version, None if format == MEMORY else checksum, format,
+                                   tuple(u.rstrip("/") for u in served or ()))
         servers = self.healthy()
-        results = await asyncio.gather(*(self._load(s, w) for s in servers), return_exceptions=True)
+        results = await asyncio.gather(*(self._load(s, w, receive=True) for s in servers), return_exceptions=True)
         for server, result in zip(servers, results):
             if isinstance(result, BaseException):
                 self.mark_unhealthy(server, f"loading policy {version} from {path} failed: {result}")

@@ -22,11 +22,12 @@ import numpy as np
 
 from primerl_protocol.rollouts import RolloutSample
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on any change to a message's fields; peers of other versions are refused.
 2: TrainBatch carries the orchestrator's metrics and resume state.
 3: MicroBatch carries its samples' images (image_pixels, image_sizes).
-4: TrainBatch carries readable samples of the step's rollouts (`samples`, for the W&B table)."""
+4: TrainBatch carries readable samples of the step's rollouts (`samples`, for the W&B table).
+5: PolicyReady carries the servers that received the weights in memory (`served`)."""
 
 
 class Message(msgspec.Struct, tag=True, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -186,7 +187,11 @@ class PolicyReady(Message):
     format: str = "hf-safetensors"
     """Layout of the weights at `location` (primerl_protocol.weights): "hf-safetensors", a whole
     model the servers load in place of theirs; "peft-lora", a LoRA adapter they load beside the
-    base weights, and generation requests then name it as their model."""
+    base weights, and generation requests then name it as their model; "memory", whole weights
+    the trainer sent to the servers in `served` (then `location`, if not empty, is a folder of
+    the same step that the others can load, and `checksum` that folder's)."""
+    served: list[str] = []
+    """With format "memory": the URLs of the servers that received and serve these weights."""
     created_at: float = msgspec.field(default_factory=time.time)
 
 

@@ -24,6 +24,9 @@ import msgspec
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM's `--logprobs-mode` every training server runs with."""
 
+ADMIN_TOKEN_ENV = "PRIMERL_ADMIN_TOKEN"
+"""The environment variable that holds the admin token (the servers', and the trainer's when it
+sends weights in memory), where no config names it."""
 ADMIN_PREFIX = "/admin/"
 """Every route under it needs the bearer token."""
 LOAD_WEIGHTS_ROUTE = "/admin/load_weights"

@@ -104,17 +104,30 @@ def new_checksum():
 # -- the broadcasts (torch is imported here only: the rest of primerl_protocol is torch-free) --
 
 
-def open_group(host: str, port: int, secret: str, rank: int, world_size: int, timeout_s: float):
+def host_store(port: int, world_size: int, timeout_s: float):
+    """Rank 0's rendezvous store, listening on `port` of every interface (0: a free one; `.port`
+    says which)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def open_group(host: str, port: int, secret: str, rank: int, world_size: int, timeout_s: float, store=None):
     """This process's member of the transfer group: rank 0 (the trainer) hosts the rendezvous
-    store on (host, port) (port 0: a free one; read it back with `group_port`), the others join
-    it. Blocks until all `world_size` ranks are in, at most `timeout_s` (RuntimeError). Every
-    key of the rendezvous is under `secret`."""
+    store (`store`, from `host_store`, or one made here on `port`), the others join it on
+    (host, port). Blocks until all `world_size` ranks are in, at most `timeout_s`
+    (RuntimeError). Every key of the rendezvous is under `secret`."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    if store is None:
+        store = host_store(port, world_size, timeout_s) if rank == 0 else \
+            dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     return Group(dist.ProcessGroupGloo(dist.PrefixStore(f"primerl-weights/{secret}/", store), rank, world_size, timeout),
                  store)
 
@@ -155,13 +168,23 @@ def recv_bytes(group, limit: int = MAX_HEADER_BYTES) -> bytes:
     return data.numpy().tobytes()
 
 
-def pack(tensors: list[tuple[str, object]]):
-    """(specs, buffer) of tensors on one device: one uint8 tensor there holding them at their
-    offsets (one copy each on the device; the buffer then crosses to the host in one piece)."""
+def scratch(buffer, size: int, device="cpu", pin: bool = False):
+    """`size` bytes of `buffer` (a uint8 tensor kept between groups), or of a new one when it is
+    too small: an update reuses one buffer, not fresh memory (and its page faults) per group."""
     import torch
 
+    if buffer is None or buffer.numel() < size:
+        buffer = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin)
+    return buffer
+
+
+def pack(tensors: list[tuple[str, object]], out=None):
+    """(specs, buffer) of tensors on one device: one uint8 tensor there (`out`, or the front of
+    it, when it is large enough) holding them at their offsets (one copy each on the device; the
+    buffer then crosses to the host in one piece)."""
     specs, size = layout([(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors])
-    buffer = torch.empty(size, dtype=torch.uint8, device=tensors[0][1].device if tensors else "cpu")
+    device = tensors[0][1].device if tensors else "cpu"
+    buffer = scratch(out if out is not None and out.device == device else None, size, device)[:size]
     for spec, (_, t) in zip(specs, tensors):
         buffer[spec.offset: spec.offset + nbytes(spec)].view(t.dtype).view(t.shape).copy_(t)
     return specs, buffer
@@ -175,19 +198,37 @@ def unpack(header: GroupHeader, buffer) -> list[tuple[str, object]]:
             for s in header.tensors]
 
 
-def send_update(group, step: int, groups) -> str:
-    """Send an update (rank 0): `groups` yields each group's [(HF name, tensor)], all of a group
-    on one device; returns the checksum."""
+def send_update(groups: list[Group], step: int, tensors) -> tuple[str, dict[int, str]]:
+    """Send an update (rank 0) to every group in `groups` at once: `tensors` yields each layer
+    group's [(HF name, tensor)], all of it on one device. Returns the checksum and, by index in
+    `groups`, why the groups that failed did (a member gone, a timeout): the others got it all."""
+    failed: dict[int, str] = {}
+
+    def to_all(fn) -> None:
+        for i, group in enumerate(groups):
+            if i not in failed:
+                try:
+                    fn(group)
+                except RuntimeError as err:  # gloo: a closed connection, a timeout
+                    failed[i] = str(err).splitlines()[0][:300]
+
+    import torch
+
     digest = new_checksum()
-    for tensors in groups:
-        specs, buffer = pack(tensors)
-        buffer = buffer.cpu()  # gloo sends from host memory
-        send_bytes(group, encode_header(GroupHeader(step=step, tensors=specs, nbytes=buffer.numel())))
-        broadcast(group, buffer)
+    packed = host = None  # reused from group to group
+    for group_tensors in tensors:
+        specs, buffer = pack(group_tensors, out=packed)
+        packed = buffer._base if buffer._base is not None else buffer
+        if buffer.device.type != "cpu":  # gloo sends from host memory: one copy, to pinned memory
+            host = scratch(host, buffer.numel(), pin=torch.cuda.is_available())
+            buffer = host[:buffer.numel()].copy_(buffer)
+        header = encode_header(GroupHeader(step=step, tensors=specs, nbytes=buffer.numel()))
+        to_all(lambda g: (send_bytes(g, header), broadcast(g, buffer)))
         digest.update(memoryview(buffer.numpy()))
     checksum = digest.hexdigest()
-    send_bytes(group, encode_header(GroupHeader(step=step, end=True, checksum=checksum)))
-    return checksum
+    end = encode_header(GroupHeader(step=step, end=True, checksum=checksum))
+    to_all(lambda g: send_bytes(g, end))
+    return checksum, failed
 
 
 def receive_update(group, step: int, load) -> tuple[str, int]:
@@ -201,6 +242,9 @@ def receive_update(group, step: int, load) -> tuple[str, int]:
         header = decode_header(recv_bytes(group), step)
         if header.end:
             break
+        # A fresh buffer per group, never reused: vLLM's layer-wise reload keeps the tensors it is
+        # given (views of this buffer) until their layer is complete, attention layers until the
+        # update's end (as vLLM's own packed NCCL consumer does).
         buffer = torch.empty(header.nbytes, dtype=torch.uint8)
         broadcast(group, buffer)
         digest.update(memoryview(buffer.numpy()))

@@ -27,6 +27,10 @@ FULL = "hf-safetensors"
 ADAPTER = "peft-lora"
 """Format of a folder holding a LoRA adapter in PEFT's layout."""
 FORMATS = (FULL, ADAPTER)
+MEMORY = "memory"
+"""PolicyReady.format of weights the trainer sent in memory (trainer.weights.transport =
+"memory", primerl_protocol.transfer): no folder of them exists unless PolicyReady.location
+names one; the servers listed in PolicyReady.served received them."""
 ADAPTER_CONFIG = "adapter_config.json"
 """PEFT's adapter config (peft_type, r, lora_alpha, target_modules, rank_pattern, ...)."""
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

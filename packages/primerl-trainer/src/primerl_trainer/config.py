@@ -56,6 +56,27 @@ class WeightsConfig(Config):
     200, ...); 0: keep only the newest `keep`."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Data type of the published weights."""
+    transport: Literal["folder", "memory"] = "folder"
+    """How each step's weights reach the inference servers: "folder", a published folder
+    (run_dir/weights/step_N) every server reads; "memory", streamed from the trainer to every
+    server's workers, one layer at a time (docs/inference.md, "Weights in memory"); RL only, not
+    with trainer.lora yet."""
+    folder_every: NonNegative = 10
+    """With transport = "memory": also publish the folder of every step N where N + 1 is a
+    multiple of this, and of the last step (for evals of past steps, and for a server that did
+    not receive a step in memory); 0: only the last step's."""
+    servers: list[str] = []
+    """With transport = "memory": the inference servers' URLs (`primerl rl` fills them in); their
+    admin token comes from $PRIMERL_ADMIN_TOKEN."""
+    workers_per_server: Positive = 1
+    """With transport = "memory": each server's workers (its tensor-parallel size; `primerl rl`
+    fills it in)."""
+    host: str | None = None
+    """With transport = "memory": the address the servers reach the trainer's rank 0 at (None:
+    127.0.0.1 when every server is on this machine, else this machine's name)."""
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    """With transport = "memory": a server's join or update that takes longer fails, for that
+    server only (it is named in the trainer's log; the others and the run go on)."""
 
 
 class ParallelConfig(Config):
@@ -157,6 +178,9 @@ class TrainerConfig(Config):
         if not self.freeze_vision and self.lora is not None:
             raise ValueError("trainer.freeze_vision = false with trainer.lora: LoRA freezes the base model, the "
                              "vision tower included (and never adapts it); drop one of them")
+        if self.weights.transport == "memory" and self.lora is not None:
+            raise ValueError("trainer.weights.transport = \"memory\" with trainer.lora: adapters travel by folder "
+                             "only (for now); use transport = \"folder\"")
 
 
 class SFTDataConfig(Config):

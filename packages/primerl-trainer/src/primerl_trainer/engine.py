@@ -33,7 +33,7 @@ from primerl_trainer.metrics import MetricsLogger
 from primerl_trainer.optim import apply_settings, build_optimizer, build_scheduler, clip_grad_norm
 from primerl_trainer.placement import build_mesh, load_for_training
 from primerl_trainer.adapters import AdapterPublisher
-from primerl_trainer.publish import FolderPublisher, StepFolders
+from primerl_trainer.publish import FolderPublisher
 
 log = logging.getLogger("primerl.trainer")
 
@@ -100,8 +100,9 @@ def expert_load(routed_LE: torch.Tensor) -> dict[str, float]:
     return {"moe/max_load": float(ratio_L.max()), "moe/mean_max_load": float(ratio_L.mean())}
 
 
-def make_publisher(cfg: TrainerRunConfig | SFTRunConfig, model: torch.nn.Module, loaded, d) -> StepFolders:
-    """The adapters alone with trainer.lora.publish = "adapter", else full weights (LoRA folded in);
+def make_publisher(cfg: TrainerRunConfig | SFTRunConfig, model: torch.nn.Module, loaded, d):
+    """The adapters alone with trainer.lora.publish = "adapter", else full weights (LoRA folded in),
+    in folders, or in memory with folders now and then (trainer.weights.transport, RL only);
     SetupError when the adapters cannot be published in PEFT's layout."""
     tcfg = cfg.trainer
     dtype = torch.float32 if tcfg.weights.dtype == "float32" else torch.bfloat16
@@ -110,7 +111,15 @@ def make_publisher(cfg: TrainerRunConfig | SFTRunConfig, model: torch.nn.Module,
             return AdapterPublisher(cfg.run_dir, model, tcfg.lora, cfg.model.name, tcfg.weights.keep, dtype, d)
         except ValueError as err:
             raise SetupError(f"trainer.lora.publish = \"adapter\": {err}") from None
-    return FolderPublisher(cfg.run_dir, loaded.folder, loaded.hf_config, tcfg.weights.keep, dtype, d)
+    folders = FolderPublisher(cfg.run_dir, loaded.folder, loaded.hf_config, tcfg.weights.keep, dtype, d)
+    if tcfg.weights.transport == "memory" and isinstance(cfg, TrainerRunConfig):  # SFT publishes folders only
+        from primerl_trainer.transfer import MemoryPublisher
+
+        try:
+            return MemoryPublisher(folders, model, loaded.hf_config, tcfg.weights, dtype, d, cfg.max_steps)
+        except ValueError as err:
+            raise SetupError(str(err)) from None
+    return folders
 
 
 class Session:

@@ -289,6 +289,9 @@ def train(cfg: TrainerRunConfig) -> None:
         Sender(cfg.transport.policy_endpoint(), PolicyMessage, channel="policy", settings=cfg.transport.sockets)
         if d.is_main else None
     )
+    if policy is not None and hasattr(session.publisher, "announce"):
+        # weights in memory: the publisher announces each policy before it streams it
+        session.publisher.announce = lambda ready: tell(policy, ready)
     step, failed = session.start_step, True
     try:
         if cfg.max_steps is not None and step >= cfg.max_steps:

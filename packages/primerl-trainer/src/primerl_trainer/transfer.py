@@ -12,15 +12,31 @@ in one piece and broadcasts it.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import re
+import secrets
+import socket
+import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 
 import torch
 
 from primerl_models.hf import family_for
 from primerl_protocol import transfer
+from primerl_protocol.messages import PolicyReady
+from primerl_protocol.serving import ADMIN_TOKEN_ENV, WEIGHTS_JOIN_ROUTE, WEIGHTS_RECEIVE_ROUTE, bearer
+from primerl_protocol.weights import MEMORY
+from primerl_trainer.config import WeightsConfig
 from primerl_trainer.distributed import Dist
+from primerl_trainer.publish import StepFolders
+
+log = logging.getLogger("primerl.trainer")
 
 _INDEXED = re.compile(r"^(.*?\.)?(\d+)\.")
 
@@ -40,8 +56,8 @@ def layer_groups(names: list[str]) -> list[list[str]]:
 
 
 class MemorySender:
-    """Sends the model's weights to the servers' workers of one transfer group (rank 0 hosts
-    the group; every rank calls `send`, whose gathers are collectives)."""
+    """Sends the model's weights to the workers of one or more transfer groups, each hosted by
+    rank 0 (`open`); every rank calls `send`, whose gathers are collectives."""
 
     def __init__(self, model: torch.nn.Module, hf_config: dict, dtype: torch.dtype, d: Dist):
         if any(".lora_" in name for name, _ in model.named_parameters()):
@@ -49,14 +65,14 @@ class MemorySender:
                              "use transport = \"folder\" with trainer.lora")
         self.hf_config, self.dtype, self.d = hf_config, dtype, d
         self.to_hf = family_for(hf_config).checkpoint.to_hf
-        self.group = None
+        self.links: dict[str, transfer.Group] = {}
+        """The transfer groups rank 0 sends to, by name (a server's URL)."""
         self.last_timing: dict[str, float] = {}
 
-    def open(self, host: str, port: int, secret: str, world_size: int, timeout_s: float) -> None:
-        """Rank 0: host the group and wait (at most `timeout_s`) until its `world_size - 1`
-        workers joined (the servers' join route). Other ranks: nothing."""
-        if self.d.is_main:
-            self.group = transfer.open_group(host, port, secret, 0, world_size, timeout_s)
+    def open(self, name: str, port: int, secret: str, world_size: int, timeout_s: float, store=None) -> None:
+        """Rank 0: host a group named `name` (`store`: its rendezvous, from transfer.host_store)
+        and wait, at most `timeout_s`, until its `world_size - 1` workers joined it."""
+        self.links[name] = transfer.open_group("127.0.0.1", port, secret, 0, world_size, timeout_s, store=store)
 
     def groups(self, model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Each group's tensors, HF-named, on rank 0's device (empty lists elsewhere)."""
@@ -73,17 +89,156 @@ class MemorySender:
             # renamed (and experts split) on the device; packed there too (transfer.pack)
             yield list(self.to_hf(ours).items()) if self.d.is_main else []
 
-    def send(self, model: torch.nn.Module, step: int) -> str | None:
-        """Send the weights after `step` (every rank; the group's members must be receiving);
-        rank 0 returns the update's checksum."""
+    def send(self, model: torch.nn.Module, step: int) -> tuple[str | None, dict[str, str]]:
+        """Send the weights after `step` to every open group (every rank calls it; the groups'
+        members must be receiving). Rank 0 returns the update's checksum and, by name, the
+        groups that failed and why (they are closed: they need `open` again)."""
         t0 = time.monotonic()
         with torch.no_grad():
             if not self.d.is_main:
                 for _ in self.groups(model):
                     pass
-                return None
-            if self.group is None:
-                raise RuntimeError("no transfer group: open() it first")
-            checksum = transfer.send_update(self.group, step, self.groups(model))
+                return None, {}
+            names = list(self.links)
+            checksum, failed = transfer.send_update([self.links[n] for n in names], step, self.groups(model))
+        failed_names = {names[i]: why for i, why in failed.items()}
+        for name in failed_names:
+            del self.links[name]
         self.last_timing = {"send": time.monotonic() - t0}
-        return checksum
+        return checksum, failed_names
+
+
+class MemoryPublisher:
+    """trainer.weights.transport = "memory": after each step rank 0 streams the weights to every
+    server in trainer.weights.servers (each its own transfer group, joined through its admin
+    route with the run's secret the first time, and again after a failure or a restart), while
+    each server receives them through its receive route; a folder is still published every
+    `folder_every` steps and at the last step. A server that cannot be joined or does not receive
+    a step whole is named in the log and left out of PolicyReady.served (the orchestrator then
+    stops sending it rollouts until it serves the policy again); the run goes on.
+
+    Why a group per server rather than one for all: gloo and NCCL groups cannot change members,
+    so a server that restarts or joins later would need every server's group rebuilt; one group
+    each keeps a failure, a timeout or a late join to that server alone. The cost: rank 0 sends
+    the bytes once per server."""
+
+    format = MEMORY
+
+    def __init__(self, folders: StepFolders, model: torch.nn.Module, hf_config: dict, cfg: WeightsConfig,
+                 dtype: torch.dtype, d: Dist, max_steps: int):
+        if not cfg.servers:
+            raise ValueError("trainer.weights.transport = \"memory\" needs the servers' URLs in trainer.weights.servers "
+                             "(primerl rl fills them in)")
+        self.folders, self.model, self.cfg, self.d, self.max_steps = folders, model, cfg, d, max_steps
+        self.sender = MemorySender(model, hf_config, dtype, d)
+        self.token = os.environ.get(ADMIN_TOKEN_ENV)
+        self.secret = secrets.token_hex(16)
+        self.servers = [url.rstrip("/") for url in cfg.servers]
+        loopback = all(urllib.parse.urlsplit(u).hostname in ("127.0.0.1", "localhost", "::1") for u in self.servers)
+        self.host = cfg.host or ("127.0.0.1" if loopback else socket.getfqdn())
+        self.last: PolicyReady | None = None
+        self.last_timing: dict[str, float] = {}
+        self.announce = None
+        """Rank 0: how PolicyReady reaches the orchestrator (rl.py sets it: its policy socket)."""
+
+    @property
+    def published(self) -> bool:
+        return self.last is not None or self.folders.published
+
+    @property
+    def keep_every(self) -> int:
+        return self.folders.keep_every
+
+    @keep_every.setter
+    def keep_every(self, value: int) -> None:
+        self.folders.keep_every = value
+
+    def folder_due(self, step: int) -> bool:
+        every = self.cfg.folder_every
+        return step == self.max_steps - 1 or bool(every) and (step + 1) % every == 0
+
+    def publish(self, model: torch.nn.Module, step: int) -> None:
+        """Every rank: publish the folder if one is due, then send the weights after `step`
+        (policy step + 1, as the orchestrator numbers policies). Rank 0 first joins the servers
+        in no group yet and announces PolicyReady(format "memory", served = the servers it is
+        about to send to) through `announce`: the orchestrator then has each of them receive,
+        when it is ready to (an eval in progress first finishes on the old policy). Returns
+        None: the announcement is made here, before the stream, not by the caller."""
+        folder = self.folders.publish(model, step) if self.folder_due(step) else None
+        t0 = time.monotonic()
+        if self.d.is_main:
+            if self.announce is None:
+                raise RuntimeError("MemoryPublisher.announce is not set: nobody would tell the orchestrator")
+            self._join_missing()
+            self.last = PolicyReady(step=step, location=folder.location if folder else "",
+                                    checksum=folder.checksum if folder else "", format=MEMORY,
+                                    served=list(self.sender.links))
+            self.announce(self.last)
+        _, failed = self.sender.send(model, step + 1)  # every rank: the gathers
+        for url, why in failed.items():
+            log.warning("inference server %s did not receive the weights of step %d in memory: %s (it is joined "
+                        "again at the next step)", url, step, why)
+        self.last_timing = {"memory": time.monotonic() - t0, **(self.folders.last_timing if folder else {})}
+        return None
+
+    def announce_again(self, step: int) -> None:
+        """A step that changed nothing: the weights are sent again under the new step (the
+        servers' policy must be the step the orchestrator is told)."""
+        return self.publish(self.model, step)
+
+    def _join_missing(self) -> None:
+        """Join every server that is in no group yet (rank 0); those that cannot are named."""
+        for url in self.servers:
+            if url in self.sender.links:
+                continue
+            store = transfer.host_store(0, 1 + self.cfg.workers_per_server, self.cfg.timeout_s)
+            body = {"host": self.host, "port": store.port, "secret": self.secret, "rank": 1,
+                    "world_size": 1 + self.cfg.workers_per_server, "timeout_s": self.cfg.timeout_s}
+            # The group's rendezvous in a thread: a server that refuses the join (or is gone) must
+            # not keep rank 0 waiting for it until the group's timeout; that thread then ends by
+            # itself at the timeout, its group never used.
+            opened = _in_thread(lambda: self.sender.open(url, store.port, self.secret, 1 + self.cfg.workers_per_server,
+                                                         self.cfg.timeout_s, store=store))
+            try:
+                self._post(url, WEIGHTS_JOIN_ROUTE, body)  # answers once the server's workers are in
+                opened()
+            except RuntimeError as err:
+                self.sender.links.pop(url, None)
+                log.warning("inference server %s could not join the trainer's weight transfer: %s", url,
+                            str(err).splitlines()[0][:300])
+
+    def _post(self, url: str, route: str, body: dict) -> dict:
+        """POST an admin route of `url`; RuntimeError naming the route and what went wrong."""
+        req = urllib.request.Request(url + route, data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json", **bearer(self.token or "")})
+        try:
+            with urllib.request.urlopen(req, timeout=self.cfg.timeout_s + 60) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            raise RuntimeError(f"{route} answered HTTP {err.code}: {err.read()[:300].decode(errors='replace')}") from None
+        except (OSError, ValueError) as err:
+            raise RuntimeError(f"{route}: {type(err).__name__}: {err}") from None
+
+
+def _in_thread(fn):
+    """Run fn in a thread; a callable that waits for it and returns its result (or raises its
+    RuntimeError). A connection failure reaches the caller instead of hanging the sender: a
+    sender whose receiver never came waits at most the group's timeout."""
+    out: dict = {}
+
+    def body():
+        try:
+            out["value"] = fn()
+        except RuntimeError as err:
+            out["error"] = err
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+
+    def result():
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
+
+    return result

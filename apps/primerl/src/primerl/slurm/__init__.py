@@ -165,6 +165,9 @@ def render_rl(cfg) -> Path:
     from primerl.configs import InferenceRunConfig, OrchRunConfig, TrainerRunConfig
 
     s = cfg.slurm
+    if cfg.trainer.weights.transport == "memory":
+        raise SlurmError("trainer.weights.transport = \"memory\" is not in the Slurm job yet (the trainer would "
+                         "need the servers' addresses on their nodes): use transport = \"folder\" with --slurm")
     values = _inference_values(cfg) | _trainer_values(cfg) | {
         "nodes": max(s.inference_nodes, s.trainer_nodes) if cfg.colocate else s.inference_nodes + s.trainer_nodes,
         "trainer_offset": 0 if cfg.colocate else s.inference_nodes,
