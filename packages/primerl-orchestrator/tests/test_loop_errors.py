@@ -102,7 +102,7 @@ class StandInPool:
     async def maybe_revive(self) -> None:
         pass
 
-    async def load_weights(self, path, version, checksum=None, format=None) -> float:
+    async def load_weights(self, path, version, checksum=None, format=None, served=None) -> float:
         self.server.version = version
         return 0.0
 

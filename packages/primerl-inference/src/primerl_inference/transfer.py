@@ -16,17 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from primerl_protocol import transfer
 
 try:
+    import torch
     from vllm.distributed.weight_transfer.base import (
         WeightTransferEngine,
         WeightTransferInitInfo,
         WeightTransferUpdateInfo,
     )
-except ImportError:  # vLLM without weight-transfer engines: the in-memory transport is not offered
+except ImportError:  # no vLLM, or one without weight-transfer engines: the in-memory transport is not offered
     WeightTransferEngine = None
 
 
@@ -56,7 +55,7 @@ if WeightTransferEngine is not None:
             self.group = None
             self.received: tuple[int, str, int] | None = None
             """(step, checksum, bytes) of the last update received whole."""
-            self.kept: list[tuple[str, torch.Tensor]] = []
+            self.kept: list = []
             """Received tensors the worker loads again after the reload (worker.RELOADED_AGAIN)."""
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:

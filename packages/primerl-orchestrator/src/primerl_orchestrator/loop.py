@@ -437,7 +437,7 @@ class Orchestrator:
             if self._eval_task is not None:
                 await asyncio.shield(self._eval_task)  # an eval sees one policy
             version = msg.step + 1
-            self._load_s += await self.pool.load_weights(msg.location, version, msg.checksum, msg.format, msg.served)
+            self._load_s += await self.pool.load_weights(msg.location, version, msg.checksum, msg.format, served=msg.served)
             self.version = version
             log.info("servers serve policy %d (%s)", version, msg.location or "sent in memory")
             self._maybe_eval(version)

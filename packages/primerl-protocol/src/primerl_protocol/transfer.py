@@ -104,12 +104,23 @@ def new_checksum():
 # -- the broadcasts (torch is imported here only: the rest of primerl_protocol is torch-free) --
 
 
+def _torch():
+    """torch, with torch.distributed: the trainer's and the servers' environments have it;
+    primerl-protocol alone does not need it (nor declare it) but for streaming weights."""
+    try:
+        import torch
+        import torch.distributed
+    except ImportError:
+        raise RuntimeError("streaming weights in memory needs torch, which this environment lacks") from None
+    return torch
+
+
 def host_store(port: int, world_size: int, timeout_s: float):
     """Rank 0's rendezvous store, listening on `port` of every interface (0: a free one; `.port`
     says which)."""
     from datetime import timedelta
 
-    import torch.distributed as dist
+    dist = _torch().distributed
 
     return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
@@ -122,7 +133,7 @@ def open_group(host: str, port: int, secret: str, rank: int, world_size: int, ti
     (RuntimeError). Every key of the rendezvous is under `secret`."""
     from datetime import timedelta
 
-    import torch.distributed as dist
+    dist = _torch().distributed
 
     timeout = timedelta(seconds=timeout_s)
     if store is None:
@@ -141,7 +152,7 @@ class Group:
 
 
 def broadcast(group: Group, tensor) -> None:
-    import torch.distributed as dist
+    dist = _torch().distributed
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
@@ -149,14 +160,14 @@ def broadcast(group: Group, tensor) -> None:
 
 
 def send_bytes(group, data: bytes) -> None:
-    import torch
+    torch = _torch()
 
     broadcast(group, torch.tensor([len(data)], dtype=torch.int64))
     broadcast(group, torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
 def recv_bytes(group, limit: int = MAX_HEADER_BYTES) -> bytes:
-    import torch
+    torch = _torch()
 
     size = torch.zeros(1, dtype=torch.int64)
     broadcast(group, size)
@@ -171,7 +182,7 @@ def recv_bytes(group, limit: int = MAX_HEADER_BYTES) -> bytes:
 def scratch(buffer, size: int, device="cpu", pin: bool = False):
     """`size` bytes of `buffer` (a uint8 tensor kept between groups), or of a new one when it is
     too small: an update reuses one buffer, not fresh memory (and its page faults) per group."""
-    import torch
+    torch = _torch()
 
     if buffer is None or buffer.numel() < size:
         buffer = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin)
@@ -192,7 +203,7 @@ def pack(tensors: list[tuple[str, object]], out=None):
 
 def unpack(header: GroupHeader, buffer) -> list[tuple[str, object]]:
     """The (name, tensor) views of a received group's buffer (checked by decode_header)."""
-    import torch
+    torch = _torch()
 
     return [(s.name, buffer[s.offset: s.offset + nbytes(s)].view(getattr(torch, s.dtype)).view(s.shape))
             for s in header.tensors]
@@ -212,7 +223,7 @@ def send_update(groups: list[Group], step: int, tensors) -> tuple[str, dict[int,
                 except RuntimeError as err:  # gloo: a closed connection, a timeout
                     failed[i] = str(err).splitlines()[0][:300]
 
-    import torch
+    torch = _torch()
 
     digest = new_checksum()
     packed = host = None  # reused from group to group
@@ -235,7 +246,7 @@ def receive_update(group, step: int, load) -> tuple[str, int]:
     """Receive an update of `step` (a worker), giving each group's tensors to `load`; returns
     (checksum, bytes). ValueError if a header is malformed or the checksum does not match: the
     tensors already given to `load` are then not the trainer's."""
-    import torch
+    torch = _torch()
 
     digest, received = new_checksum(), 0
     while True:
