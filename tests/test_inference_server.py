@@ -370,6 +370,14 @@ def test_weights_sent_in_memory_serve_like_transformers_and_a_wrong_step_falls_b
     # the group is out of step after a failure: a receive needs a new join
     status, _, body = request(url, WEIGHTS_RECEIVE_ROUTE, {"step": 9}, token=TOKEN)
     assert status == 409 and "join it first" in body["error"]
+    # ... after which it serves what it is sent again (as a restarted server joins at the next step)
+    sender = joined_sender(url, load_model(v2), v2, secret="another-secret")
+    answer = in_thread(lambda: request(url, WEIGHTS_RECEIVE_ROUTE, {"step": 9}, token=TOKEN))
+    assert sender.send(load_model(v2), 9)[1] == {}
+    assert answer()[0] == 200
+    got = complete(url, str(vllm.model))
+    assert got[2] == 9
+    assert_matches(got, reference(v2))
 
 
 def test_the_transfer_routes_need_the_token_and_a_join_that_never_meets_times_out(vllm):

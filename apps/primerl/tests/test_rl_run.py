@@ -269,6 +269,38 @@ def test_weights_in_memory_reach_two_servers_from_expert_parallel_ranks(tmp_path
     assert not leftovers(run_dir)
 
 
+def test_weights_in_memory_go_on_to_the_server_left_when_one_is_killed(model, tmp_path):
+    """transport = "memory" with two servers, one SIGKILLed after step 1: the trainer names it
+    (its stream fails, or it is not up when the next step joins the servers) and sends the
+    following steps to the other alone, the orchestrator routes around it, and every step stays
+    on policy (mismatch KL < 1e-6): the server left serves each new step's weights."""
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=30, replicas=2)
+    port = int(next(line for line in cfg.read_text().splitlines() if line.startswith("port = ")).split("=")[1])
+    launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0",
+                                 "trainer.weights.transport=memory", "trainer.weights.folder_every=0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(launcher, lambda: max(steps_of(run_dir), default=-1) >= 1, "step 1")
+        [second] = [pid for pid, argv in processes("primerl_inference.serve") if str(port + 1) in argv]
+        os.killpg(second, signal.SIGKILL)  # the server and its engine
+        output, _ = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, output
+    rows = rows_of(run_dir)
+    assert [r["step"] for r in rows] == list(range(30))
+    assert all(r["policy/version"] == r["step"] for r in rows), [r["policy/version"] for r in rows]
+    assert rows[-1]["servers/healthy"] == 1
+    kls = [r["trainer/mismatch_kl"] for r in rows]
+    assert max(kls) < 1e-6, kls
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    dead = f"inference server http://127.0.0.1:{port + 1}"
+    assert f"{dead} is not up" in trainer_log or f"{dead} did not receive" in trainer_log, trainer_log[-3000:]
+    assert not leftovers(run_dir)
+
+
 def assert_eval_serves_each_published_adapter(model: Path, run_dir: Path, tmp_path: Path) -> None:
     """`primerl eval run=RUN_DIR` starts its own server with LoRA on (nothing in its config
     says so) and evaluates each step's adapter."""

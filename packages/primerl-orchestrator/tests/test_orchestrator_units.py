@@ -369,6 +369,57 @@ def test_adapter_policies_are_loaded_named_by_rollouts_and_unloaded_once_idle():
         asyncio.run(go(url))
 
 
+class _MemoryServer(_AdapterServer):
+    """A stand-in that takes weights in memory (records each admin POST; its policy route reports
+    the last step it received or loaded). The real servers: test_inference_server.py and
+    test_rl_run.py's runs with trainer.weights.transport = "memory"."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        type(self).posts.append((self.path, body))
+        if self.path in ("/admin/weights/receive", "/admin/load_weights"):
+            type(self).policy = {"step": body["step"]}
+        self._answer({})
+
+
+def test_weights_in_memory_are_received_by_the_servers_sent_to_and_only_then():
+    """PolicyReady(format "memory"): each server the trainer sends to receives, healthy or not
+    (the trainer's stream waits for it), and one that was unhealthy serves again; a server left
+    out loads the step's folder if there is one, else gets no rollouts; a later probe never asks
+    for a stream that is not coming."""
+    from primerl_protocol.weights import MEMORY
+
+    handlers = [type(f"Memory{i}", (_MemoryServer,), {"posts": [], "policy": {"step": -1}}) for i in range(3)]
+
+    async def go(urls):
+        pool = ServerPool(urls, "m", "t", logprobs_mode="processed_logprobs")
+        try:
+            await pool.start()
+            a, b, c = pool.servers
+            pool.mark_unhealthy(c, "a rollout failed")
+            await pool.load_weights("", 1, "", MEMORY, served=[a.url, c.url + "/"])
+            assert handlers[0].posts == [("/admin/weights/receive", {"step": 1})]
+            assert handlers[2].posts == [("/admin/weights/receive", {"step": 1})]
+            assert handlers[1].posts == []  # left out, and no folder to load
+            assert (a.healthy, a.version, c.healthy, c.version) == (True, 1, True, 1)
+            assert not b.healthy and "no folder of it" in b.problem
+            # a probe asks for no stream (none is coming), not even of a server sent to before
+            # that restarted since: without a folder to load, it waits for the next policy
+            assert "no folder of it" in await pool.probe(b)
+            handlers[0].policy = {"step": -1}
+            assert "no folder of it" in await pool.probe(a)
+            assert handlers[1].posts == [] and len(handlers[0].posts) == 1
+            # with a folder of the step, the servers left out load it
+            await pool.load_weights("/w/step_1", 2, "f" * 32, MEMORY, served=[a.url])
+            assert handlers[0].posts[-1] == ("/admin/weights/receive", {"step": 2})
+            assert handlers[2].posts[-1] == ("/admin/load_weights", {"path": "/w/step_1", "step": 2, "checksum": None})
+        finally:
+            await pool.close()
+
+    with stand_in(handlers[0]) as u0, stand_in(handlers[1]) as u1, stand_in(handlers[2]) as u2:
+        asyncio.run(go([u0, u1, u2]))
+
+
 def test_rollouts_whose_images_cannot_train_get_an_error_naming_environment_task_turn_and_image(tmp_path):
     """The image checks before a rollout can train: a picture the processor would resize, image
     tokens that do not match the picture's size, images for a text model. Good rollouts and

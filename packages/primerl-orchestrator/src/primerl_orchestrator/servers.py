@@ -374,11 +374,18 @@ class ServerPool:
         # in memory: the stream's checksum is not the folder's, so a probe checks the step only
         self.weights = w = Weights(path, version, None if format == MEMORY else checksum, format,
                                    tuple(u.rstrip("/") for u in served or ()))
-        servers = self.healthy()
+        # In memory, every server the trainer sends to must receive, healthy or not: the trainer's
+        # stream to it waits for it (until its timeout) otherwise; one that receives serves again.
+        servers = [s for s in self.servers if s.healthy or (format == MEMORY and s.url in w.served)]
         results = await asyncio.gather(*(self._load(s, w, receive=True) for s in servers), return_exceptions=True)
         for server, result in zip(servers, results):
             if isinstance(result, BaseException):
-                self.mark_unhealthy(server, f"loading policy {version} from {path} failed: {result}")
+                self.mark_unhealthy(server, f"loading policy {version} from {path or 'memory'} failed: {result}")
+            elif not server.healthy and (problem := await self.probe(server)) is None:
+                server.healthy, server.problem = True, None
+                log.info("inference server %s is healthy again (policy %d, received in memory)", server.url, version)
+            elif not server.healthy:
+                server.problem = problem
         if not self.healthy():
             raise NoServerError(self._none_healthy())
         return time.monotonic() - t0

@@ -140,6 +140,8 @@ class MemoryPublisher:
         self.last_timing: dict[str, float] = {}
         self.announce = None
         """Rank 0: how PolicyReady reaches the orchestrator (rl.py sets it: its policy socket)."""
+        self.down: set[str] = set()
+        """Servers found not up at the last join (named once)."""
 
     @property
     def published(self) -> bool:
@@ -155,7 +157,7 @@ class MemoryPublisher:
 
     def folder_due(self, step: int) -> bool:
         every = self.cfg.folder_every
-        return step == self.max_steps - 1 or bool(every) and (step + 1) % every == 0
+        return step + 1 == self.max_steps or bool(every) and (step + 1) % every == 0
 
     def publish(self, model: torch.nn.Module, step: int) -> None:
         """Every rank: publish the folder if one is due, then send the weights after `step`
@@ -191,6 +193,15 @@ class MemoryPublisher:
         for url in self.servers:
             if url in self.sender.links:
                 continue
+            try:  # a server that is down (killed, restarting) is not waited for: asked again next step
+                urllib.request.urlopen(url + "/health", timeout=5).close()
+            except OSError as err:
+                if url not in self.down:  # said once, until it is up again
+                    log.warning("inference server %s is not up (%s): no weights in memory for it until it is",
+                                url, err)
+                self.down.add(url)
+                continue
+            self.down.discard(url)
             store = transfer.host_store(0, 1 + self.cfg.workers_per_server, self.cfg.timeout_s)
             body = {"host": self.host, "port": store.port, "secret": self.secret, "rank": 1,
                     "world_size": 1 + self.cfg.workers_per_server, "timeout_s": self.cfg.timeout_s}
