@@ -103,7 +103,10 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
     launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
     try:
-        wait_until(launcher, lambda: max(steps_of(run_dir), default=-1) >= 1, "step 1")
+        # both servers serve (on a loaded machine one may join the pool late): the kill below is
+        # then what makes one unhealthy
+        wait_until(launcher, lambda: max(steps_of(run_dir), default=-1) >= 1
+                   and any(r.get("servers/healthy") == 2 for r in rows_of(run_dir)), "step 1 on both servers")
         # a second `primerl rl` on the live run's directory is refused, naming it, and changes nothing
         configs = {p.name: p.read_bytes() for p in (run_dir / "configs").iterdir()}
         again = subprocess.run([PRIMERL, "rl", "@", str(cfg), "trainer.optimizer.lr=1e-3"], capture_output=True,
@@ -113,9 +116,11 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
         assert {p.name: p.read_bytes() for p in (run_dir / "configs").iterdir()} == configs
         second = [pid for pid, argv in processes("primerl_inference.serve") if str(port + 1) in argv]
         assert len(second) == 1, second
+        killed_at = max(steps_of(run_dir))
         os.killpg(second[0], signal.SIGKILL)  # the server and its engine
         # the run went on without it (its pool counts it unhealthy), and a checkpoint exists
-        wait_until(launcher, lambda: any(r.get("servers/unhealthy") == 1 for r in rows_of(run_dir))
+        wait_until(launcher, lambda: any(r.get("servers/unhealthy") == 1 and r["step"] > killed_at
+                                         for r in rows_of(run_dir))
                    and latest_checkpoint(run_dir) is not None, "a step without the killed server, and a checkpoint")
         [(torchrun, _)] = processes("torch.distributed.run", run_dir)
         os.killpg(torchrun, signal.SIGKILL)
@@ -124,8 +129,8 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 1, output
-    assert "warning: inference-1 was killed by signal 9; the run goes on" in output
-    assert "primerl rl: trainer was killed by signal 9; last lines of" in output
+    assert "warning: inference-1 was killed by signal 9; the run goes on" in output, output
+    assert "primerl rl: trainer was killed by signal 9; last lines of" in output, output
     assert not leftovers(run_dir)
     trained_before = steps_of(run_dir)
     folder, meta = latest_checkpoint(run_dir)
@@ -260,7 +265,9 @@ def test_weights_in_memory_reach_two_servers_from_expert_parallel_ranks(tmp_path
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["policy/version"] == r["step"] for r in rows), [r["policy/version"] for r in rows]
-    assert all(r["servers/healthy"] == 2 for r in rows)
+    # (on a loaded machine a server may come up after the first step: the trainer joins it when
+    # it is up, and it serves from the update it first receives)
+    assert rows[-1]["servers/healthy"] == 2, [r["servers/healthy"] for r in rows]
     kls = [r["trainer/mismatch_kl"] for r in rows]
     assert max(kls) < 1e-6, kls
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["step_2"]  # the last step's folder only
