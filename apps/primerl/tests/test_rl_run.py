@@ -248,18 +248,20 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
         assert_eval_serves_each_published_adapter(model, run_dir, tmp_path)
 
 
-def test_weights_in_memory_reach_two_servers_from_expert_parallel_ranks(tmp_path):
+@pytest.mark.parametrize("family, layout", [("qwen3_moe", ["trainer.parallel.ep=2"]), ("qwen3", [])],
+                         ids=["qwen3_moe-ep2", "qwen3-dp2"])
+def test_weights_in_memory_reach_two_servers_from_two_ranks(family, layout, tmp_path):
     """trainer.weights.transport = "memory": a tiny Qwen3-MoE trained on 2 ranks with its experts
-    split over both (EP=2), its weights streamed after each step from rank 0 to both servers of
-    the run (no folder but the last step's: folder_every = 0), on policy: vLLM's log-probabilities
-    equal the trainer's (mismatch KL < 1e-6) on every step, each step sampled by the policy of
-    the step before."""
-    model = build_tiny_model(tmp_path / "model", "qwen3_moe", alphabet=string.ascii_lowercase + " ", hidden_size=128,
+    split over both (EP=2), and a dense Qwen3 on 2 data-parallel ranks (FSDP shards), their
+    weights streamed after each step from rank 0 to both servers of the run (no folder but the
+    last step's: folder_every = 0), on policy: vLLM's log-probabilities equal the trainer's
+    (mismatch KL < 1e-6) on every step, each step sampled by the policy of the step before."""
+    model = build_tiny_model(tmp_path / "model", family, alphabet=string.ascii_lowercase + " ", hidden_size=128,
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.05)
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3, replicas=2)
     out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0", "transport.trainer_ranks=2",
-                          "trainer.parallel.ep=2", "trainer.weights.transport=memory", "trainer.weights.folder_every=0"],
+                          *layout, "trainer.weights.transport=memory", "trainer.weights.folder_every=0"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = rows_of(run_dir)
