@@ -201,6 +201,14 @@ def _logprobs_mode(app) -> str | None:
     return getattr(model_config, "logprobs_mode", None)
 
 
+async def _reset_prefix_cache(engine) -> None:
+    """Drop every prefix-cache entry after the weights changed. Nothing is running (the gate is
+    closed and drained), so the reset succeeds; if vLLM still declines, force it rather than
+    serve blocks computed with old weights."""
+    if not await engine.reset_prefix_cache():
+        await engine.reset_prefix_cache(reset_running_requests=True)
+
+
 class AdminMiddleware:
     """ASGI middleware: admin routes, the swap gate, and the policy-step header."""
 
@@ -319,10 +327,7 @@ class AdminMiddleware:
             try:
                 waited = time.monotonic() - t0
                 await engine.collective_rpc("primerl_reload_weights", kwargs={"weights_path": path})
-                # Nothing is running (the gate is closed and drained), so the reset succeeds;
-                # if vLLM still declines, force it rather than serve blocks of old weights.
-                if not await engine.reset_prefix_cache():
-                    await engine.reset_prefix_cache(reset_running_requests=True)
+                await _reset_prefix_cache(engine)
                 self.weights = self.policy = self.folder = Policy(step=step, path=path, checksum=meta["checksum"])
                 await self._drop_policy_adapters(app)
             finally:
@@ -371,8 +376,7 @@ class AdminMiddleware:
                     await self._fall_back(app, engine)
                     raise AdminError(409, f"weights of step {step} not received ({type(err).__name__}: {err}); "
                                           f"serving {self._serving()} instead") from None
-                if not await engine.reset_prefix_cache():
-                    await engine.reset_prefix_cache(reset_running_requests=True)
+                await _reset_prefix_cache(engine)
                 _, checksum, size = received[0]
                 self.weights = self.policy = Policy(step=step, path=None, checksum=checksum)
                 await self._drop_policy_adapters(app)
@@ -391,8 +395,7 @@ class AdminMiddleware:
         # worker.primerl_reload_weights, and vLLM's loader with no path: the model it was started on
         path = self.folder.path or app.state.vllm_config.model_config.model
         await engine.collective_rpc("primerl_reload_weights", kwargs={"weights_path": path})
-        if not await engine.reset_prefix_cache():
-            await engine.reset_prefix_cache(reset_running_requests=True)
+        await _reset_prefix_cache(engine)
         self.weights = self.policy = self.folder
         await self._drop_policy_adapters(app)
 

@@ -44,6 +44,18 @@ class WeightPublisher(Protocol):
         Returns the message to send (on rank 0), else None."""
 
 
+def gathered(state: dict, names: list[str], kept: set[str], dtype: torch.dtype, d: Dist):
+    """(name, full tensor on the device) of each of `names` in `state` on rank 0 (nothing
+    elsewhere), cast to `dtype` unless in `kept`. Every rank must iterate it to its end: each
+    tensor's all-gather (FSDP shards, EP-sharded experts) is a collective, one at a time."""
+    for name in names:
+        tensor = state[name]
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if d.is_main:
+            yield name, full.detach().to(full.dtype if name in kept else dtype)
+        del full
+
+
 class StepFolders:
     """What every folder publisher shares: `run_dir/weights/step_N` folders written in a staging
     folder, checksummed (the marker, last), renamed into place, the oldest pruned."""
@@ -128,16 +140,12 @@ class FolderPublisher(StepFolders):
         """Full tensors on rank 0's CPU (empty elsewhere): each parameter is all-gathered on
         the device, cast there to the published dtype, then copied (half the bytes of fp32).
         Buffers keep their dtype (router correction biases stay fp32 in bf16 weights)."""
-        out = {}
         buffers = {name for name, _ in model.named_buffers()}
         adapted = adapted_weights(model)
-        for name, tensor in model.state_dict().items():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if self.d.is_main:
-                # LoRA layers' weights and adapters stay in their dtype until folded (below)
-                keep = full.dtype if name in buffers or name in adapted or ".lora_" in name else self.dtype
-                out[name] = full.detach().to(keep).cpu()
-            del full
+        state = model.state_dict()
+        # LoRA layers' weights and adapters stay in their dtype until folded (below)
+        kept = {name for name in state if name in buffers or name in adapted or ".lora_" in name}
+        out = {name: full.cpu() for name, full in gathered(state, list(state), kept, self.dtype, self.d)}
         # adapters folded in fp32, then cast: what vLLM loads as an ordinary weight update
         return fold(out, model, self.dtype) if self.d.is_main else out
 

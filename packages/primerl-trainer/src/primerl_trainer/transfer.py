@@ -34,7 +34,7 @@ from primerl_protocol.serving import ADMIN_TOKEN_ENV, WEIGHTS_JOIN_ROUTE, WEIGHT
 from primerl_protocol.weights import MEMORY
 from primerl_trainer.config import WeightsConfig
 from primerl_trainer.distributed import Dist
-from primerl_trainer.publish import StepFolders
+from primerl_trainer.publish import StepFolders, gathered
 
 log = logging.getLogger("primerl.trainer")
 
@@ -77,15 +77,9 @@ class MemorySender:
     def groups(self, model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Each group's tensors, HF-named, on rank 0's device (empty lists elsewhere)."""
         state = model.state_dict()
-        buffers = {name for name, _ in model.named_buffers()}
+        buffers = {name for name, _ in model.named_buffers()}  # keep their dtype (fp32 router biases)
         for names in layer_groups(list(state)):
-            ours = {}
-            for name in names:
-                tensor = state[name]
-                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-                if self.d.is_main:  # buffers keep their dtype (router correction biases stay fp32)
-                    ours[name] = full.detach().to(full.dtype if name in buffers else self.dtype)
-                del full
+            ours = dict(gathered(state, names, buffers, self.dtype, self.d))
             # renamed (and experts split) on the device; packed there too (transfer.pack)
             yield list(self.to_hf(ours).items()) if self.d.is_main else []
 
