@@ -167,3 +167,18 @@ def test_a_well_formed_header_passes():
     assert [s.offset for s in specs] == [0, 16] and size == 32
     header = transfer.decode_header(transfer.encode_header(transfer.GroupHeader(step=1, tensors=specs, nbytes=size)), 1)
     assert header.tensors == specs
+
+
+@pytest.mark.parametrize("every, max_steps, due", [
+    (10, 25, [9, 19, 24]),  # N + 1 a multiple of 10, and the last step
+    (0, 25, [24]),          # the last step's only
+    (10, None, [9, 19]),    # an endless run: no last step
+])
+def test_folders_are_published_every_k_steps_and_at_the_last(every, max_steps, due):
+    from types import SimpleNamespace
+
+    from primerl_trainer.config import WeightsConfig
+    from primerl_trainer.transfer import MemoryPublisher
+
+    pub = SimpleNamespace(cfg=WeightsConfig(transport="memory", folder_every=every), max_steps=max_steps)
+    assert [s for s in range(25) if MemoryPublisher.folder_due(pub, s)] == due
