@@ -92,6 +92,44 @@ def test_two_receivers_get_every_tensor_of_the_checkpoint_exactly(model_folder, 
         assert size >= sum(t.numel() * t.element_size() for t in got.values())
 
 
+def test_a_background_send_delivers_each_update_whole_from_buffers_kept_between_updates(model_folder):
+    """trainer.weights.overlap: the update is packed into host buffers, sent from a thread, and
+    its outcome taken by wait(); the next update reuses the same buffers and carries the new
+    values (not the last update's), and a send before the last outcome was taken is refused."""
+    model = load_model(model_folder)
+    sender = MemorySender(model, read_config(model_folder), torch.float32, ONE)
+    port = free_port_block(1)
+
+    def receiver():
+        group = transfer.open_group("127.0.0.1", port, "k", 1, 2, 60)
+        out = []
+        for step in (7, 8):
+            got = {}
+            checksum, _ = transfer.receive_update(group, step, lambda ts: got.update({n: t.clone() for n, t in ts}))
+            out.append((got, checksum))
+        return out
+
+    result = run(receiver)
+    sender.open("server", port, "k", 2, 60)
+    assert sender.send(model, 7, background=True) == (None, {})
+    with pytest.raises(RuntimeError, match="wait\\(\\) first"):
+        sender.send(model, 8, background=True)
+    first, failed = sender.wait()
+    assert failed == {} and first is not None
+    kept = [b.data_ptr() for b in sender.hosts]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    sender.send(model, 8, background=True)
+    second, failed = sender.wait()
+    assert failed == {} and [b.data_ptr() for b in sender.hosts] == kept
+    (got7, sum7), (got8, sum8) = result()
+    assert (sum7, sum8) == (first, second) and first != second
+    want = read_tensors(model_folder)
+    for name, tensor in want.items():
+        assert torch.equal(got7[name], tensor.float()) and torch.equal(got8[name], tensor.float() + 1), name
+
+
 def test_a_receiver_told_another_step_refuses_and_the_sender_times_out(model_folder):
     model = load_model(model_folder)
     sender = MemorySender(model, read_config(model_folder), torch.float32, ONE)
@@ -137,15 +175,90 @@ def test_a_damaged_stream_is_refused_by_its_checksum(model_folder):
         result()
 
 
-def test_a_process_without_the_secret_cannot_take_a_rank(model_folder):
-    """The rendezvous keys are under the run's secret: a member with another secret never meets
-    the group; both sides time out (a stranger joins nothing, and the trainer is not fooled)."""
+def test_a_process_without_the_secret_cannot_take_a_rank_and_is_counted(model_folder):
+    """The rendezvous keys are under a hash of the run's secret: a member with another secret
+    never meets the group; both sides time out (a stranger joins nothing, and the trainer is not
+    fooled), and rank 0's store shows the stranger's key (counted: transfer.strangers)."""
     port = free_port_block(1)
-    stranger = run(lambda: transfer.open_group("127.0.0.1", port, "guess", 1, 2, 3))
+    store = transfer.host_store(port, 2, 3)
+    stranger = run(lambda: transfer.open_group("127.0.0.1", port, "guess", 1, 2, 1.5))
     with pytest.raises(RuntimeError):
-        transfer.open_group("127.0.0.1", port, "the-run-secret", 0, 2, 3)
+        transfer.open_group("127.0.0.1", port, "the-run-secret", 0, 2, 3, store=store)
     with pytest.raises(RuntimeError):
         stranger()
+    assert transfer.strangers(store, "the-run-secret") == 1
+    assert not any("the-run-secret" in k or "guess" in k for k in store.list_keys())  # no secret in the store
+
+
+def test_a_stranger_that_read_the_keys_and_took_a_rank_is_refused_by_the_handshake():
+    """Any client of the store can list its keys, so the rendezvous prefix is not a secret: a
+    process that takes rank 1 under it is in the group, but cannot prove it holds the secret,
+    and rank 0 refuses it (transfer.Stranger naming the rank); so would the server refuse a
+    trainer that is not the run's."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    port = free_port_block(1)
+    store = transfer.host_store(port, 2, 10)
+
+    def stranger():
+        client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=10))
+        while not (keys := client.list_keys()):  # rank 0's key shows the prefix
+            pass
+        prefix = keys[0].lstrip("/").rsplit("/", 3)[0] + "/"
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, client), 1, 2, timedelta(seconds=10))
+        group = transfer.Group(pg, client)
+        nonce = torch.empty(16, dtype=torch.uint8)
+        transfer.broadcast(group, nonce)
+        guess = torch.zeros(32, dtype=torch.uint8)
+        tags = [torch.empty_like(guess) for _ in range(2)]
+        pg.allgather([tags], [guess]).wait()
+        return prefix
+
+    result = run(stranger)
+    with pytest.raises(transfer.Stranger, match=r"rank\(s\) \[1\]") as refused:
+        transfer.open_group("127.0.0.1", port, "the-run-secret", 0, 2, 10, store=store)
+    assert refused.value.ranks == [1]
+    assert result() == transfer._prefix("the-run-secret")  # it did take a rank under the right prefix
+
+
+def test_a_stalled_receiver_is_dropped_after_the_timeout_and_the_other_gets_the_update_whole():
+    """Two servers' groups in lockstep; one stops reading after the first layer (a hung server)
+    for longer than the groups' timeout. The sender's broadcast to it times out (its socket
+    buffers full: 3 layers of 32 MB), it is named as failed and left out; the other receives
+    every layer and the checksum. Nothing waits for the stalled one beyond the timeout."""
+    import time
+
+    ports = free_port_block(2)
+    layers = [[("w", torch.full((8 << 20,), float(i)))] for i in range(3)]
+
+    def receiver(port, stall_s):
+        group = transfer.open_group("127.0.0.1", port, "k", 1, 2, 2)
+        got = []
+
+        def load(tensors):
+            got.append(float(tensors[0][1][0]))
+            if stall_s:
+                time.sleep(stall_s)
+                stall_s_done.set()
+
+        try:
+            return transfer.receive_update(group, 1, load), got
+        except (RuntimeError, ValueError) as err:
+            return err, got
+
+    stall_s_done = threading.Event()
+    healthy, stalled = run(lambda: receiver(ports, 0)), run(lambda: receiver(ports + 1, 4))
+    groups = [run(lambda p=p: transfer.open_group("127.0.0.1", p, "k", 0, 2, 2)) for p in (ports, ports + 1)]
+    groups = [g() for g in groups]
+    checksum, failed = transfer.send_update(groups, 1, iter(layers))
+    assert not stall_s_done.is_set(), "the sender waited for the stalled receiver to wake"
+    assert list(failed) == [1] and failed[1]
+    del groups[1]  # closed, as MemorySender.wait closes a failed group: the stalled one then fails at once
+    (their_checksum, size), got = healthy()
+    assert their_checksum == checksum and got == [0.0, 1.0, 2.0] and size == 3 * (32 << 20)
+    err, got = stalled()
+    assert isinstance(err, (RuntimeError, ValueError)) and got[:1] == [0.0]
 
 
 @pytest.mark.parametrize("header, message", [

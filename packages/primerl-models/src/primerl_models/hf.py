@@ -176,6 +176,35 @@ def dequantize_fp8(tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dty
     return out
 
 
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of dequantize_fp8 for one weight [out, in]: (e4m3 weight, fp32
+    weight_scale_inv [ceil(out/bo), ceil(in/bi)]), each block's scale its amax / 448 (e4m3's
+    largest value; an all-zero block gets the smallest normal fp32 instead of 0), as DeepSeek-V3,
+    MiniMax-M2 and GLM-5-FP8 store it and vLLM's block-FP8 layers read it. On the weight's
+    device, in one pass (no loop over blocks)."""
+    rows, cols = weight.shape
+    bo, bi = block
+    grid = (-(-rows // bo), -(-cols // bi))
+    w = torch.nn.functional.pad(weight.float(), (0, grid[1] * bi - cols, 0, grid[0] * bo - rows))
+    blocks = w.view(grid[0], bo, grid[1], bi)
+    scale = blocks.abs().amax(dim=(1, 3)).div(448.0).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (blocks / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(grid[0] * bo, grid[1] * bi)[:rows, :cols].contiguous(), scale
+
+
+def fp8_weights(path: str | Path, cfg: dict) -> tuple[tuple[int, int], set[str]] | None:
+    """A block-FP8 checkpoint's block and the HF names of the weights it stores in FP8 (those
+    with a `weight_scale_inv`, read from the files' headers); None for any other checkpoint."""
+    quant = cfg.get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8" or len(quant.get("weight_block_size") or ()) != 2:
+        return None
+    names = set()
+    for file in _weight_files(Path(path)):
+        with safe_open(file, "pt") as f:
+            names |= {n.removesuffix("_scale_inv") for n in f.keys() if n.endswith(".weight_scale_inv")}
+    return tuple(quant["weight_block_size"]), names
+
+
 def published_config(cfg: dict) -> dict:
     """The config.json of weights the trainer publishes: what it dequantised is written plain."""
     return {k: v for k, v in cfg.items() if k != "quantization_config"}

@@ -2,8 +2,11 @@
 (`trainer.weights.transport = "memory"`), defined once for both sides.
 
 The trainer's rank 0 and the workers of a server form one process group (gloo on CPU; its
-rendezvous is a TCP store on the trainer, every key under the run's secret, so a process that
-does not know the secret cannot take a rank in it). An update is a sequence of broadcasts from
+rendezvous is a TCP store on the trainer). The secret itself never enters the store, which any
+client can list: the rendezvous keys are under a hash of it, and once the group has met, every
+member proves it holds the secret (an HMAC of a nonce from rank 0 and its rank, all-gathered
+and checked by every member), so a process that read the hash from the store and took a rank
+with it is refused, as is a trainer that is not the run's. An update is a sequence of broadcasts from
 rank 0, one group of tensors (a decoder layer, or the embeddings, or the head) at a time:
 
     for each group:   [header size] [header: GroupHeader, JSON] [the group's bytes]
@@ -19,7 +22,10 @@ that add up) before a byte of it is used: the stream is input from another proce
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
+import secrets
 
 import msgspec
 import xxhash
@@ -126,21 +132,65 @@ def host_store(port: int, world_size: int, timeout_s: float):
                          wait_for_workers=False)
 
 
+KEYS = "primerl-weights/"
+"""Every rendezvous key of a transfer group starts with this, then the hash of the run's secret."""
+
+
+class Stranger(RuntimeError):
+    """A member of the transfer group does not hold the run's secret (`ranks`: which)."""
+
+    def __init__(self, ranks: list[int]):
+        super().__init__(f"rank(s) {ranks} of the weight transfer group do not hold the run's secret: refused")
+        self.ranks = ranks
+
+
+def _prefix(secret: str) -> str:
+    return f"{KEYS}{hashlib.sha256(secret.encode()).hexdigest()[:32]}/"
+
+
+def _tag(secret: str, nonce: bytes, rank: int) -> bytes:
+    return hmac.new(secret.encode(), nonce + rank.to_bytes(4, "little"), hashlib.sha256).digest()
+
+
 def open_group(host: str, port: int, secret: str, rank: int, world_size: int, timeout_s: float, store=None):
     """This process's member of the transfer group: rank 0 (the trainer) hosts the rendezvous
     store (`store`, from `host_store`, or one made here on `port`), the others join it on
     (host, port). Blocks until all `world_size` ranks are in, at most `timeout_s`
-    (RuntimeError). Every key of the rendezvous is under `secret`."""
+    (RuntimeError); then every member proves it holds `secret` (Stranger if one does not).
+    Each later operation waits at most `timeout_s` on rank 0, twice that on the others: rank 0
+    may be held up to `timeout_s` by another group's member (a stalled server) before it sends
+    to this group again."""
     from datetime import timedelta
 
-    dist = _torch().distributed
+    torch = _torch()
+    dist = torch.distributed
 
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=timeout_s if rank == 0 else 2 * timeout_s)
     if store is None:
         store = host_store(port, world_size, timeout_s) if rank == 0 else \
             dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    return Group(dist.ProcessGroupGloo(dist.PrefixStore(f"primerl-weights/{secret}/", store), rank, world_size, timeout),
-                 store)
+    group = Group(dist.ProcessGroupGloo(dist.PrefixStore(_prefix(secret), store), rank, world_size, timeout), store)
+    # The handshake: rank 0's nonce, then every member's HMAC of it and its rank, to all.
+    nonce = torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8)
+    broadcast(group, nonce)
+    mine = torch.frombuffer(bytearray(_tag(secret, nonce.numpy().tobytes(), rank)), dtype=torch.uint8)
+    tags = [torch.empty_like(mine) for _ in range(world_size)]
+    group.pg.allgather([tags], [mine]).wait()
+    bad = [r for r, t in enumerate(tags)
+           if not hmac.compare_digest(t.numpy().tobytes(), _tag(secret, nonce.numpy().tobytes(), r))]
+    if bad:
+        raise Stranger(bad)
+    return group
+
+
+def strangers(store, secret: str) -> int:
+    """How many rendezvous keys in rank 0's `store` are not the run's: ranks taken, or tried, by
+    processes that do not know the secret (0 where the store cannot list its keys)."""
+    try:
+        keys = store.list_keys()
+    except (AttributeError, RuntimeError):
+        return 0
+    return sum(1 for k in keys if not k.lstrip("/").startswith(_prefix(secret)))
 
 
 class Group:
@@ -209,37 +259,76 @@ def unpack(header: GroupHeader, buffer) -> list[tuple[str, object]]:
             for s in header.tensors]
 
 
-def send_update(groups: list[Group], step: int, tensors) -> tuple[str, dict[int, str]]:
-    """Send an update (rank 0) to every group in `groups` at once: `tensors` yields each layer
-    group's [(HF name, tensor)], all of it on one device. Returns the checksum and, by index in
-    `groups`, why the groups that failed did (a member gone, a timeout): the others got it all."""
-    failed: dict[int, str] = {}
-
-    def to_all(fn) -> None:
-        for i, group in enumerate(groups):
-            if i not in failed:
-                try:
-                    fn(group)
-                except RuntimeError as err:  # gloo: a closed connection, a timeout
-                    failed[i] = str(err).splitlines()[0][:300]
-
+def pack_update(step: int, tensors, hosts: list | None = None):
+    """An update's headers and buffers, in the order they are sent: (GroupHeader, host buffer)
+    for each layer group `tensors` yields ([(HF name, tensor)], all on one device), then the end
+    header (with the checksum over every buffer) and None. Each group is packed on its device and
+    crosses to host memory (pinned where CUDA is) in one copy. `hosts`: None, one host buffer
+    for every group (each valid until the next is taken); a list, group i's own buffer, kept
+    there for the caller and reused by the next update of the same model (its size per group
+    does not change), so an update can be held whole while it is sent in the background."""
     torch = _torch()
 
     digest = new_checksum()
-    packed = host = None  # reused from group to group
-    for group_tensors in tensors:
-        specs, buffer = pack(group_tensors, out=packed)
-        packed = buffer._base if buffer._base is not None else buffer
-        if buffer.device.type != "cpu":  # gloo sends from host memory: one copy, to pinned memory
-            host = scratch(host, buffer.numel(), pin=torch.cuda.is_available())
-            buffer = host[:buffer.numel()].copy_(buffer)
-        header = encode_header(GroupHeader(step=step, tensors=specs, nbytes=buffer.numel()))
-        to_all(lambda g: (send_bytes(g, header), broadcast(g, buffer)))
+    on_device = shared = None
+    for i, group_tensors in enumerate(tensors):
+        own = None if hosts is None else (hosts[i] if i < len(hosts) else None)
+        if not group_tensors or group_tensors[0][1].device.type == "cpu":
+            specs, buffer = pack(group_tensors, out=shared if hosts is None else own)
+        else:
+            specs, packed = pack(group_tensors, out=on_device)
+            on_device = packed._base if packed._base is not None else packed
+            host = scratch(shared if hosts is None else own, packed.numel(), pin=torch.cuda.is_available())
+            buffer = host[:packed.numel()].copy_(packed)
+        base = buffer._base if buffer._base is not None else buffer
+        if hosts is None:
+            shared = base
+        elif i < len(hosts):
+            hosts[i] = base
+        else:
+            hosts.append(base)
         digest.update(memoryview(buffer.numpy()))
-    checksum = digest.hexdigest()
-    end = encode_header(GroupHeader(step=step, end=True, checksum=checksum))
-    to_all(lambda g: send_bytes(g, end))
-    return checksum, failed
+        yield GroupHeader(step=step, tensors=specs, nbytes=buffer.numel()), buffer
+    yield GroupHeader(step=step, end=True, checksum=digest.hexdigest()), None
+
+
+def send_packed(groups: list[Group], update) -> tuple[str, dict[int, str]]:
+    """Send an update (rank 0; `update` as pack_update yields it) to every group in `groups` at
+    once, group by group in lockstep (each group's part sent in parallel). Returns the checksum and, by index in `groups`, why the
+    groups that failed did (a member gone, a timeout: each waits at most its group's timeout,
+    and is then left out of the rest): the others got it all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    failed: dict[int, str] = {}
+
+    def one(i: int, fn) -> None:
+        try:
+            fn(groups[i])
+        except RuntimeError as err:  # gloo: a closed connection, a timeout
+            failed[i] = str(err).splitlines()[0][:300]
+
+    def to_all(fn) -> None:
+        # To every group at once (gloo waits without the GIL): a stalled member holds up the
+        # others by at most its timeout, once, and the bytes go to several servers in parallel.
+        live = [i for i in range(len(groups)) if i not in failed]
+        if len(live) == 1:
+            one(live[0], fn)
+        else:
+            list(pool.map(lambda i: one(i, fn), live))
+
+    with ThreadPoolExecutor(max(1, len(groups)), thread_name_prefix="primerl-weights") as pool:
+        for header, buffer in update:
+            data = encode_header(header)
+            if header.end:
+                to_all(lambda g: send_bytes(g, data))
+                return header.checksum, failed
+            to_all(lambda g: (send_bytes(g, data), broadcast(g, buffer)))
+    raise ValueError("the update ended without its end header")
+
+
+def send_update(groups: list[Group], step: int, tensors) -> tuple[str, dict[int, str]]:
+    """Pack and send an update as it is packed, one group at a time (send_packed, pack_update)."""
+    return send_packed(groups, pack_update(step, tensors))
 
 
 def receive_update(group, step: int, load) -> tuple[str, int]:

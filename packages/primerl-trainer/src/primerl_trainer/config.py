@@ -77,6 +77,12 @@ class WeightsConfig(Config):
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     """With transport = "memory": a server's join or update that takes longer fails, for that
     server only (it is named in the trainer's log; the others and the run go on)."""
+    overlap: bool = True
+    """With transport = "memory": rank 0 sends each step's weights from a thread while the next
+    step trains (the gathers and packing stay in the step; the sending, which the servers pace,
+    does not). Costs a copy of the published weights in rank 0's host memory (pinned on GPUs),
+    kept between steps; false: sent layer by layer before the next step starts, one layer's
+    buffer at a time."""
 
 
 class ParallelConfig(Config):

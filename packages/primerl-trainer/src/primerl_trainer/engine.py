@@ -244,5 +244,7 @@ class Session:
     def close(self, failed: bool) -> None:
         """Close the metrics and leave the process group: together after success, at once after
         a failure (no barrier: the other ranks may wait in another collective, or be gone)."""
+        if not failed:
+            self.publisher.close()
         self.metrics.close()
         shutdown(wait=not failed)

@@ -39,9 +39,15 @@ SIDE_FILES = (
 
 
 class WeightPublisher(Protocol):
+    counts: dict[str, float]
+    """Running figures for the step's metrics (rank 0)."""
+
     def publish(self, model: torch.nn.Module, step: int) -> PolicyReady | None:
         """Make the weights of `step` available to inference; every rank calls it.
         Returns the message to send (on rank 0), else None."""
+
+    def close(self) -> None:
+        """Finish what is still in flight (every rank calls it, at the end of the run)."""
 
 
 def gathered(state: dict, names: list[str], kept: set[str], dtype: torch.dtype, d: Dist):
@@ -62,6 +68,7 @@ class StepFolders:
 
     format = FULL
     """The folders' format (primerl_protocol.weights), in their marker and in PolicyReady."""
+    counts: dict[str, float] = {}
 
     def __init__(self, run_dir: str | Path, keep: int, d: Dist, keep_every: int = 0):
         self.root = Path(run_dir) / rundir.WEIGHTS
@@ -116,6 +123,9 @@ class StepFolders:
         self.prune()
         self.last = PolicyReady(step=step, location=str(final.resolve()), checksum=digest, format=self.format)
         return self.last
+
+    def close(self) -> None:
+        """Nothing in flight: every folder is in place when publish returns."""
 
     def prune(self) -> None:
         """Remove all but the newest `keep` folders and those `keep_every` keeps."""

@@ -325,6 +325,7 @@ def train(cfg: TrainerRunConfig) -> None:
                 "policy_lag_s": time.time() - batch.created_at,
                 "time/data": data.wait_s,
                 "time/publish": publish_s,
+                **session.publisher.counts,
             }, batch.samples)
             step += 1
         if step > session.start_step and not checkpointed:

@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -68,6 +69,10 @@ class MemorySender:
         self.links: dict[str, transfer.Group] = {}
         """The transfer groups rank 0 sends to, by name (a server's URL)."""
         self.last_timing: dict[str, float] = {}
+        self.hosts: list = []
+        """Rank 0, background sends: each layer group's host buffer, kept from update to update."""
+        self._sending: threading.Thread | None = None
+        self._outcome: tuple | None = None
 
     def open(self, name: str, port: int, secret: str, world_size: int, timeout_s: float, store=None) -> None:
         """Rank 0: host a group named `name` (`store`: its rendezvous, from transfer.host_store)
@@ -83,22 +88,53 @@ class MemorySender:
             # renamed (and experts split) on the device; packed there too (transfer.pack)
             yield list(self.to_hf(ours).items()) if self.d.is_main else []
 
-    def send(self, model: torch.nn.Module, step: int) -> tuple[str | None, dict[str, str]]:
+    def send(self, model: torch.nn.Module, step: int, background: bool = False) -> tuple[str | None, dict[str, str]]:
         """Send the weights after `step` to every open group (every rank calls it; the groups'
-        members must be receiving). Rank 0 returns the update's checksum and, by name, the
-        groups that failed and why (they are closed: they need `open` again)."""
+        members must be receiving); rank 0 returns what `wait` says. By default the update is
+        sent as it is packed, layer by layer. `background`: rank 0 packs the whole update into
+        host buffers it keeps (`hosts`, reused by the next update), sends it from a thread
+        while the caller trains on, and returns (None, {}) at once: `wait` says how it went,
+        and must be asked before the next send."""
         t0 = time.monotonic()
         with torch.no_grad():
             if not self.d.is_main:
                 for _ in self.groups(model):
                     pass
                 return None, {}
-            names = list(self.links)
-            checksum, failed = transfer.send_update([self.links[n] for n in names], step, self.groups(model))
+            if self._sending is not None or self._outcome is not None:
+                raise RuntimeError("MemorySender.send: the last update's outcome was not taken (wait() first)")
+            names, groups = list(self.links), list(self.links.values())
+            if not background:
+                self._outcome = (names, *transfer.send_update(groups, step, self.groups(model)))
+                self.last_timing = {"send": time.monotonic() - t0}
+                return self.wait()
+            update = list(transfer.pack_update(step, self.groups(model), hosts=self.hosts))
+            packed_s = time.monotonic() - t0
+
+            def body():
+                t1 = time.monotonic()
+                try:
+                    self._outcome = (names, *transfer.send_packed(groups, update))
+                except BaseException as err:  # a bug, not a server's failure: said by wait()
+                    self._outcome = (names, None, {i: f"{type(err).__name__}: {err}" for i in range(len(names))})
+                self.last_timing = {"pack": packed_s, "send": time.monotonic() - t1}
+
+            self._sending = threading.Thread(target=body, name="primerl-weights-send", daemon=True)
+            self._sending.start()
+            return None, {}
+
+    def wait(self) -> tuple[str | None, dict[str, str]]:
+        """Rank 0: wait for the update in flight, if any; the last update's checksum and, by
+        name, the groups that failed it and why (they are closed: they need `open` again)."""
+        if self._sending is not None:
+            self._sending.join()
+            self._sending = None
+        if self._outcome is None:
+            return None, {}
+        (names, checksum, failed), self._outcome = self._outcome, None
         failed_names = {names[i]: why for i, why in failed.items()}
         for name in failed_names:
-            del self.links[name]
-        self.last_timing = {"send": time.monotonic() - t0}
+            self.links.pop(name, None)
         return checksum, failed_names
 
 
@@ -136,6 +172,12 @@ class MemoryPublisher:
         """Rank 0: how PolicyReady reaches the orchestrator (rl.py sets it: its policy socket)."""
         self.down: set[str] = set()
         """Servers found not up at the last join (named once)."""
+        self.sending = -1
+        """The step of the update last sent (or in flight)."""
+        self.failed = 0
+        """Server updates that did not arrive whole, so far."""
+        self.strangers = 0
+        """Rendezvous keys (ranks taken or tried) of processes without the run's secret, so far."""
 
     @property
     def published(self) -> bool:
@@ -165,17 +207,38 @@ class MemoryPublisher:
         if self.d.is_main:
             if self.announce is None:
                 raise RuntimeError("MemoryPublisher.announce is not set: nobody would tell the orchestrator")
+            self._settle()  # the last step's update, if still in flight (overlap), goes out whole first
             self._join_missing()
             self.last = PolicyReady(step=step, location=folder.location if folder else "",
                                     checksum=folder.checksum if folder else "", format=MEMORY,
                                     served=list(self.sender.links))
             self.announce(self.last)
-        _, failed = self.sender.send(model, step + 1)  # every rank: the gathers
-        for url, why in failed.items():
-            log.warning("inference server %s did not receive the weights of step %d in memory: %s (it is joined "
-                        "again at the next step)", url, step, why)
+        self.sender.send(model, step + 1, background=self.cfg.overlap)  # every rank: the gathers
+        self.sending = step
+        if self.d.is_main and not self.cfg.overlap:
+            self._settle()
         self.last_timing = {"memory": time.monotonic() - t0, **(self.folders.last_timing if folder else {})}
         return None
+
+    def _settle(self) -> None:
+        """Rank 0: wait for the update in flight; name the servers that did not get it whole."""
+        _, failed = self.sender.wait()
+        self.failed += len(failed)
+        for url, why in failed.items():
+            log.warning("inference server %s did not receive the weights of step %d in memory: %s (it is joined "
+                        "again at the next step)", url, self.sending, why)
+
+    def close(self) -> None:
+        """Rank 0: the last update goes out whole (or fails, each server within the timeout)."""
+        if self.d.is_main:
+            self._settle()
+
+    @property
+    def counts(self) -> dict[str, float]:
+        """Rank 0's running counts for the step's metrics: server updates that failed, rendezvous
+        keys of processes without the run's secret, seconds the last update took to send."""
+        return {"weights/failed": self.failed, "weights/strangers": self.strangers,
+                **{f"time/weights_{k}": v for k, v in self.sender.last_timing.items()}}
 
     def announce_again(self, step: int) -> None:
         """A step that changed nothing: the weights are sent again under the new step (the
@@ -205,12 +268,20 @@ class MemoryPublisher:
             opened = _in_thread(lambda: self.sender.open(url, store.port, self.secret, 1 + self.cfg.workers_per_server,
                                                          self.cfg.timeout_s, store=store))
             try:
-                self._post(url, WEIGHTS_JOIN_ROUTE, body)  # answers once the server's workers are in
-                opened()
+                try:
+                    self._post(url, WEIGHTS_JOIN_ROUTE, body)  # answers once the server's workers are in
+                finally:  # the group's outcome: at once if the post failed (a stranger's rank shows there)
+                    opened(None if sys.exc_info()[0] is None else 1.0)
             except RuntimeError as err:
                 self.sender.links.pop(url, None)
+                if isinstance(err, transfer.Stranger):  # the group met, with a member not holding the secret
+                    self.strangers += len(err.ranks)
                 log.warning("inference server %s could not join the trainer's weight transfer: %s", url,
                             str(err).splitlines()[0][:300])
+            if n := transfer.strangers(store, self.secret):
+                self.strangers += n
+                log.warning("%d process(es) without the run's secret tried to join the weight transfer group of %s "
+                            "(%s:%d): refused", n, url, self.host, store.port)
 
     def _post(self, url: str, route: str, body: dict) -> dict:
         """POST an admin route of `url`; RuntimeError naming the route and what went wrong."""
@@ -240,8 +311,10 @@ def _in_thread(fn):
     t = threading.Thread(target=body, daemon=True)
     t.start()
 
-    def result():
-        t.join()
+    def result(timeout: float | None = None):
+        """Its result; None if it is still running after `timeout` seconds (it is left to end by
+        itself, at the group's timeout)."""
+        t.join(timeout)
         if "error" in out:
             raise out["error"]
         return out.get("value")
