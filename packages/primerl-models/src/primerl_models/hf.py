@@ -179,7 +179,7 @@ def dequantize_fp8(tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dty
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of dequantize_fp8 for one weight [out, in]: (e4m3 weight, fp32
     weight_scale_inv [ceil(out/bo), ceil(in/bi)]), each block's scale its amax / 448 (e4m3's
-    largest value; an all-zero block gets the smallest normal fp32 instead of 0), as DeepSeek-V3,
+    largest value; the amax taken as at least 1e-12, so an all-zero block has a scale), as DeepSeek-V3,
     MiniMax-M2 and GLM-5-FP8 store it and vLLM's block-FP8 layers read it. On the weight's
     device, in one pass (no loop over blocks)."""
     rows, cols = weight.shape
@@ -187,7 +187,7 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
     grid = (-(-rows // bo), -(-cols // bi))
     w = torch.nn.functional.pad(weight.float(), (0, grid[1] * bi - cols, 0, grid[0] * bo - rows))
     blocks = w.view(grid[0], bo, grid[1], bi)
-    scale = blocks.abs().amax(dim=(1, 3)).div(448.0).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
     q = (blocks / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.view(grid[0] * bo, grid[1] * bi)[:rows, :cols].contiguous(), scale
 
@@ -205,9 +205,28 @@ def fp8_weights(path: str | Path, cfg: dict) -> tuple[tuple[int, int], set[str]]
     return tuple(quant["weight_block_size"]), names
 
 
-def published_config(cfg: dict) -> dict:
-    """The config.json of weights the trainer publishes: what it dequantised is written plain."""
-    return {k: v for k, v in cfg.items() if k != "quantization_config"}
+FP8Layout = tuple[tuple[int, int], set[str]]
+"""A block-FP8 checkpoint's (block, HF names of the weights it stores in FP8): fp8_weights."""
+
+
+def to_fp8(tensors: dict[str, torch.Tensor], fp8: FP8Layout) -> dict[str, torch.Tensor]:
+    """HF tensors with each weight `fp8` names block-quantised (quantize_fp8: the weight in
+    e4m3 and its `weight_scale_inv` beside it), the others as they are."""
+    block, names = fp8
+    out = {}
+    for name, t in tensors.items():
+        if name in names:
+            out[name], out[name + "_scale_inv"] = quantize_fp8(t, block)
+        else:
+            out[name] = t
+    return out
+
+
+def published_config(cfg: dict, fp8: FP8Layout | None = None) -> dict:
+    """The config.json of weights the trainer publishes: what it dequantised is written plain,
+    unless it is published in the checkpoint's block FP8 again (`fp8`, for servers whose layers
+    read FP8): then the quantization_config stays."""
+    return dict(cfg) if fp8 else {k: v for k, v in cfg.items() if k != "quantization_config"}
 
 
 def _carried(cfg: dict):
@@ -287,13 +306,17 @@ def save_hf(
     path: str | Path,
     max_shard_bytes: int = 5 << 30,
     carried: dict[str, torch.Tensor] | None = None,
+    fp8: FP8Layout | None = None,
 ) -> list[Path]:
     """Write our state dict as a HF checkpoint (config.json, safetensors shards and index),
-    with the `carried` tensors (HF names, see `carried_tensors`) beside it unchanged."""
+    with the `carried` tensors (HF names, see `carried_tensors`) beside it unchanged; `fp8`:
+    the weights it names block-quantised (to_fp8), as the source checkpoint stored them."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu() for k, v in family_for(hf_config).checkpoint.to_hf(state_dict).items()}
     tensors.update(carried or {})
+    if fp8:
+        tensors = to_fp8(tensors, fp8)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():

@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 import torch
 from primerl_algos.losses import mean_metrics
+from primerl_models.hf import fp8_weights
 from primerl_models.images import ImageSpec, patchify
 from primerl_protocol import MicroBatch, PolicyReady
 
@@ -111,7 +112,13 @@ def make_publisher(cfg: TrainerRunConfig | SFTRunConfig, model: torch.nn.Module,
             return AdapterPublisher(cfg.run_dir, model, tcfg.lora, cfg.model.name, tcfg.weights.keep, dtype, d)
         except ValueError as err:
             raise SetupError(f"trainer.lora.publish = \"adapter\": {err}") from None
-    folders = FolderPublisher(cfg.run_dir, loaded.folder, loaded.hf_config, tcfg.weights.keep, dtype, d)
+    # RL publishes for servers, whose layers read a block-FP8 source (MiniMax-M2, GLM-5-FP8) in
+    # FP8: its weights go out in that format again; SFT's folders stay plain (trained further).
+    fp8 = fp8_weights(loaded.folder, loaded.hf_config) if isinstance(cfg, TrainerRunConfig) else None
+    if fp8 and d.is_main:
+        log.info("the model's checkpoint is block FP8 (%s): its %d FP8 weights are published quantised the same way, "
+                 "as the servers' layers read them", fp8[0], len(fp8[1]))
+    folders = FolderPublisher(cfg.run_dir, loaded.folder, loaded.hf_config, tcfg.weights.keep, dtype, d, fp8=fp8)
     if tcfg.weights.transport == "memory" and isinstance(cfg, TrainerRunConfig):  # SFT publishes folders only
         from primerl_trainer.transfer import MemoryPublisher
 

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from primerl_models import carried_tensors, published_config, save_hf
+from primerl_models.hf import FP8Layout
 from primerl_protocol import PolicyReady, rundir
 from primerl_protocol.weights import FULL, write_marker
 
@@ -141,10 +142,14 @@ class StepFolders:
 
 
 class FolderPublisher(StepFolders):
-    def __init__(self, run_dir: str | Path, source: Path, hf_config: dict, keep: int, dtype: torch.dtype, d: Dist):
+    def __init__(self, run_dir: str | Path, source: Path, hf_config: dict, keep: int, dtype: torch.dtype, d: Dist,
+                 fp8: FP8Layout | None = None):
         super().__init__(run_dir, keep, d)
         # hf_config: the source folder's config.json (published as published_config of it)
         self.source, self.hf_config, self.dtype = source, hf_config, dtype
+        self.fp8 = fp8
+        """For servers whose layers read the source's block FP8: its layout (the weights it
+        names published quantised again from the trainer's, in `dtype` first); None: plain."""
 
     def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Full tensors on rank 0's CPU (empty elsewhere): each parameter is all-gathered on
@@ -161,10 +166,10 @@ class FolderPublisher(StepFolders):
 
     def write(self, state: dict[str, torch.Tensor], tmp: Path) -> list[str]:
         # what was dequantised at load is published plain (no quantization_config)
-        config = dict(published_config(self.hf_config), torch_dtype=str(self.dtype).removeprefix("torch."))
+        config = dict(published_config(self.hf_config, self.fp8), torch_dtype=str(self.dtype).removeprefix("torch."))
         # tensors the family carries untrained (GLM-4.5's MTP layer) come from the source folder
         carried = carried_tensors(self.source, self.hf_config, self.dtype)
-        files = [p.name for p in save_hf(state, config, tmp, carried=carried)]
+        files = [p.name for p in save_hf(state, config, tmp, carried=carried, fp8=self.fp8)]
         del carried
         for name in SIDE_FILES:
             if (self.source / name).exists():

@@ -28,14 +28,14 @@ from collections.abc import Iterator
 
 import torch
 
-from primerl_models.hf import family_for
+from primerl_models.hf import FP8Layout, family_for, to_fp8
 from primerl_protocol import transfer
 from primerl_protocol.messages import PolicyReady
 from primerl_protocol.serving import ADMIN_TOKEN_ENV, WEIGHTS_JOIN_ROUTE, WEIGHTS_RECEIVE_ROUTE, bearer
 from primerl_protocol.weights import MEMORY
 from primerl_trainer.config import WeightsConfig
 from primerl_trainer.distributed import Dist
-from primerl_trainer.publish import StepFolders, gathered
+from primerl_trainer.publish import FolderPublisher, gathered
 
 log = logging.getLogger("primerl.trainer")
 
@@ -60,11 +60,15 @@ class MemorySender:
     """Sends the model's weights to the workers of one or more transfer groups, each hosted by
     rank 0 (`open`); every rank calls `send`, whose gathers are collectives."""
 
-    def __init__(self, model: torch.nn.Module, hf_config: dict, dtype: torch.dtype, d: Dist):
+    def __init__(self, model: torch.nn.Module, hf_config: dict, dtype: torch.dtype, d: Dist,
+                 fp8: FP8Layout | None = None):
         if any(".lora_" in name for name, _ in model.named_parameters()):
             raise ValueError("trainer.weights.transport = \"memory\" does not carry LoRA adapters yet: "
                              "use transport = \"folder\" with trainer.lora")
         self.hf_config, self.dtype, self.d = hf_config, dtype, d
+        self.fp8 = fp8
+        """A block-FP8 source's layout: those weights travel quantised (e4m3 and weight_scale_inv),
+        as the servers' FP8 layers read them (hf.to_fp8, as the folders hold them)."""
         self.to_hf = family_for(hf_config).checkpoint.to_hf
         self.links: dict[str, transfer.Group] = {}
         """The transfer groups rank 0 sends to, by name (a server's URL)."""
@@ -85,8 +89,12 @@ class MemorySender:
         buffers = {name for name, _ in model.named_buffers()}  # keep their dtype (fp32 router biases)
         for names in layer_groups(list(state)):
             ours = dict(gathered(state, names, buffers, self.dtype, self.d))
-            # renamed (and experts split) on the device; packed there too (transfer.pack)
-            yield list(self.to_hf(ours).items()) if self.d.is_main else []
+            if not self.d.is_main:
+                yield []
+                continue
+            # renamed (and experts split), quantised if FP8, on the device; packed there too (transfer.pack)
+            hf = self.to_hf(ours)
+            yield list((to_fp8(hf, self.fp8) if self.fp8 else hf).items())
 
     def send(self, model: torch.nn.Module, step: int, background: bool = False) -> tuple[str | None, dict[str, str]]:
         """Send the weights after `step` to every open group (every rank calls it; the groups'
@@ -154,13 +162,13 @@ class MemoryPublisher:
 
     format = MEMORY
 
-    def __init__(self, folders: StepFolders, model: torch.nn.Module, hf_config: dict, cfg: WeightsConfig,
+    def __init__(self, folders: FolderPublisher, model: torch.nn.Module, hf_config: dict, cfg: WeightsConfig,
                  dtype: torch.dtype, d: Dist, max_steps: int):
         if not cfg.servers:
             raise ValueError("trainer.weights.transport = \"memory\" needs the servers' URLs in trainer.weights.servers "
                              "(primerl rl fills them in)")
         self.folders, self.model, self.cfg, self.d, self.max_steps = folders, model, cfg, d, max_steps
-        self.sender = MemorySender(model, hf_config, dtype, d)
+        self.sender = MemorySender(model, hf_config, dtype, d, fp8=folders.fp8)
         self.token = os.environ.get(ADMIN_TOKEN_ENV)
         self.secret = secrets.token_hex(16)
         self.servers = [url.rstrip("/") for url in cfg.servers]
