@@ -6,6 +6,11 @@ layer's buffer, against today's folder publish of the same model, same run.
 - folder: `FolderPublisher.publish` (gather, cast, copy to host, write safetensors, checksum).
 - memory, host: per group pack on the GPU, one copy of the buffer to pinned host memory (what
   the gloo back-end sends from), checksum (xxh3-128) of it.
+- memory, overlap (trainer.weights.overlap, the default): what holds up the training step, the
+  whole update packed group by group into pinned host buffers kept from step to step
+  (`transfer.pack_update`); the send and its checksum then run in a thread.
+- memory, FP8: gather, cast, block-quantise every projection weight (128 x 128 blocks, what a
+  block-FP8 checkpoint's servers read: `primerl_models.hf.quantize_fp8`), pack.
 - memory, IPC: per group pack on the GPU and hand the buffer to a second process on the same
   GPU through CUDA IPC (torch.multiprocessing), which copies it into its own memory and answers
   (what a colocated receiver would do); the sender waits for that answer before the next group.
@@ -64,6 +69,9 @@ def bench(name: str, reps: int, root: Path) -> dict:
     hf = hf_dict(name)
     folder = FolderPublisher(root / name, root, hf, keep=1, dtype=torch.bfloat16, d=d)
     sender = MemorySender(model, hf, torch.bfloat16, d)
+    names = [n for g in sender.groups(model) for n, _ in g]
+    fp8_sender = MemorySender(model, hf, torch.bfloat16, d, fp8=((128, 128), {n for n in names if n.endswith("proj.weight")}))
+    hosts: list = []
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=receiver, args=(inbox, outbox), daemon=True)
@@ -87,12 +95,18 @@ def bench(name: str, reps: int, root: Path) -> dict:
             inbox.put(buffer)
             outbox.get()
 
-    def pack_only():
-        for tensors in sender.groups(model):
+    def pack_only(s=sender):
+        for tensors in s.groups(model):
             transfer.pack(tensors)
 
+    def overlap_path():
+        list(transfer.pack_update(0, sender.groups(model), hosts=hosts))
+
     runs = {"folder publish": lambda: folder.publish(model, 0), "memory: gather+cast+pack": pack_only,
-            "memory: + to pinned host + checksum": host_path, "memory: + CUDA IPC hand-off": ipc_path}
+            "memory: + to pinned host + checksum": host_path,
+            "memory, overlap: what the step waits for": overlap_path,
+            "memory, FP8 blocks: gather+cast+quant+pack": lambda: pack_only(fp8_sender),
+            "memory: + CUDA IPC hand-off": ipc_path}
     times = {k: [] for k in runs}
     with torch.no_grad():
         for k, fn in runs.items():  # warm-up (allocator, pinned buffers, the receiver's CUDA context)
@@ -116,11 +130,11 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="primerl-transfer-"))
     rows = [bench(name, a.reps, root) for name in a.models.split(",")]
     print(f"\ntrainer side of a weight update, one GPU, bf16 on the wire; median of {a.reps}")
-    print(f"{'model':<18} {'params':>8} {'GB':>6} {'path':<38} {'s':>7} {'vs folder':>9}")
+    print(f"{'model':<18} {'params':>8} {'GB':>6} {'path':<44} {'s':>7} {'vs folder':>9}")
     for r in rows:
         base = r["median_s"]["folder publish"]
         for k, v in r["median_s"].items():
-            print(f"{r['model']:<18} {r['params'] / 1e9:>7.2f}B {r['bf16_gb']:>6.2f} {k:<38} {v:>7.3f} {base / v:>8.1f}x")
+            print(f"{r['model']:<18} {r['params'] / 1e9:>7.2f}B {r['bf16_gb']:>6.2f} {k:<44} {v:>7.3f} {base / v:>8.1f}x")
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
 

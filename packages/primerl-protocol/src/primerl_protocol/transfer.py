@@ -260,16 +260,15 @@ def unpack(header: GroupHeader, buffer) -> list[tuple[str, object]]:
 
 
 def pack_update(step: int, tensors, hosts: list | None = None):
-    """An update's headers and buffers, in the order they are sent: (GroupHeader, host buffer)
-    for each layer group `tensors` yields ([(HF name, tensor)], all on one device), then the end
-    header (with the checksum over every buffer) and None. Each group is packed on its device and
-    crosses to host memory (pinned where CUDA is) in one copy. `hosts`: None, one host buffer
-    for every group (each valid until the next is taken); a list, group i's own buffer, kept
-    there for the caller and reused by the next update of the same model (its size per group
-    does not change), so an update can be held whole while it is sent in the background."""
+    """An update's groups as they are sent: (GroupHeader, host buffer) for each layer group
+    `tensors` yields ([(HF name, tensor)], all on one device). Each group is packed on its
+    device and crosses to host memory (pinned where CUDA is) in one copy. `hosts`: None, one
+    host buffer for every group (each valid until the next is taken); a list, group i's own
+    buffer, kept there for the caller and reused by the next update of the same model (its size
+    per group does not change), so an update can be held whole while it is sent in the
+    background."""
     torch = _torch()
 
-    digest = new_checksum()
     on_device = shared = None
     for i, group_tensors in enumerate(tensors):
         own = None if hosts is None else (hosts[i] if i < len(hosts) else None)
@@ -287,16 +286,16 @@ def pack_update(step: int, tensors, hosts: list | None = None):
             hosts[i] = base
         else:
             hosts.append(base)
-        digest.update(memoryview(buffer.numpy()))
         yield GroupHeader(step=step, tensors=specs, nbytes=buffer.numel()), buffer
-    yield GroupHeader(step=step, end=True, checksum=digest.hexdigest()), None
 
 
-def send_packed(groups: list[Group], update) -> tuple[str, dict[int, str]]:
-    """Send an update (rank 0; `update` as pack_update yields it) to every group in `groups` at
-    once, group by group in lockstep (each group's part sent in parallel). Returns the checksum and, by index in `groups`, why the
-    groups that failed did (a member gone, a timeout: each waits at most its group's timeout,
-    and is then left out of the rest): the others got it all."""
+def send_packed(groups: list[Group], step: int, update) -> tuple[str, dict[int, str]]:
+    """Send an update of `step` (rank 0; `update` as pack_update yields it) to every group in
+    `groups` at once, group by group in lockstep (each group's part sent in parallel), then the
+    end header with the checksum over every group's bytes (taken here, as they go: off the
+    trainer's step when this runs in the background). Returns the checksum and, by index in
+    `groups`, why the groups that failed did (a member gone, a timeout: each waits at most its
+    group's timeout, and is then left out of the rest): the others got it all."""
     from concurrent.futures import ThreadPoolExecutor
 
     failed: dict[int, str] = {}
@@ -316,19 +315,21 @@ def send_packed(groups: list[Group], update) -> tuple[str, dict[int, str]]:
         else:
             list(pool.map(lambda i: one(i, fn), live))
 
+    digest = new_checksum()
     with ThreadPoolExecutor(max(1, len(groups)), thread_name_prefix="primerl-weights") as pool:
         for header, buffer in update:
             data = encode_header(header)
-            if header.end:
-                to_all(lambda g: send_bytes(g, data))
-                return header.checksum, failed
             to_all(lambda g: (send_bytes(g, data), broadcast(g, buffer)))
-    raise ValueError("the update ended without its end header")
+            digest.update(memoryview(buffer.numpy()))
+        checksum = digest.hexdigest()
+        end = encode_header(GroupHeader(step=step, end=True, checksum=checksum))
+        to_all(lambda g: send_bytes(g, end))
+    return checksum, failed
 
 
 def send_update(groups: list[Group], step: int, tensors) -> tuple[str, dict[int, str]]:
     """Pack and send an update as it is packed, one group at a time (send_packed, pack_update)."""
-    return send_packed(groups, pack_update(step, tensors))
+    return send_packed(groups, step, pack_update(step, tensors))
 
 
 def receive_update(group, step: int, load) -> tuple[str, int]:

@@ -122,7 +122,7 @@ class MemorySender:
             def body():
                 t1 = time.monotonic()
                 try:
-                    self._outcome = (names, *transfer.send_packed(groups, update))
+                    self._outcome = (names, *transfer.send_packed(groups, step, update))
                 except BaseException as err:  # a bug, not a server's failure: said by wait()
                     self._outcome = (names, None, {i: f"{type(err).__name__}: {err}" for i in range(len(names))})
                 self.last_timing = {"pack": packed_s, "send": time.monotonic() - t1}
