@@ -72,6 +72,25 @@ def test_a_two_node_gpu_rl_job_is_laid_out_from_the_config(tmp_path):
     assert "module load cuda/12.8" in (tmp_path / "run" / "slurm" / "setup.sh").read_text()
 
 
+def test_weights_in_memory_reach_the_jobs_servers_with_their_workers(tmp_path):
+    """transport = "memory" under --slurm: the servers' URLs exist only in the job (their nodes'
+    addresses), so the trainer gets them on its command line; each server's workers (its TP)
+    are in the trainer's config; a folder job's trainer line is unchanged."""
+    cfg = rl_config(tmp_path, "slurm.inference_nodes=1", "slurm.trainer_nodes=1", "slurm.gpus_per_node=8",
+                    "transport.trainer_ranks=8", "inference.num_replicas=4", "inference.tensor_parallel_size=2",
+                    "trainer.weights.transport=memory")
+    script = render_rl(cfg)
+    text = script.read_text()
+    assert 'transport.host="$ORCH_ADDR" "trainer.weights.servers=[${URL_LIST%,}]"\n' in text
+    bash_syntax_ok(script)
+    trainer = load_config(TrainerRunConfig, ["@", str(tmp_path / "run" / "configs" / "trainer.toml")])
+    assert trainer.trainer.weights.transport == "memory" and trainer.trainer.weights.workers_per_server == 2
+    token = load_config(RLConfig, ["@", str(tmp_path / "run" / "configs" / "rl.toml")]).inference.admin_token
+    assert token and trainer.trainer.weights.admin_token == token  # the servers' token, for the trainer's joins
+    text = render_rl(rl_config(tmp_path, "slurm.gpus_per_node=8", "transport.trainer_ranks=8")).read_text()
+    assert 'transport.host="$ORCH_ADDR"\n' in text and "trainer.weights.servers" not in text
+
+
 def test_unset_trainer_ranks_are_the_jobs_gpus_and_reach_the_orchestrator(tmp_path):
     """transport.trainer_ranks left out: the trainer nodes' GPUs, written into every role's config
     (the orchestrator packs for them; a trainer under torchrun would take them anyway)."""
@@ -144,13 +163,13 @@ def model(tmp_path_factory):
                             hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
 
 
-def render_tiny_rl_job(model: Path, run_dir: Path, env: dict, submit: bool) -> subprocess.CompletedProcess:
+def render_tiny_rl_job(model: Path, run_dir: Path, env: dict, submit: bool, *extra: str) -> subprocess.CompletedProcess:
     port = free_port_block(3)
     args = [PRIMERL, "rl", "@", str(ROOT / "examples" / "reverse_text" / "rl.toml"), f"model.name={model}",
             f"run_dir={run_dir}", "max_steps=3", "orchestrator.batch_size=32", "slurm.gpus_per_node=0",
             "slurm.exclusive=false", "slurm.time=00:20:00", f"inference.port={free_port_block(1)}",
             f"transport.policy_port={port}", f"transport.batch_port={port + 1}", f"slurm.rendezvous_port={port + 2}",
-            "--slurm", *(["--submit"] if submit else [])]
+            *extra, "--slurm", *(["--submit"] if submit else [])]
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     return out
@@ -177,9 +196,14 @@ def settled(*paths: Path, timeout_s: float = 30) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_rl_job_runs_on_a_real_slurm_cluster(slurm, model, tmp_path):
+@pytest.mark.parametrize("transport", ["folder", "memory"])
+def test_the_rl_job_runs_on_a_real_slurm_cluster(slurm, model, tmp_path, transport):
+    """With weights in memory, the trainer's rank 0 (on the trainer node) streams each step to
+    the server on the inference node, which joined its group through the job's admin token;
+    the one folder is the last step's. Without the stream the orchestrator would have no
+    server serving steps 1 and 2 (no folder for them) and the job would not finish."""
     run_dir = tmp_path / "run"
-    out = render_tiny_rl_job(model, run_dir, slurm, submit=True)
+    out = render_tiny_rl_job(model, run_dir, slurm, True, f"trainer.weights.transport={transport}")
     job = re.search(r"submitted job (\d+)", out.stdout).group(1)
     state, code = wait_for_job(job, slurm)
     output = (run_dir / "slurm" / f"job-{job}.out").read_text()
@@ -189,6 +213,9 @@ def test_the_rl_job_runs_on_a_real_slurm_cluster(slurm, model, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(0 <= r["reward/mean"] <= 1 and r["rollouts/count"] == 32 for r in rows)
     assert (run_dir / "weights" / "step_2").is_dir()
+    if transport == "memory":
+        assert not (run_dir / "weights" / "step_1").exists()  # steps 0 and 1 went in memory only
+        assert all(r["weights/failed"] == 0 and r["weights/strangers"] == 0 for r in rows), rows
     assert not settled(run_dir, model)
 
 

@@ -68,12 +68,16 @@ class WeightsConfig(Config):
     servers: list[str] = []
     """With transport = "memory": the inference servers' URLs (`primerl rl` fills them in); their
     admin token comes from $PRIMERL_ADMIN_TOKEN."""
+    admin_token: str | None = None
+    """With transport = "memory": the servers' admin token (None: $PRIMERL_ADMIN_TOKEN, which
+    `primerl rl` sets; `--slurm` writes it here, in a config only the run's owner can read).
+    Never logged (redacted from W&B's config)."""
     workers_per_server: Positive = 1
     """With transport = "memory": each server's workers (its tensor-parallel size; `primerl rl`
     fills it in)."""
     host: str | None = None
     """With transport = "memory": the address the servers reach the trainer's rank 0 at (None:
-    127.0.0.1 when every server is on this machine, else this machine's name)."""
+    rank 0's address on its route to the first server; 127.0.0.1 when that is on its machine)."""
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     """With transport = "memory": a server's join or update that takes longer fails, for that
     server only (it is named in the trainer's log; the others and the run go on)."""

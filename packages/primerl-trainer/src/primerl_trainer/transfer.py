@@ -169,11 +169,10 @@ class MemoryPublisher:
                              "(primerl rl fills them in)")
         self.folders, self.model, self.cfg, self.d, self.max_steps = folders, model, cfg, d, max_steps
         self.sender = MemorySender(model, hf_config, dtype, d, fp8=folders.fp8)
-        self.token = os.environ.get(ADMIN_TOKEN_ENV)
+        self.token = cfg.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
         self.secret = secrets.token_hex(16)
         self.servers = [url.rstrip("/") for url in cfg.servers]
-        loopback = all(urllib.parse.urlsplit(u).hostname in ("127.0.0.1", "localhost", "::1") for u in self.servers)
-        self.host = cfg.host or ("127.0.0.1" if loopback else socket.getfqdn())
+        self.host = cfg.host or _address_towards(urllib.parse.urlsplit(self.servers[0]).hostname or "127.0.0.1")
         self.last: PolicyReady | None = None
         self.last_timing: dict[str, float] = {}
         self.announce = None
@@ -302,6 +301,21 @@ class MemoryPublisher:
             raise RuntimeError(f"{route} answered HTTP {err.code}: {err.read()[:300].decode(errors='replace')}") from None
         except (OSError, ValueError) as err:
             raise RuntimeError(f"{route}: {type(err).__name__}: {err}") from None
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (127.0.0.1 for a server on this machine):
+    what a server there reaches rank 0 at, whatever node of a job rank 0 landed on. No packet
+    is sent (a UDP socket's connect only picks the route); this machine's name if that fails."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    try:
+        family = socket.getaddrinfo(host, None)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
 
 
 def _in_thread(fn):

@@ -165,10 +165,14 @@ def render_rl(cfg) -> Path:
     from primerl.configs import InferenceRunConfig, OrchRunConfig, TrainerRunConfig
 
     s = cfg.slurm
-    if cfg.trainer.weights.transport == "memory":
-        raise SlurmError("trainer.weights.transport = \"memory\" is not in the Slurm job yet (the trainer would "
-                         "need the servers' addresses on their nodes): use transport = \"folder\" with --slurm")
+    memory = cfg.trainer.weights.transport == "memory"
+    cfg = _with_token(cfg)
+    if memory:  # the servers' URLs are known in the job only (their nodes' addresses): given on the command line
+        weights = msgspec.structs.replace(cfg.trainer.weights, workers_per_server=cfg.inference.tensor_parallel_size,
+                                          admin_token=cfg.inference.admin_token)  # the trainer joins them with it
+        cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, weights=weights))
     values = _inference_values(cfg) | _trainer_values(cfg) | {
+        "trainer_weights": ' "trainer.weights.servers=[${URL_LIST%,}]"' if memory else "",
         "nodes": max(s.inference_nodes, s.trainer_nodes) if cfg.colocate else s.inference_nodes + s.trainer_nodes,
         "trainer_offset": 0 if cfg.colocate else s.inference_nodes,
         "sbatch_lines": _sbatch_lines(s, s.gpus_per_node),
@@ -178,7 +182,7 @@ def render_rl(cfg) -> Path:
     # the orchestrator packs for the job's trainer ranks (unset in the config: the job's count)
     transport = msgspec.structs.replace(cfg.transport.with_run_keys(),
                                         trainer_ranks=s.trainer_nodes * values["ranks_per_node"])
-    cfg = msgspec.structs.replace(_with_token(cfg), transport=transport)
+    cfg = msgspec.structs.replace(cfg, transport=transport)
     return _render(cfg, "rl", roles, values)
 
 
