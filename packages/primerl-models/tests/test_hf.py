@@ -275,6 +275,12 @@ def test_fp8_quantisation_matches_the_block_by_block_reference_and_inverts_dequa
     full = scale.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
     assert ((back - w).abs() <= torch.maximum(w.abs() * 2**-4, full * 2**-10)).all()
     assert torch.equal(back[: block[0], : block[1]], torch.zeros(block))
+    # a stack of weights (a layer's experts, quantised in one call) gives each its own
+    stack = torch.stack([w, w * 3, -w])
+    q3, scale3 = quantize_fast(stack, block)
+    for i in range(3):
+        q_i, scale_i = quantize_fp8(stack[i], block)
+        assert torch.equal(scale3[i], scale_i) and torch.equal(q3[i].view(torch.uint8), q_i.view(torch.uint8))
 
 
 def quantised_checkpoint(tmp_path, tensors: dict, quantization_config: dict):

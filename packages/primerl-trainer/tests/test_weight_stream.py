@@ -300,14 +300,15 @@ def test_a_stranger_that_read_the_keys_and_took_a_rank_is_refused_by_the_handsha
 
 
 def test_a_stalled_receiver_is_dropped_after_the_timeout_and_the_other_gets_the_update_whole():
-    """Two servers' groups in lockstep; one stops reading after the first layer (a hung server)
+    """Two servers' groups in lockstep; one stops loading after the first layer (a hung server)
     for longer than the groups' timeout. The sender's broadcast to it times out (its socket
-    buffers full: 3 layers of 32 MB), it is named as failed and left out; the other receives
-    every layer and the checksum. Nothing waits for the stalled one beyond the timeout."""
+    buffers and its reader's read-ahead full: 8 layers of 32 MB), it is named as failed and
+    left out; the other receives every layer and the checksum. Nothing waits for the stalled
+    one beyond the timeout."""
     import time
 
     ports = free_port_block(2)
-    layers = [[("w", torch.full((8 << 20,), float(i)))] for i in range(3)]
+    layers = [[("w", torch.full((8 << 20,), float(i)))] for i in range(8)]
 
     def receiver(port, stall_s):
         group = transfer.open_group("127.0.0.1", port, "k", 1, 2, 2)
@@ -333,7 +334,7 @@ def test_a_stalled_receiver_is_dropped_after_the_timeout_and_the_other_gets_the_
     assert list(failed) == [1] and failed[1]
     del groups[1]  # closed, as MemorySender.wait closes a failed group: the stalled one then fails at once
     (their_checksum, size), got = healthy()
-    assert their_checksum == checksum and got == [0.0, 1.0, 2.0] and size == 3 * (32 << 20)
+    assert their_checksum == checksum and got == [float(i) for i in range(8)] and size == 8 * (32 << 20)
     err, got = stalled()
     assert isinstance(err, (RuntimeError, ValueError)) and got[:1] == [0.0]
 

@@ -177,19 +177,19 @@ def dequantize_fp8(tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dty
 
 
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of dequantize_fp8 for one weight [out, in]: (e4m3 weight, fp32
-    weight_scale_inv [ceil(out/bo), ceil(in/bi)]), each block's scale its amax / 448 (e4m3's
-    largest value; the amax taken as at least 1e-12, so an all-zero block has a scale), as DeepSeek-V3,
-    MiniMax-M2 and GLM-5-FP8 store it and vLLM's block-FP8 layers read it. On the weight's
-    device, in one pass (no loop over blocks)."""
-    rows, cols = weight.shape
+    """The inverse of dequantize_fp8 for a weight [out, in] (or a stack of them, [..., out, in]):
+    (e4m3 weight, fp32 weight_scale_inv [..., ceil(out/bo), ceil(in/bi)]), each block's scale its
+    amax / 448 (e4m3's largest value; the amax taken as at least 1e-12, so an all-zero block has
+    a scale), as DeepSeek-V3, MiniMax-M2 and GLM-5-FP8 store it and vLLM's block-FP8 layers read
+    it. On the weight's device, in one pass (no loop over blocks)."""
+    *lead, rows, cols = weight.shape
     bo, bi = block
     grid = (-(-rows // bo), -(-cols // bi))
     w = torch.nn.functional.pad(weight.float(), (0, grid[1] * bi - cols, 0, grid[0] * bo - rows))
-    blocks = w.view(grid[0], bo, grid[1], bi)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    q = (blocks / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return q.view(grid[0] * bo, grid[1] * bi)[:rows, :cols].contiguous(), scale
+    blocks = w.view(*lead, grid[0], bo, grid[1], bi)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[..., :, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(*lead, grid[0] * bo, grid[1] * bi)[..., :rows, :cols].contiguous(), scale
 
 
 def fp8_weights(path: str | Path, cfg: dict) -> tuple[tuple[int, int], set[str]] | None:
@@ -211,12 +211,21 @@ FP8Layout = tuple[tuple[int, int], set[str]]
 
 def to_fp8(tensors: dict[str, torch.Tensor], fp8: FP8Layout) -> dict[str, torch.Tensor]:
     """HF tensors with each weight `fp8` names block-quantised (quantize_fp8: the weight in
-    e4m3 and its `weight_scale_inv` beside it), the others as they are."""
+    e4m3 and its `weight_scale_inv` beside it), the others as they are, in the same order.
+    Weights of one shape and device (a layer's experts) are quantised together, in one call."""
     block, names = fp8
-    out = {}
+    batches: dict[tuple, list[str]] = {}
     for name, t in tensors.items():
         if name in names:
-            out[name], out[name + "_scale_inv"] = quantize_fp8(t, block)
+            batches.setdefault((tuple(t.shape), t.device, t.dtype), []).append(name)
+    quantised = {}
+    for batch in batches.values():
+        q, scale = quantize_fp8(torch.stack([tensors[n] for n in batch]), block)
+        quantised.update({n: (q[i], scale[i]) for i, n in enumerate(batch)})
+    out = {}
+    for name, t in tensors.items():
+        if name in quantised:
+            out[name], out[name + "_scale_inv"] = quantised[name]
         else:
             out[name] = t
     return out

@@ -332,26 +332,53 @@ def send_update(groups: list[Group], step: int, tensors) -> tuple[str, dict[int,
     return send_packed(groups, step, pack_update(step, tensors))
 
 
-def receive_update(group, step: int, load) -> tuple[str, int]:
+def receive_update(group, step: int, load, ahead: int = 2) -> tuple[str, int]:
     """Receive an update of `step` (a worker), giving each group's tensors to `load`; returns
     (checksum, bytes). ValueError if a header is malformed or the checksum does not match: the
-    tensors already given to `load` are then not the trainer's."""
+    tensors already given to `load` are then not the trainer's.
+
+    The stream is read by a thread of its own, up to `ahead` groups ahead of `load`: the next
+    layer crosses the wire while this one is loaded, instead of the trainer waiting for each
+    load (the checks are the same, in the same order)."""
+    import queue
+    import threading
+
     torch = _torch()
 
-    digest, received = new_checksum(), 0
-    while True:
-        header = decode_header(recv_bytes(group), step)
-        if header.end:
-            break
-        # A fresh buffer per group, never reused: vLLM's layer-wise reload keeps the tensors it is
-        # given (views of this buffer) until their layer is complete, attention layers until the
-        # update's end (as vLLM's own packed NCCL consumer does).
-        buffer = torch.empty(header.nbytes, dtype=torch.uint8)
-        broadcast(group, buffer)
-        digest.update(memoryview(buffer.numpy()))
-        received += header.nbytes
-        load(unpack(header, buffer))
-    if digest.hexdigest() != header.checksum:
-        raise ValueError(f"the weights of step {step} arrived damaged: checksum {digest.hexdigest()}, "
-                         f"the trainer sent {header.checksum}")
-    return header.checksum, received
+    received: queue.Queue = queue.Queue(maxsize=max(1, ahead))
+    stop = threading.Event()
+
+    def read() -> None:
+        digest, size = new_checksum(), 0
+        try:
+            while not stop.is_set():
+                header = decode_header(recv_bytes(group), step)
+                if header.end:
+                    if digest.hexdigest() != header.checksum:
+                        raise ValueError(f"the weights of step {step} arrived damaged: checksum {digest.hexdigest()}, "
+                                         f"the trainer sent {header.checksum}")
+                    received.put((None, (header.checksum, size)))
+                    return
+                # A fresh buffer per group, never reused: vLLM's layer-wise reload keeps the
+                # tensors it is given (views of this buffer) until their layer is complete,
+                # attention layers until the update's end (as vLLM's own NCCL consumer does).
+                buffer = torch.empty(header.nbytes, dtype=torch.uint8)
+                broadcast(group, buffer)
+                digest.update(memoryview(buffer.numpy()))
+                size += header.nbytes
+                received.put((header, buffer))
+        except BaseException as err:  # handed to the loading side, which raises it
+            received.put((err, None))
+
+    reader = threading.Thread(target=read, name="primerl-weights-receive", daemon=True)
+    reader.start()
+    try:
+        while True:
+            header, item = received.get()
+            if header is None:
+                return item
+            if isinstance(header, BaseException):
+                raise header
+            load(unpack(header, item))
+    finally:
+        stop.set()  # a load that failed: the reader stops at its next group (or at the stream's error)
