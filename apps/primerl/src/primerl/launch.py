@@ -46,6 +46,7 @@ from primerl_inference.launcher import resolve_device
 from primerl_inference.launcher import start as start_servers
 from primerl_orchestrator.health import console_notes, step_summary
 from primerl_protocol.config import to_toml, write_private
+from primerl_protocol.rundir import RunDir
 from primerl_protocol.serving import ADMIN_TOKEN_ENV
 
 from primerl.configs import OrchRunConfig, RLConfig, TrainerRunConfig
@@ -193,8 +194,8 @@ class Progress:
     def __init__(self, run_dir: Path, max_steps: int | None,
                  servers: Callable[[], tuple[int, int] | None] | None = None, remind_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic):
-        self.path = run_dir / "metrics.jsonl"
-        self.orch_path = run_dir / "orchestrator" / "metrics.jsonl"
+        self.path = RunDir(run_dir).metrics
+        self.orch_path = RunDir(run_dir).orchestrator_metrics
         self.max_steps = max_steps
         self.seen = self.path.stat().st_size if self.path.exists() else 0
         self.orch_seen = self.orch_path.stat().st_size if self.orch_path.exists() else 0
@@ -243,7 +244,7 @@ class Progress:
                 f"{m.get('trainer/mismatch_kl', float('nan')):.1e}{eta}",
                 flush=True,
             )
-            for note in console_notes(m, str(self.path.parent / "logs" / "orchestrator.log")):
+            for note in console_notes(m, str(RunDir(self.path.parent).log("orchestrator"))):
                 print(note, flush=True)
 
 
@@ -294,17 +295,19 @@ def prepare(cfg: RLConfig) -> tuple[RLConfig, str, list[int]]:
     run_dir = Path(cfg.run_dir)
     plan = plan_resume(cfg, given, run_dir)  # refuses a resume that changes what it cannot
     plan.announce()
-    (run_dir / "configs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
+    paths = RunDir(run_dir)
+    paths.configs.mkdir(parents=True, exist_ok=True)
+    paths.logs.mkdir(exist_ok=True)
     plan.keep_previous()
-    write_private(run_dir / "configs" / "rl.toml", to_toml(cfg))
+    write_private(paths.config("rl"), to_toml(cfg))
     return cfg, device, trainer_gpus
 
 
 def _run(cfg: RLConfig, device: str, trainer_gpus: list[int]) -> None:
     """Start the servers, the trainer and the orchestrator; watch them until done; stop them all."""
     run_dir = Path(cfg.run_dir)
-    logs = run_dir / "logs"
+    paths = RunDir(run_dir)
+    logs = paths.logs
     procs: list[Proc] = []
     servers = None
     try:
@@ -313,7 +316,7 @@ def _run(cfg: RLConfig, device: str, trainer_gpus: list[int]) -> None:
         procs += [Proc(f"inference-{i}", p, log) for i, (p, log) in enumerate(zip(servers.procs, servers.logs))]
         startup = ServersStartup(servers)
 
-        trainer_cfg = run_dir / "configs" / "trainer.toml"
+        trainer_cfg = paths.config("trainer")
         write_private(trainer_cfg, to_toml(with_servers(cfg.project(TrainerRunConfig), servers.urls, cfg.inference)))
         trainer_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(trainer_threads(cfg, trainer_gpus)),
                        "PYTHONUNBUFFERED": "1"}
@@ -326,14 +329,14 @@ def _run(cfg: RLConfig, device: str, trainer_gpus: list[int]) -> None:
         procs.append(_start("trainer", [  # --standalone: a single-node rendezvous on a free port
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.transport.ranks}",
             "-m", "primerl.trainer_entry", "@", str(trainer_cfg),
-        ], logs / "trainer.log", trainer_env))
+        ], paths.log("trainer"), trainer_env))
 
         orch = msgspec.structs.replace(cfg.project(OrchRunConfig),
                                        inference=msgspec.structs.replace(cfg.inference, urls=servers.urls))
-        orch_cfg = run_dir / "configs" / "orchestrator.toml"
+        orch_cfg = paths.config("orchestrator")
         write_private(orch_cfg, to_toml(orch))
         procs.append(_start("orchestrator", [sys.executable, "-m", "primerl.orch_entry", "@", str(orch_cfg)],
-                            logs / "orchestrator.log", {"PYTHONUNBUFFERED": "1"}))
+                            paths.log("orchestrator"), {"PYTHONUNBUFFERED": "1"}))
         print(f"trainer ({cfg.transport.ranks} rank(s)) and orchestrator started", flush=True)
         _watch(procs, Progress(run_dir, cfg.max_steps, startup.state), startup)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP (cli.Stopped)

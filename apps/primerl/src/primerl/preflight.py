@@ -22,6 +22,7 @@ import socket
 from pathlib import Path
 
 import msgspec
+from primerl_protocol.rundir import RunDir
 
 from primerl.launch import CheckError
 
@@ -32,9 +33,10 @@ def check_run_dir(run_dir: str, key: str = "run_dir") -> Path:
     path = Path(run_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise CheckError(f"{key} = {run_dir!r}: {path} is a file, not a folder; give a folder (it is created if missing)")
-    for sub in ("configs", "logs", "checkpoints", "weights"):
-        if (path / sub).exists() and not (path / sub).is_dir():
-            raise CheckError(f"{key} = {run_dir!r}: {path / sub} is a file where the run keeps its {sub} folder")
+    paths = RunDir(path)
+    for sub in (paths.configs, paths.logs, paths.checkpoints, paths.weights):
+        if sub.exists() and not sub.is_dir():
+            raise CheckError(f"{key} = {run_dir!r}: {sub} is a file where the run keeps its {sub.name} folder")
     existing = path
     while not existing.exists():  # the nearest folder that exists is where it will be made
         existing = existing.parent

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+from primerl_protocol.rundir import RunDir
 
 # (file name, title, [(metric key, label)], log scale)
 PLOTS = [
@@ -63,7 +64,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def load_metrics(run_dir: Path) -> list[dict]:
     """The run's metric rows, one per step (a resumed run's later rows win)."""
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.exists():
         raise ReportError(f"{run_dir} has no metrics.jsonl: is it a primerl run directory?")
     by_step = {row["step"]: with_derived(current_names(row)) for row in read_jsonl(path)}
@@ -144,9 +145,9 @@ def write_report(run_dir: str | Path, window: int = 20) -> Path:
 
     run_dir = Path(run_dir)
     rows = load_metrics(run_dir)
-    evals_path = run_dir / "orchestrator" / "evals.jsonl"
+    evals_path = RunDir(run_dir).orchestrator_evals
     evals = read_jsonl(evals_path) if evals_path.exists() else []
-    out = run_dir / "report"
+    out = RunDir(run_dir).report
     out.mkdir(exist_ok=True)
     plots = [(name, title, [(label, *series(rows, key)) for key, label in keys], log_scale, "step")
              for name, title, keys, log_scale in PLOTS]

@@ -40,7 +40,8 @@ from primerl_protocol.config import to_toml
 from primerl.launch import CheckError
 
 LOCK = "primerl.lock"
-CONFIGS, RL_CONFIG, PREVIOUS = "configs", "rl.toml", "rl.prev.toml"
+PREVIOUS = "rl.prev"
+"""configs/rl.prev.toml: the run's config as it was last started, beside the new one."""
 
 BREAKING = {
     "model": "the checkpoint holds this model's weights, trained on this tokenizer's token ids",
@@ -250,9 +251,9 @@ class ResumePlan:
     def keep_previous(self) -> None:
         """Move the previous run's resolved config aside (configs/rl.prev.toml) before the new one
         is written: what the run was started with last time stays readable."""
-        configs = self.run_dir / CONFIGS
-        if (configs / RL_CONFIG).is_file():
-            os.replace(configs / RL_CONFIG, configs / PREVIOUS)
+        paths = rundir.RunDir(self.run_dir)
+        if paths.config("rl").is_file():
+            os.replace(paths.config("rl"), paths.config(PREVIOUS))
 
 
 def plan_resume(cfg, user_cfg, run_dir: str | Path) -> ResumePlan:
@@ -265,7 +266,7 @@ def plan_resume(cfg, user_cfg, run_dir: str | Path) -> ResumePlan:
         found = rundir.latest_checkpoint(run_dir)
     except rundir.CheckpointError as err:
         raise CheckError(f"run_dir = {str(run_dir)!r}: {err}") from None
-    previous = run_dir / CONFIGS / RL_CONFIG
+    previous = rundir.RunDir(run_dir).config("rl")
     plan = ResumePlan(run_dir, found, max_steps=cfg.max_steps)
     if not previous.is_file():
         if found is not None:

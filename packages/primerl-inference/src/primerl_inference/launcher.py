@@ -27,6 +27,7 @@ from pathlib import Path
 from primerl_inference.config import ADMIN_TOKEN_ENV, DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, InferenceConfig
 from primerl_inference.serve import INSPECT_ENV
 from primerl_protocol.images import model_images
+from primerl_protocol.rundir import RunDir
 from primerl_protocol.serving import HEALTH_ROUTE, LOGPROBS_MODE
 from primerl_protocol.transfer import BACKEND as TRANSFER_BACKEND
 
@@ -91,7 +92,7 @@ def server_command(
         "--disable-uvicorn-access-log",
     ]
     env = {
-        "VLLM_CACHE_ROOT": str(Path(run_dir) / "cache" / "vllm"),
+        "VLLM_CACHE_ROOT": str(RunDir(run_dir).vllm_cache),
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True" if cfg.enable_lora else "False",
         "PRIMERL_MODEL": model,
     }
@@ -279,13 +280,13 @@ class Servers:
 def start(cfg: InferenceConfig, model: str, max_model_len: int, run_dir: str | Path) -> Servers:
     """Start every replica and return at once (`Servers.wait_healthy` waits until they serve)."""
     device = resolve_device(cfg)
-    logs_dir = Path(run_dir) / "logs"
-    logs_dir.mkdir(parents=True, exist_ok=True)
+    paths = RunDir(run_dir)
+    paths.logs.mkdir(parents=True, exist_ok=True)
     specs = [server_command(cfg, model, max_model_len, i, run_dir, device) for i in range(cfg.num_replicas)]
     procs, logs = [], []
     try:
         for spec in specs:
-            log = logs_dir / f"inference-{spec.replica}.log"
+            log = paths.log(f"inference-{spec.replica}")
             procs.append(subprocess.Popen(
                 spec.argv, env={**os.environ, **spec.env}, stdout=log.open("w"), stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() takes vLLM's workers too

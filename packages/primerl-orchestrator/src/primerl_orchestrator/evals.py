@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from primerl_envs.environment import Environment
+from primerl_protocol import rundir
 
 from primerl_orchestrator.config import EvalRunConfig
 from primerl_orchestrator.generate import Generator, open_environments, start_generator
@@ -140,11 +141,10 @@ def policy_label(record: dict) -> str:
 def published_steps(run: str | Path) -> list[tuple[int, Path, str, str]]:
     """(step, folder, checksum, format) of every complete published folder of a run, in order
     (format: full weights or a LoRA adapter, primerl_protocol.weights)."""
-    from primerl_protocol import rundir
     from primerl_protocol.weights import MARKER, format_of
 
     out = []
-    for step, folder in rundir.complete_steps(Path(run) / rundir.WEIGHTS, MARKER):
+    for step, folder in rundir.complete_steps(rundir.RunDir(run).weights, MARKER):
         meta = json.loads((folder / MARKER).read_text())
         out.append((step, folder, meta["checksum"], format_of(meta)))
     return out
@@ -156,7 +156,7 @@ async def eval_run(cfg: EvalRunConfig, urls: list[str], admin_token: str | None)
     (`policy`, `step`: N or None for the model, `model`: what was served, the metrics), policies
     already there are not evaluated again. EvalError at the first policy where every rollout of
     an environment errored (nothing is recorded for it, so a rerun evaluates it again)."""
-    out_path = Path(cfg.run_dir) / "evals.jsonl"
+    out_path = rundir.RunDir(cfg.run_dir).evals
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = set()
     if out_path.exists():
@@ -186,8 +186,7 @@ async def eval_run(cfg: EvalRunConfig, urls: list[str], admin_token: str | None)
                     raise EvalError(f"every rollout of eval environment {env.name!r} errored on {policy_label(record)}, "
                                     f"so nothing was recorded for it; the first error: {first_errors[env.name]}")
             record |= metrics
-            with out_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            rundir.append_record(out_path, record)
             log.info("%s | %s", policy_label(record), " ".join(f"{k.removeprefix('eval/')} {v:.3f}"
                                                                 for k, v in metrics.items() if "@" in k))
             results.append(record)

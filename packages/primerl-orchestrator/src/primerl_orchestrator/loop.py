@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -52,7 +51,7 @@ from primerl_protocol import (
     Shutdown,
     TransportTimeout,
 )
-from primerl_protocol.rundir import ORCHESTRATOR, CheckpointError, latest_checkpoint
+from primerl_protocol.rundir import CheckpointError, RunDir, append_record, latest_checkpoint
 from primerl_protocol.serving import LOGPROBS_MODE
 
 from primerl_orchestrator.batching import Group, build_step
@@ -78,7 +77,8 @@ class Orchestrator:
         self.cfg, self.o = cfg, o
         self.G, self.T, self.k = o.group_size, o.batch_size // o.group_size, o.max_async_level
         self.run_dir = Path(cfg.run_dir)
-        self.out_dir = self.run_dir / ORCHESTRATOR
+        self.paths = RunDir(cfg.run_dir)
+        self.out_dir = self.paths.orchestrator
         self.step = 0
         """The step whose batch is being built."""
         self.next_group = 0
@@ -406,8 +406,7 @@ class Orchestrator:
                  "load %.2fs", step, reward, step_summary(m), m["off_policy/level"], m["rollouts/per_s"],
                  f"{m['rollouts/tokens_per_s']:,.0f}", m["batch/samples"], m["time/wait_rollouts"], m["time/send"],
                  m["time/load_weights"])
-        with (self.out_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps({"step": step, **m}) + "\n")
+        append_record(self.paths.orchestrator_metrics, {"step": step, **m})
 
     # -- policies and evals -----------------------------------------------------------
 
@@ -463,8 +462,7 @@ class Orchestrator:
         self._eval_metrics |= metrics
         line = " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items() if "@" in k)
         log.info("eval of policy %d | %s", version, line)
-        with (self.out_dir / "evals.jsonl").open("a") as f:
-            f.write(json.dumps({"policy": version, **metrics}) + "\n")
+        append_record(self.paths.orchestrator_evals, {"policy": version, **metrics})
 
     async def _finish(self) -> None:
         """After the last batch: wait until the trainer has published the final policy (it is

@@ -7,8 +7,17 @@ knows their names.
     run_dir/weights/step_N/       HF-layout weights, primerl.json (written last, weights.py)
     run_dir/configs/rl.toml       the run's resolved config (`primerl rl`; a process's own share
                                   beside it: trainer.toml, orchestrator.toml, ...)
+    run_dir/metrics.jsonl         the trainer's metrics, a line per step (or SFT's)
+    run_dir/evals.jsonl           `primerl eval`'s results, a line per policy
     run_dir/orchestrator/         the orchestrator's metrics.jsonl, evals.jsonl, and samples
                                   of rollouts (rollouts.jsonl, the older half in rollouts.old.jsonl)
+    run_dir/logs/NAME.log         each process's log (`primerl rl`, the servers)
+    run_dir/slurm/                the rendered batch script, its setup file and its roles' logs
+    run_dir/report/               `primerl report`'s plots and summary
+    run_dir/cache/vllm/           vLLM's cache (compiled graphs)
+    run_dir/wandb_run_id          the W&B run a resume continues
+
+`RunDir(run_dir)` names each of these; every process and the Slurm renderer take them from it.
 
 Step N is the trainer's N-th optimizer step counted from 0 (`step` in metrics.jsonl), so
 `weights/step_N` holds the weights after N + 1 optimizer steps: the orchestrator serves them as
@@ -56,10 +65,95 @@ ROLLOUTS_OLD = "rollouts.old.jsonl"
 """In ORCHESTRATOR: the previous ROLLOUTS file, moved aside when ROLLOUTS reached half of
 `orchestrator.samples.max_mb` (the two together stay within it)."""
 CONFIGS = "configs"
-RUN_CONFIGS = ("rl.toml", "trainer.toml", "sft.toml")
+RUN_CONFIGS = ("rl", "trainer", "sft")
 """Files in configs/ that hold the run's [model], in the order they are looked for."""
+METRICS = "metrics.jsonl"
+EVALS = "evals.jsonl"
+LOGS = "logs"
+SLURM = "slurm"
 WANDB_ID = "wandb_run_id"
 """The run's Weights & Biases run id (one line), so that a resume continues the same W&B run."""
+
+
+class RunDir:
+    """The paths of one run directory (the module's docstring says what each holds). Nothing is
+    created by naming it."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.root)!r})"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    @property
+    def weights(self) -> Path:
+        return self.root / WEIGHTS
+
+    @property
+    def configs(self) -> Path:
+        return self.root / CONFIGS
+
+    def config(self, name: str) -> Path:
+        """configs/NAME.toml: `rl` (the whole run's), `trainer`, `orchestrator`, `inference`, ..."""
+        return self.configs / f"{name}.toml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS
+
+    @property
+    def evals(self) -> Path:
+        """`primerl eval`'s results."""
+        return self.root / EVALS
+
+    @property
+    def orchestrator(self) -> Path:
+        return self.root / ORCHESTRATOR
+
+    @property
+    def orchestrator_metrics(self) -> Path:
+        return self.orchestrator / METRICS
+
+    @property
+    def orchestrator_evals(self) -> Path:
+        """The evals the orchestrator runs during RL (orchestrator.eval)."""
+        return self.orchestrator / EVALS
+
+    @property
+    def logs(self) -> Path:
+        return self.root / LOGS
+
+    def log(self, name: str) -> Path:
+        """logs/NAME.log: `trainer`, `orchestrator`, `inference-0`, ..."""
+        return self.logs / f"{name}.log"
+
+    @property
+    def slurm(self) -> Path:
+        return self.root / SLURM
+
+    @property
+    def report(self) -> Path:
+        """`primerl report`'s plots and summary."""
+        return self.root / "report"
+
+    @property
+    def vllm_cache(self) -> Path:
+        return self.root / "cache" / "vllm"
+
+    @property
+    def wandb_id(self) -> Path:
+        return self.root / WANDB_ID
+
+
+def append_record(path: str | Path, record: dict) -> None:
+    """One JSON line appended to a .jsonl file of the run (metrics, evals): the one way they are
+    written."""
+    with Path(path).open("a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 class CheckpointError(ValueError):
@@ -98,9 +192,10 @@ def complete_steps(root: str | Path, marker: str | None) -> list[tuple[int, Path
 def run_model(run_dir: str | Path) -> tuple[dict, Path]:
     """The [model] table of the config a run was started with (its RUN_CONFIGS, the first found)
     and the file it came from; ValueError naming what was looked for."""
-    folder = Path(run_dir) / CONFIGS
+    paths = RunDir(run_dir)
+    folder = paths.configs
     for name in RUN_CONFIGS:
-        path = folder / name
+        path = paths.config(name)
         if path.is_file():
             try:
                 model = tomllib.loads(path.read_text()).get("model")
@@ -108,7 +203,7 @@ def run_model(run_dir: str | Path) -> tuple[dict, Path]:
                 raise ValueError(f"{path} cannot be read ({err})") from None
             if isinstance(model, dict):
                 return model, path
-    raise ValueError(f"{run_dir} has no run config with a [model] ({', '.join(RUN_CONFIGS)} in {folder}) to take the "
+    raise ValueError(f"{run_dir} has no run config with a [model] ({', '.join(n + '.toml' for n in RUN_CONFIGS)} in {folder}) to take the "
                      "run's model from: set model.name")
 
 

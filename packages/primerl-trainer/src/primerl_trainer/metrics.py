@@ -19,7 +19,7 @@ import secrets
 import tomllib
 from pathlib import Path
 
-from primerl_protocol.rundir import WANDB_ID
+from primerl_protocol.rundir import RunDir, append_record
 
 log = logging.getLogger("primerl.trainer")
 
@@ -71,7 +71,7 @@ def redacted(config):
 def run_config(run_dir: Path, own: dict) -> dict:
     """What W&B shows as the run's config: `primerl rl`'s resolved config of the whole run if
     the run directory has one (the trainer's own section is part of it), else `own`; redacted."""
-    whole = run_dir / "configs" / "rl.toml"
+    whole = RunDir(run_dir).config("rl")
     if whole.is_file():
         try:
             return redacted(tomllib.loads(whole.read_text()))
@@ -82,7 +82,7 @@ def run_config(run_dir: Path, own: dict) -> dict:
 
 def run_id(run_dir: Path) -> str:
     """This run directory's W&B run id, made (and kept in the run directory) on first use."""
-    path = run_dir / WANDB_ID
+    path = RunDir(run_dir).wandb_id
     if path.is_file() and (kept := path.read_text().strip()):
         return kept
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -107,7 +107,7 @@ def samples_table(samples: list):
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, wandb_cfg, config_dict: dict, is_main: bool, job: str = "trainer"):
         self.is_main = is_main
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = RunDir(run_dir).metrics
         self.run = None
         if not is_main:
             return
@@ -137,8 +137,7 @@ class MetricsLogger:
         line = " | ".join(fmt.format(metrics[k]) for k, fmt in CONSOLE if metrics.get(k) is not None)
         times = " ".join(f"{k[5:]} {metrics[k]:.2f}s" for k in TIMES if k in metrics)
         log.info("step %d | %s | %s", step, line, times)
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        append_record(self.path, {"step": step, **metrics})
         if self.run is not None:
             self.run.log({**metrics, **({"samples": samples_table(samples)} if samples else {})}, step=step)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 from primerl_protocol.config import to_toml, write_private
+from primerl_protocol.rundir import RunDir
 
 HERE = Path(__file__).resolve().parent
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -76,13 +77,14 @@ def _write_setup(s, folder: Path) -> Path:
 def _common(cfg, kind: str) -> tuple[Path, dict[str, object]]:
     s = cfg.slurm
     run_dir = Path(cfg.run_dir).resolve()
-    folder = run_dir / "slurm"
+    folder = RunDir(run_dir).slurm
     folder.mkdir(parents=True, exist_ok=True)
-    (run_dir / "configs").mkdir(exist_ok=True)
+    RunDir(run_dir).configs.mkdir(exist_ok=True)
     log_dir = Path(s.log_dir).resolve() if s.log_dir else folder
     log_dir.mkdir(parents=True, exist_ok=True)  # sbatch opens the job's output there
     values = {
         "run_dir": shlex.quote(str(run_dir)),
+        "configs_dir": shlex.quote(str(RunDir(run_dir).configs)),
         "log_dir": str(log_dir),
         "setup_file": shlex.quote(str(_write_setup(s, folder))),
         "job_name": s.job_name or f"primerl-{kind}-{run_dir.name}",
@@ -131,9 +133,9 @@ def _render(cfg, kind: str, roles: dict[str, type | None], values: dict[str, obj
     """Write RUN_DIR/configs/<name>.toml for each role (its projection of `cfg`; None: all of
     it) and RUN_DIR/slurm/<kind>.sbatch; returns the script."""
     folder, common = _common(cfg, kind)
-    configs = Path(cfg.run_dir).resolve() / "configs"
+    paths = RunDir(Path(cfg.run_dir).resolve())
     for name, root in roles.items():
-        write_private(configs / f"{name}.toml", to_toml(cfg if root is None else cfg.project(root)))
+        write_private(paths.config(name), to_toml(cfg if root is None else cfg.project(root)))
     script = folder / f"{kind}.sbatch"
     script.write_text(fill((HERE / f"{kind}.sbatch").read_text(), common | values))
     return script
