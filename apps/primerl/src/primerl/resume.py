@@ -282,7 +282,7 @@ def plan_resume(cfg, user_cfg, run_dir: str | Path) -> ResumePlan:
     diff = changes(old, tomllib.loads(to_toml(cfg)), chosen)
     if found is None:
         plan.allowed = diff  # nothing to resume: any change is a fresh start
-        plan.note = f"no checkpoint in {run_dir / rundir.CHECKPOINTS}: the run starts at step 0"
+        plan.note = f"no checkpoint in {rundir.RunDir(run_dir).checkpoints}: the run starts at step 0"
         return plan
     broken = [(k, a, b, why) for k, a, b in diff if (why := breaking_reason(k)) is not None]
     if broken:

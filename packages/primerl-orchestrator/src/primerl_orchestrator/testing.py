@@ -115,7 +115,7 @@ class TrainerDouble:
             policy.close(0)
 
     def _publish(self, step: int) -> PolicyReady:
-        root = Path(self.run_dir) / rundir.WEIGHTS
+        root = rundir.RunDir(self.run_dir).weights
         final, tmp = rundir.step_folder(root, step), rundir.staging_folder(root, step)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(self.adapter or self.model, tmp)
@@ -127,7 +127,7 @@ class TrainerDouble:
         return PolicyReady(step=step, location=str(final.resolve()), checksum=digest, format=fmt)
 
     def _checkpoint(self, step: int, orchestrator_state: dict) -> None:
-        root = Path(self.run_dir) / rundir.CHECKPOINTS
+        root = rundir.RunDir(self.run_dir).checkpoints
         final, tmp = rundir.step_folder(root, step), rundir.staging_folder(root, step)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

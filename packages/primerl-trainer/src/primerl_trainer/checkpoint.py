@@ -67,7 +67,7 @@ def _refusal(err: pickle.UnpicklingError) -> str:
 class Checkpointer:
     def __init__(self, run_dir: str | Path, keep: int, d: Dist, layout: dict[str, int] | None = None):
         self.run_dir = Path(run_dir)
-        self.root = self.run_dir / rundir.CHECKPOINTS
+        self.root = rundir.RunDir(self.run_dir).checkpoints
         self.keep, self.d = keep, d
         self.layout = layout or {}
         """The trainer's mesh sizes (dp, cp, ep), recorded in meta.json; any layout resumes any other."""

@@ -72,7 +72,7 @@ class StepFolders:
     counts: dict[str, float] = {}
 
     def __init__(self, run_dir: str | Path, keep: int, d: Dist, keep_every: int = 0):
-        self.root = Path(run_dir) / rundir.WEIGHTS
+        self.root = rundir.RunDir(run_dir).weights
         self.keep, self.d = keep, d
         self.keep_every = keep_every
         """Folders of steps N with N + 1 a multiple of this survive the pruning (0: none):
