@@ -39,6 +39,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "kills_a_server: kills a shared vLLM replica, so it runs after every other test")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def environment_patches():
+    """Tests run environments in this process, as the orchestrator does: with primerl's patches
+    of their packages applied, as its entry applies them (primerl_envs.compat). The processes
+    tests start apply them from their own entries."""
+    try:
+        from primerl_envs import compat
+    except ImportError:  # a package's tests run alone, without primerl-envs
+        return
+    compat.install()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests that kill a shared server run last (stable: the rest keep their order)."""
     items.sort(key=lambda item: item.get_closest_marker("kills_a_server") is not None)

@@ -71,6 +71,9 @@ def agreement(model_code, rollouts_, temperature: float) -> dict:
 
 
 def main() -> None:
+    from primerl_envs import compat
+
+    compat.install()  # this process runs environments: primerl's patches of their packages, once
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0, 1.3])
     ap.add_argument("--tasks", type=int, default=16)

@@ -156,6 +156,9 @@ def pin_process(cores: set[int]) -> None:
 
 
 def main() -> None:
+    from primerl_envs import compat
+
+    compat.install()  # this process runs environments: primerl's patches of their packages, once
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)

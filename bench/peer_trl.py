@@ -427,6 +427,9 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
+    from primerl_envs import compat
+
+    compat.install()  # this process runs environments: primerl's patches of their packages, once
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/peer_trl"))

@@ -260,10 +260,12 @@ def _run_rl(config: RLConfig) -> None:
 
 
 def _run_orchestrator(config: OrchRunConfig) -> None:
+    from primerl_envs import compat
     from primerl_envs.environment import EnvLoadError
     from primerl_orchestrator.loop import OrchestratorError, run
     from primerl_orchestrator.servers import NoServerError
 
+    compat.install()  # the process runs environments: primerl's patches of their packages, once
     try:
         run(config)
     except (OrchestratorError, NoServerError, EnvLoadError, OSError) as err:  # OSError: a socket could not bind
@@ -312,6 +314,7 @@ def _run_eval(config: EvalConfig) -> None:
 
     import msgspec
 
+    from primerl_envs import compat
     from primerl_envs.environment import EnvLoadError
     from primerl_inference.launcher import LaunchError, launch
     from primerl_orchestrator.evals import EvalError, eval_run, policy_label, published_steps
@@ -339,6 +342,7 @@ def _run_eval(config: EvalConfig) -> None:
         else:  # start our own servers for the eval
             servers = launch(inference, config.model.name, config.seq_len, config.run_dir)
             urls, token = servers.urls, inference.resolved_admin_token()
+        compat.install()  # the process runs environments: primerl's patches of their packages, once
         results = asyncio.run(eval_run(config, urls, token))
     except (LaunchError, NoServerError, EnvLoadError, EvalError, ValueError) as err:
         click.echo(f"primerl eval: {err}", err=True)

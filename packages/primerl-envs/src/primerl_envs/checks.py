@@ -24,7 +24,6 @@ import sys
 import traceback
 from types import TracebackType
 
-from primerl_envs import compat
 from primerl_envs.config import EnvConfig
 from primerl_envs.environment import BUILTIN, EnvLoadError, verifiers_config
 
@@ -116,7 +115,6 @@ def check_environment(cfg: EnvConfig) -> str:
     characters (for a message)."""
     import verifiers.v1 as vf
 
-    compat.install()
     where = f"environment {cfg.display_name!r} (id {cfg.id!r})"
     vf_config = verifiers_config(cfg)  # the module, the arguments (EnvLoadError, explained)
     try:

@@ -1,4 +1,6 @@
-"""Compatibility between verifiers' training client and the vLLM that serves it.
+"""primerl's patches of other packages (`PATCHES`): each named, with the versions it was
+written for (a warning when another is installed, a test that fails) and when to remove it,
+applied once by `install()` from the entry of each process that runs environments.
 
 verifiers' `TrainClient` (through `renderers` 0.1.12) calls vLLM's `/inference/v1/generate`
 and expects each completion logprob entry as `{"token": "token_id:N", "logprob": x}`, the
@@ -33,8 +35,13 @@ answer depends on the factory alone; unhashable factories are checked as before.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import itertools
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("primerl.envs")
 
 _installed = False
 BAD_SCORES = "primerl/bad_scores"
@@ -76,12 +83,43 @@ def _normalise(choice: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**choice, "logprobs": {**logprobs, "content": entries}}
 
 
-def install() -> None:
-    """Patch renderers' logprob parser, verifiers' HTTP client and its score recording, and
-    memoise pydantic's default-factory check, once per process (idempotent)."""
-    global _installed
-    if _installed:
-        return
+def _version(text: str) -> tuple[int, ...]:
+    """The leading numbers of a version string: "2.14.4" -> (2, 14, 4), "0.1.12.dev1" -> (0, 1, 12)."""
+    out = []
+    for part in text.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+        if digits != part:
+            break
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change primerl makes to another package, with what it was written for."""
+
+    name: str
+    package: str
+    """The distribution whose code it changes (its installed version is checked)."""
+    versions: tuple[str, str]
+    """[lowest, first past) of the versions it was written and tested against."""
+    remove_when: str
+    """When the patch is no longer needed, so that it can be removed."""
+    apply: Callable[[], None]
+
+    def installed(self) -> str:
+        from importlib.metadata import version
+
+        return version(self.package)
+
+    def covers(self, installed: str) -> bool:
+        low, past = self.versions
+        return _version(low) <= _version(installed) < _version(past)
+
+
+def _renderers_token_ids() -> None:
     from renderers import client as renderers_client
 
     original = renderers_client._parse_completion_logprobs
@@ -91,6 +129,8 @@ def install() -> None:
 
     renderers_client._parse_completion_logprobs = parse
 
+
+def _verifiers_aiohttp_client() -> None:
     import httpx
     from httpx_aiohttp import HttpxAiohttpClient
     from verifiers.v1.clients import base as vf_base
@@ -100,6 +140,8 @@ def install() -> None:
 
     vf_base.build_async_httpx = build_async_httpx
 
+
+def _verifiers_strict_scores() -> None:
     from verifiers.v1.trace import Trace
 
     record_reward, record_metric = Trace.record_reward, Trace.record_metric
@@ -112,6 +154,8 @@ def install() -> None:
 
     Trace.record_reward, Trace.record_metric = strict_reward, strict_metric
 
+
+def _pydantic_factory_check_memo() -> None:
     from pydantic._internal import _fields as pydantic_fields
 
     takes_data = pydantic_fields.takes_validated_data_argument
@@ -124,4 +168,43 @@ def install() -> None:
             return takes_data(default_factory)
 
     pydantic_fields.takes_validated_data_argument = takes_validated_data_argument
+
+
+PATCHES = (
+    Patch("renderers' logprob parser reads vLLM's tokens-mode entries", "renderers", ("0.1.12", "0.1.13"),
+          "renderers accepts {\"token_id\": N} entries, or vLLM answers token_id:N strings in tokens mode",
+          _renderers_token_ids),
+    Patch("verifiers' model clients on aiohttp", "verifiers", ("0.4.0", "0.4.1"),
+          "httpx's pool no longer scans every connection per request event, or verifiers builds its own "
+          "client on aiohttp (measure bench/orchestrator.py with and without)", _verifiers_aiohttp_client),
+    Patch("verifiers' score recording strict about numbers", "verifiers", ("0.4.0", "0.4.1"),
+          "verifiers refuses rewards and metrics that are not numbers itself", _verifiers_strict_scores),
+    Patch("pydantic's default-factory check memoised", "pydantic", ("2.14.0", "2.15.0"),
+          "pydantic caches takes_validated_data_argument (or no longer calls it per model_construct)",
+          _pydantic_factory_check_memo),
+)
+"""Every patch, applied in this order by `install`."""
+
+
+def install() -> None:
+    """Apply every patch of PATCHES once per process (idempotent), from the entry of each process
+    that runs environments (the orchestrator, `primerl eval`, an environment's server). A patch
+    whose package is at a version it was not written for is still applied, with a warning that
+    names it, the versions and when to remove it (tests/test_compat_patches fails then, so a
+    dependency bump cannot pass unnoticed); one whose target is gone fails naming it."""
+    global _installed
+    if _installed:
+        return
+    for patch in PATCHES:
+        installed = patch.installed()
+        if not patch.covers(installed):
+            log.warning("primerl patch %r was written for %s %s to before %s, and %s is installed: check whether it "
+                        "is still needed and right (remove it when %s)", patch.name, patch.package, *patch.versions,
+                        installed, patch.remove_when)
+        try:
+            patch.apply()
+        except (ImportError, AttributeError) as err:
+            raise RuntimeError(f"primerl patch {patch.name!r} cannot be applied to {patch.package} {installed} "
+                               f"({type(err).__name__}: {err}); it was written for {patch.versions[0]} to before "
+                               f"{patch.versions[1]}") from None
     _installed = True

@@ -170,7 +170,6 @@ class Environment:
     def __init__(self, cfg: EnvConfig, seed: int = 0, position: int = 0) -> None:
         import verifiers.v1 as vf
 
-        compat.install()
         self.cfg = cfg
         self.name = cfg.display_name
         self.vf_config = verifiers_config(cfg)
