@@ -93,7 +93,7 @@ def main() -> None:
                              **agreement(model_code, rollouts(servers.urls[0], str(model), temperature, args.tasks), temperature)})
         finally:
             servers.stop()
-    print(f"\n| server logprobs mode | temperature | tokens | mismatch KL / token | max abs(pi - mu) |")
+    print("\n| server logprobs mode | temperature | tokens | mismatch KL / token | max abs(pi - mu) |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['temperature']} | {r['tokens']} | {r['mismatch_kl']:.2e} | {r['max_abs_diff']:.2e} |")

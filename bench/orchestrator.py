@@ -46,12 +46,12 @@ from primerl_inference.config import InferenceConfig  # noqa: E402
 from primerl_inference.launcher import launch  # noqa: E402
 from primerl_models.tiny import build_tiny_model  # noqa: E402
 from primerl_orchestrator.config import OrchestratorConfig, SamplingConfig  # noqa: E402
-from primerl_protocol.rundir import WEIGHTS, complete_steps  # noqa: E402
-from primerl_protocol.weights import MARKER  # noqa: E402
 from primerl_orchestrator.loop import Orchestrator  # noqa: E402
 from primerl_orchestrator.testing import TrainerDouble  # noqa: E402
 from primerl_protocol import SocketSettings  # noqa: E402
 from primerl_protocol.config import ModelConfig, TransportConfig, WandbConfig, to_toml  # noqa: E402
+from primerl_protocol.rundir import WEIGHTS, complete_steps  # noqa: E402
+from primerl_protocol.weights import MARKER  # noqa: E402
 from primerl_trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig, WeightsConfig  # noqa: E402
 from primerl_trainer.testing import free_port_block, launch_trainer  # noqa: E402
 

@@ -308,12 +308,11 @@ def trl_worker(model_dir: Path, out: Path, steps: int) -> None:
     trl_imports.is_vllm_available = lambda *args, **kwargs: False
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
     from primerl_envs.scoring import lcs_ratio
     from primerl_trainer.config import SchedulerConfig
     from primerl_trainer.optim import build_scheduler
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
 
     s = json.loads((out / "settings.json").read_text())
     rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]

@@ -96,7 +96,7 @@ def main() -> None:
     print(f"{'ms':>7} {'n':>5} {'host-late ms':>12}  host ops (innermost last)")
     for cause, (total, n, late) in sorted(by_cause.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"{total / 1e3:>7.2f} {n:>5} {late / 1e3:>12.2f}  {cause[:150]}")
-    print(f"\nlongest gaps")
+    print("\nlongest gaps")
     print(f"{'us':>8} {'host-late us':>12}  next kernel  <-  host ops")
     for length, late, cause, kernel in sorted(rows, key=lambda r: -r[0])[:args.top]:
         print(f"{length:>8.0f} {late:>12.0f}  {kernel[:50]}  <-  {cause[:110]}")

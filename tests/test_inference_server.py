@@ -19,10 +19,10 @@ from primerl_inference.testing import TOKEN, admin, write_lora
 from primerl_models.hf import load_model, read_config, read_tensors
 from primerl_protocol import transfer
 from primerl_protocol.serving import HEALTH_ROUTE, POLICY_ROUTE, WEIGHTS_JOIN_ROUTE, WEIGHTS_RECEIVE_ROUTE
+from primerl_protocol.weights import write_marker
 from primerl_trainer.distributed import Dist
 from primerl_trainer.testing import free_port_block
 from primerl_trainer.transfer import MemorySender
-from primerl_protocol.weights import write_marker
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"

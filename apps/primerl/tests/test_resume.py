@@ -7,7 +7,6 @@ stands in for a run that gets past them."""
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys

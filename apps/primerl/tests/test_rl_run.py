@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from primerl.testing import leftovers, processes
-from primerl_protocol.rundir import latest_checkpoint
 from primerl_models.tiny import build_tiny_model
+from primerl_protocol.rundir import latest_checkpoint
 from primerl_trainer.testing import free_port_block
 
 pytestmark = pytest.mark.slow  # starts vLLM servers, torchrun trainers or installs: excluded by -m "not slow"

@@ -4,8 +4,8 @@ the last reply. Its own reward (the exact boxed value) is 0 for every such rollo
 group would have zero advantage and nothing would train."""
 
 import verifiers.v1 as vf
-from primerl_tool_use import ToolUseTaskset
 from primerl_tool_use import ToolUseTask as _ToolUseTask
+from primerl_tool_use import ToolUseTaskset
 
 __all__ = ["CallsRewardedTaskset"]
 

@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 from primerl_envs.config import EnvConfig
-from primerl_envs.environment import BUILTIN, EnvLoadError, Environment, TaskStream, verifiers_config
+from primerl_envs.environment import BUILTIN, Environment, EnvLoadError, TaskStream, verifiers_config
 from primerl_envs.scoring import boxed_answer_matches, last_boxed, lcs_length, lcs_ratio, parse_number
 
 
@@ -164,8 +164,8 @@ def test_default_factory_check_is_remembered_and_still_right():
     (an inspect.signature per defaulted field per model_construct, before): the answers stay
     pydantic's own, for plain factories, data-taking ones and unhashable ones."""
     import pydantic
-    from pydantic._internal import _fields
     from primerl_envs import compat
+    from pydantic._internal import _fields
 
     class Unhashable:
         __hash__ = None

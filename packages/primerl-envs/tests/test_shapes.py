@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image
 from primerl_envs.config import EnvConfig
-from primerl_envs.environment import EnvLoadError, Environment
+from primerl_envs.environment import Environment, EnvLoadError
 from primerl_shapes import COLOURS
 
 

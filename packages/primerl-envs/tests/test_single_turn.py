@@ -10,7 +10,6 @@ from aiohttp import web
 from primerl_envs.config import EnvConfig
 from primerl_envs.environment import Environment, model_context
 
-
 STOPPING_ENV = '''
 import verifiers.v1 as vf
 

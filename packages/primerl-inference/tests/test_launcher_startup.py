@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from primerl_inference.config import ADMIN_TOKEN_ENV
-from primerl_inference.launcher import LaunchError, ServerSpec, Servers
+from primerl_inference.launcher import LaunchError, Servers, ServerSpec
 from primerl_trainer.testing import free_port_block
 
 

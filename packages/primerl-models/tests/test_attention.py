@@ -4,7 +4,6 @@ document attended alone with torch's own SDPA: outputs and the gradients of q, k
 import pytest
 import torch
 import torch.nn.functional as F
-
 from primerl_models import PackedSeqs, attention
 
 H, G, K = 4, 2, 8

@@ -445,7 +445,8 @@ def test_fast_deltanet_ops_pass_opcheck_and_a_compiled_layer_holds_them_without_
     compiled with fullgraph=True (any graph break fails) gives the eager layer's output and
     gradients: the same kernels, inductor's fusions of the light ops around them differing by
     roundings (within 4 U of each tensor's largest)."""
-    from primerl_models.common import conv_kernels, gdn_fla, linear_attention
+    # conv_kernels registers torch.ops.primerl.causal_conv_silu*, which the opchecks below call
+    from primerl_models.common import conv_kernels, gdn_fla, linear_attention  # noqa: F401
     from primerl_models.common.args import GatedDeltaNet
 
     if not gdn_fla.available():

@@ -262,7 +262,8 @@ def test_fp8_quantisation_matches_the_block_by_block_reference_and_inverts_dequa
     loop above, block by block: the same e4m3 values and scales, bit for bit, with partial
     blocks and an all-zero block; and dequantize_fp8 of it is within e4m3's rounding (half a
     step: 2^-4 of the value, or 2^-10 of the scale in the subnormals) of the weight."""
-    from primerl_models.hf import dequantize_fp8, quantize_fp8 as quantize_fast
+    from primerl_models.hf import dequantize_fp8
+    from primerl_models.hf import quantize_fp8 as quantize_fast
 
     w = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])) * torch.logspace(-3, 1, shape[1])
     w[: block[0], : block[1]] = 0  # an all-zero block

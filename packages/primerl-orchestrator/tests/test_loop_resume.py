@@ -11,7 +11,7 @@ import asyncio
 from types import SimpleNamespace
 
 from primerl_envs.config import EnvConfig
-from primerl_envs.environment import EnvMix, Environment
+from primerl_envs.environment import Environment, EnvMix
 from primerl_orchestrator.config import OrchestratorConfig
 from primerl_orchestrator.loop import Orchestrator
 from primerl_protocol import rundir

@@ -18,21 +18,19 @@ import pytest
 import torch
 from click.testing import CliRunner
 from primerl.cli import main
-from primerl.configs import OrchRunConfig
+from primerl.configs import OrchRunConfig, TrainerRunConfig
+from primerl_algos.config import FilterConfig
 from primerl_envs.config import EnvConfig, EnvsConfig
 from primerl_inference.config import InferenceConfig
 from primerl_inference.testing import TOKEN, is_up, published_copy
 from primerl_models import load_model
-from primerl_algos.config import FilterConfig
 from primerl_orchestrator.config import EvalSettings, OrchestratorConfig, SamplingConfig
 from primerl_orchestrator.generate import AGENT_SLOTS
 from primerl_orchestrator.loop import Orchestrator, OrchestratorError
 from primerl_orchestrator.servers import NoServerError, ServerPool
 from primerl_orchestrator.testing import TrainerDouble, garbage_server
 from primerl_protocol import SocketSettings
-from primerl_protocol.config import ModelConfig, TransportConfig
-from primerl.configs import TrainerRunConfig
-from primerl_protocol.config import WandbConfig, to_toml
+from primerl_protocol.config import ModelConfig, TransportConfig, WandbConfig, to_toml
 from primerl_protocol.serving import LOGPROBS_MODE
 from primerl_trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig, WeightsConfig
 from primerl_trainer.testing import free_port_block, launch_trainer

@@ -11,7 +11,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
-from primerl_protocol.rollouts import Rollout, Turn
 from primerl_orchestrator.batching import Group, build_step
 from primerl_orchestrator.config import OrchestratorConfig
 from primerl_orchestrator.evals import pass_at_k, score_tasks
@@ -19,6 +18,7 @@ from primerl_orchestrator.generate import is_model_error
 from primerl_orchestrator.loop import Orchestrator
 from primerl_orchestrator.servers import NoServerError, ServerPool
 from primerl_orchestrator.testing import garbage_server
+from primerl_protocol.rollouts import Rollout, Turn
 
 
 def test_pass_at_k_by_hand():

@@ -6,7 +6,16 @@ import random
 
 import msgspec
 import pytest
-from primerl_protocol import BatchMessage, Decoder, Encoder, Heartbeat, PolicyMessage, PolicyReady, ProtocolError, Shutdown
+from primerl_protocol import (
+    BatchMessage,
+    Decoder,
+    Encoder,
+    Heartbeat,
+    PolicyMessage,
+    PolicyReady,
+    ProtocolError,
+    Shutdown,
+)
 from primerl_protocol.testing import train_batch
 
 

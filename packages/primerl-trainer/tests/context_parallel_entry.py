@@ -4,7 +4,6 @@ chunks, with their gradients; then whole tiny models (Qwen3, GLM-4.5) on the who
 Ulysses over the ranks' chunks, their logprobs and parameter gradients. Saved to OUT/rank_R.pt."""
 
 import copy
-
 import os
 import sys
 

@@ -26,8 +26,16 @@ from primerl_algos.types import Sample
 from primerl_models import load_model
 from primerl_protocol import MicroBatch
 from primerl_protocol.config import ModelConfig, TransportConfig, WandbConfig
-from primerl_trainer.config import (CheckpointConfig, OptimizerConfig, ParallelConfig, SFTDataConfig, SFTRunConfig,
-                                    TrainerConfig, TrainerRunConfig, WeightsConfig)
+from primerl_trainer.config import (
+    CheckpointConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    SFTDataConfig,
+    SFTRunConfig,
+    TrainerConfig,
+    TrainerRunConfig,
+    WeightsConfig,
+)
 from primerl_trainer.engine import Session
 from primerl_trainer.rl import rl_loss
 from primerl_trainer.sft import my_rows, nll_loss

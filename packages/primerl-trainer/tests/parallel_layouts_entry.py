@@ -19,8 +19,14 @@ from primerl_algos.losses import LossScale
 from primerl_models import load_model
 from primerl_protocol import MicroBatch
 from primerl_protocol.config import ModelConfig, TransportConfig, WandbConfig
-from primerl_trainer.config import (CheckpointConfig, OptimizerConfig, ParallelConfig, TrainerConfig, TrainerRunConfig,
-                                    WeightsConfig)
+from primerl_trainer.config import (
+    CheckpointConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainerConfig,
+    TrainerRunConfig,
+    WeightsConfig,
+)
 from primerl_trainer.engine import Session
 from primerl_trainer.rl import rl_loss
 

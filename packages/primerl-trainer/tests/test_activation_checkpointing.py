@@ -2,8 +2,8 @@
 
 import torch
 from primerl_models import load_model
-from primerl_trainer.placement import apply_activation_checkpointing
 from primerl_models.tiny import build_tiny_model
+from primerl_trainer.placement import apply_activation_checkpointing
 
 
 def grads(model, ids, pos):

@@ -14,12 +14,11 @@ from primerl_models import Transformer, to_hf
 from primerl_models.families import FAMILIES, TinyShape
 from primerl_models.families.checkpoint import Checkpoint
 from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER, format_of, verify
-from primerl_trainer.adapters import AdapterLayout, AdapterPublisher, published_rank
+from primerl_trainer.adapters import AdapterLayout, AdapterPublisher, merge_adapter, published_rank
 from primerl_trainer.config import LoRAConfig
 from primerl_trainer.distributed import Dist
 from primerl_trainer.lora import adapter_state_dict, apply_lora, merged_state_dict
 from primerl_trainer.testing import draw_adapters
-from primerl_trainer.adapters import merge_adapter
 from safetensors.torch import load_file, save_file
 
 SHAPE = TinyShape(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,

@@ -4,11 +4,11 @@ adapters."""
 
 import pytest
 import torch
-from torch import nn
 from primerl_models import Transformer
 from primerl_models.families import FAMILIES, TinyShape
 from primerl_trainer.config import LoRAConfig
 from primerl_trainer.lora import LoRALinear, adapter_state_dict, apply_lora, merged_state_dict
+from torch import nn
 
 
 def tiny(family="qwen3", seed=0):

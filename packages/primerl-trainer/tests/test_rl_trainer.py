@@ -15,10 +15,10 @@ from primerl_models import load_model
 from primerl_models.tiny import build_tiny_model
 from primerl_protocol import Encoder, Shutdown
 from primerl_protocol.weights import verify
-from primerl_trainer.distributed import Dist
-from primerl_trainer.rl import validate_batch
 from primerl_trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig, WeightsConfig
+from primerl_trainer.distributed import Dist
 from primerl_trainer.metrics import NAMESPACES
+from primerl_trainer.rl import validate_batch
 from primerl_trainer.testing import (
     FakeOrchestrator,
     free_port_block,

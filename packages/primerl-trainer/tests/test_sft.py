@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pyarrow as pa
-import torch
 import pyarrow.parquet as pq
 import pytest
+import torch
 import transformers
 from primerl_models.tiny import build_tiny_model
 from primerl_protocol.rundir import read_checkpoint

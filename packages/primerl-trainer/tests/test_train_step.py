@@ -22,8 +22,15 @@ from primerl_algos.types import Sample
 from primerl_models.tiny import build_tiny_model, build_tiny_vlm
 from primerl_protocol.config import ModelConfig, TransportConfig, WandbConfig
 from primerl_protocol.images import ModelImages
-from primerl_trainer.config import (CheckpointConfig, OptimizerConfig, SchedulerConfig, SFTDataConfig, SFTRunConfig,
-                                    TrainerConfig, WeightsConfig)
+from primerl_trainer.config import (
+    CheckpointConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    SFTDataConfig,
+    SFTRunConfig,
+    TrainerConfig,
+    WeightsConfig,
+)
 from primerl_trainer.engine import Session
 from primerl_trainer.sft import my_rows, nll_loss
 from primerl_trainer.sft_data import load_samples

@@ -139,7 +139,8 @@ def test_a_block_fp8_source_is_published_in_its_fp8_by_folder_and_in_memory_alik
     its e4m3 values exactly and its scales to fp32's rounding; every other tensor unchanged."""
     import json
 
-    from primerl_models.hf import fp8_weights, quantize_fp8, read_config as config_of
+    from primerl_models.hf import fp8_weights, quantize_fp8
+    from primerl_models.hf import read_config as config_of
     from primerl_trainer.publish import FolderPublisher
     from safetensors.torch import save_file
 
@@ -272,8 +273,9 @@ def test_a_stranger_that_read_the_keys_and_took_a_rank_is_refused_by_the_handsha
     process that takes rank 1 under it is in the group, but cannot prove it holds the secret,
     and rank 0 refuses it (transfer.Stranger naming the rank); so would the server refuse a
     trainer that is not the run's."""
-    import torch.distributed as dist
     from datetime import timedelta
+
+    import torch.distributed as dist
 
     port = free_port_block(1)
     store = transfer.host_store(port, 2, 10)

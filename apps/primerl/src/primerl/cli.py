@@ -313,7 +313,6 @@ def _run_eval(config: EvalConfig) -> None:
     import asyncio
 
     import msgspec
-
     from primerl_envs import compat
     from primerl_envs.environment import EnvLoadError
     from primerl_inference.launcher import LaunchError, launch

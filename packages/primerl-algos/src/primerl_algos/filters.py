@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from primerl_protocol.rollouts import Rollout
 
 from primerl_algos.advantages import compute_advantages
 from primerl_algos.config import AdvantageConfig, FilterConfig
 from primerl_algos.registry import Registry
-from primerl_protocol.rollouts import Rollout
 
 ROLLOUT_FILTERS: Registry = Registry("filter")
 

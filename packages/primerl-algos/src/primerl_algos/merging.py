@@ -17,6 +17,7 @@ rest.
 from __future__ import annotations
 
 from primerl_protocol.rollouts import Rollout
+
 from primerl_algos.types import Sample
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import msgspec
 from primerl_protocol.rollouts import Image
 
+
 class Sample(msgspec.Struct, kw_only=True):
     """One token sequence to train on: prompt and completion tokens, with per-token data."""
 

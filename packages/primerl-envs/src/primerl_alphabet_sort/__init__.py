@@ -11,8 +11,8 @@ import random
 import string
 
 import verifiers.v1 as vf
-from primerl_envs.tasks import AnswerData
 from primerl_envs.scoring import lcs_ratio
+from primerl_envs.tasks import AnswerData
 
 __all__ = ["AlphabetSortTaskset"]
 

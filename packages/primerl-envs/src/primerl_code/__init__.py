@@ -20,6 +20,7 @@ import random
 import re
 
 import verifiers.v1 as vf
+
 from primerl_code.sandbox import HiddenTest, SandboxUnavailable, require_sandbox, run_tests
 
 __all__ = ["CodeTaskset", "HiddenTest", "SandboxUnavailable"]

@@ -18,7 +18,6 @@ from primerl_protocol.rollouts import BAD_SCORE, TRACEBACK_CHARS, Rollout, Turn
 from primerl_envs.compat import BAD_SCORES
 from primerl_envs.images import ImageError, message_images
 
-
 LIMITS = {"max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens"}
 """verifiers' stop conditions that cut a rollout short (a task's own @stop ends it normally)."""
 

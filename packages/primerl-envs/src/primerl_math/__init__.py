@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 
 import verifiers.v1 as vf
-from primerl_envs.tasks import AnswerData
 from primerl_envs.scoring import boxed_answer_matches, last_boxed
+from primerl_envs.tasks import AnswerData
 
 __all__ = ["MathTaskset"]
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import random
 
 import verifiers.v1 as vf
-from primerl_envs.tasks import AnswerData
 from primerl_envs.scoring import boxed_answer_matches
+from primerl_envs.tasks import AnswerData
+
 from primerl_tool_use.tools import Tools
 
 __all__ = ["ToolUseTaskset"]

@@ -55,8 +55,6 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
-
-from primerl_inference.config import ADMIN_TOKEN_ENV
 from primerl_protocol import serving
 from primerl_protocol.serving import (
     HealthAnswer,
@@ -72,6 +70,8 @@ from primerl_protocol.serving import (
     decode_request,
 )
 from primerl_protocol.weights import ADAPTER, format_of, verify
+
+from primerl_inference.config import ADMIN_TOKEN_ENV
 
 log = logging.getLogger("primerl.inference")
 

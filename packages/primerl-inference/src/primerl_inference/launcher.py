@@ -24,12 +24,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from primerl_inference.config import ADMIN_TOKEN_ENV, DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, InferenceConfig
-from primerl_inference.serve import INSPECT_ENV
 from primerl_protocol.images import model_images
 from primerl_protocol.rundir import RunDir
 from primerl_protocol.serving import HEALTH_ROUTE, LOGPROBS_MODE
 from primerl_protocol.transfer import BACKEND as TRANSFER_BACKEND
+
+from primerl_inference.config import ADMIN_TOKEN_ENV, DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, InferenceConfig
+from primerl_inference.serve import INSPECT_ENV
 
 ADMIN_MIDDLEWARE = "primerl_inference.admin.AdminMiddleware"
 WORKER_EXTENSION = "primerl_inference.worker.WorkerExtension"

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+from primerl_protocol.serving import LOAD_WEIGHTS_ROUTE, POLICY_ROUTE, RESUME_ROUTE, bearer
+from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_marker
 
 from primerl_inference.config import InferenceConfig
 from primerl_inference.launcher import Servers, launch
 from primerl_inference.launcher import healthy as is_up
-from primerl_protocol.serving import LOAD_WEIGHTS_ROUTE, POLICY_ROUTE, RESUME_ROUTE, bearer
-from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_marker
 
 __all__ = ["TOKEN", "SharedServers", "admin", "is_up", "published_adapter", "published_copy", "start_shared",
            "write_lora"]

@@ -29,7 +29,6 @@ from primerl_models.families import FAMILIES, family_for
 from primerl_models.families.checkpoint import no_carried
 
 
-
 def to_ours(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """HF names and layouts -> ours, by the family's checkpoint rules (families/checkpoint.py)."""
     return FAMILIES[args.model_type].checkpoint.to_ours(hf, args)

@@ -18,8 +18,8 @@ import numpy as np
 from primerl_algos.filters import select
 from primerl_algos.merging import merge_turns
 from primerl_algos.packing import build_batches, plan_packing
-from primerl_protocol.rollouts import Rollout
 from primerl_algos.types import Sample
+from primerl_protocol.rollouts import Rollout
 
 
 @dataclass

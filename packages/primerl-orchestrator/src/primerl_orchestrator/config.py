@@ -11,7 +11,6 @@ from primerl_inference.config import InferenceConfig
 from primerl_protocol import rundir
 from primerl_protocol.config import Config, ModelConfig, NonNegative, Positive, SharedConfig
 
-
 UNTRUNCATED = {"top_p": 1.0, "top_k": -1, "min_p": 0.0}
 """The sampling truncations, each switched off (sent explicitly with every training request)."""
 

@@ -10,14 +10,13 @@ server is at fault the rollout runs again, from the start, on another one.
 
 from __future__ import annotations
 
-import logging
-
-from primerl_protocol.rollouts import Rollout
 import contextlib
+import logging
 
 from primerl_envs.config import EnvConfig
 from primerl_envs.environment import Environment, model_context
 from primerl_protocol.config import ModelConfig
+from primerl_protocol.rollouts import Rollout
 
 from primerl_orchestrator.servers import ServerPool
 

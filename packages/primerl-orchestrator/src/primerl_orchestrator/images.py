@@ -16,7 +16,8 @@ import logging
 
 from primerl_envs.images import ImageError, message_images
 from primerl_protocol.images import ModelImages as Vision
-from primerl_protocol.images import kept_size_problem, model_images as vision_of, tokens_problem
+from primerl_protocol.images import kept_size_problem, tokens_problem
+from primerl_protocol.images import model_images as vision_of  # noqa: F401 -- the loop's name for it
 from primerl_protocol.rollouts import Rollout, Turn
 
 log = logging.getLogger("primerl.orchestrator")

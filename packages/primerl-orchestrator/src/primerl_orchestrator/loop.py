@@ -41,7 +41,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from primerl_envs.environment import EnvMix, Environment, preload
+from primerl_envs.environment import Environment, EnvMix, preload
 from primerl_protocol import (
     AsyncReceiver,
     AsyncSender,

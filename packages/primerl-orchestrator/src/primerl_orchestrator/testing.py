@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from primerl_protocol import BatchMessage, PolicyMessage, PolicyReady, Receiver, Sender, Shutdown, TrainBatch
-from primerl_protocol import rundir
+from primerl_protocol import BatchMessage, PolicyMessage, PolicyReady, Receiver, Sender, Shutdown, TrainBatch, rundir
 from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, FULL, write_marker
 
 

@@ -26,6 +26,7 @@ from primerl_models.hf import fp8_weights
 from primerl_models.images import ImageSpec, patchify
 from primerl_protocol import MicroBatch, PolicyReady
 
+from primerl_trainer.adapters import AdapterPublisher
 from primerl_trainer.checkpoint import Checkpointer, SetupError
 from primerl_trainer.config import SFTRunConfig, TrainerRunConfig
 from primerl_trainer.context_parallel import row_logprobs
@@ -33,7 +34,6 @@ from primerl_trainer.distributed import all_reduce_sum, all_reduce_tensor_sum, i
 from primerl_trainer.metrics import MetricsLogger
 from primerl_trainer.optim import apply_settings, build_optimizer, build_scheduler, clip_grad_norm
 from primerl_trainer.placement import build_mesh, load_for_training
-from primerl_trainer.adapters import AdapterPublisher
 from primerl_trainer.publish import FolderPublisher
 
 log = logging.getLogger("primerl.trainer")

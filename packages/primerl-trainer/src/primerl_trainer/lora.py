@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import fnmatch
 import math
-
 from typing import TYPE_CHECKING
 
 import torch

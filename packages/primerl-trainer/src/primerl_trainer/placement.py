@@ -47,9 +47,9 @@ from torch.utils.checkpoint import checkpoint
 
 from primerl_trainer.config import ParallelConfig, SFTRunConfig, TrainerRunConfig
 from primerl_trainer.context_parallel import UlyssesAttention
-from primerl_trainer.lora import apply_lora
 from primerl_trainer.distributed import Dist
 from primerl_trainer.expert_parallel import shard_experts
+from primerl_trainer.lora import apply_lora
 
 
 @dataclass(frozen=True)

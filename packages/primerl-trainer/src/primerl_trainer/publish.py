@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-
 from primerl_models import carried_tensors, published_config, save_hf
 from primerl_models.hf import FP8Layout
 from primerl_protocol import PolicyReady, rundir

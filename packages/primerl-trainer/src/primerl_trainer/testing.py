@@ -91,6 +91,7 @@ def write_trainer_config(path: Path, model: str | Path, run_dir: str | Path, por
     """A trainer run config (TOML at `path`) whose sockets meet a FakeOrchestrator made with the
     same `port` (policy at `port`, batches at `port + 1`); `trainer` is its TrainerConfig."""
     from primerl_protocol.config import ModelConfig, TransportConfig, WandbConfig, to_toml
+
     from primerl_trainer.config import TrainerRunConfig
 
     cfg = TrainerRunConfig(

@@ -27,12 +27,12 @@ import urllib.request
 from collections.abc import Iterator
 
 import torch
-
 from primerl_models.hf import FP8Layout, family_for, to_fp8
 from primerl_protocol import transfer
 from primerl_protocol.messages import PolicyReady
-from primerl_protocol.serving import ADMIN_TOKEN_ENV, WEIGHTS_JOIN_ROUTE, WEIGHTS_RECEIVE_ROUTE, bearer
+from primerl_protocol.serving import ADMIN_TOKEN_ENV, WEIGHTS_JOIN_ROUTE, bearer
 from primerl_protocol.weights import MEMORY
+
 from primerl_trainer.config import WeightsConfig
 from primerl_trainer.distributed import Dist
 from primerl_trainer.publish import FolderPublisher, gathered

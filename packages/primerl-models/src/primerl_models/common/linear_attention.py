@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from primerl_models.common import conv_kernels, gdn_fla
 from primerl_models.common.args import GatedDeltaNet, Mamba2
 from primerl_models.common.attention import PackedSeqs
-from primerl_models.common import conv_kernels, gdn_fla
 from primerl_models.common.state_scan import chunk_states
 
 CHUNK = 64

@@ -29,6 +29,7 @@ from primerl_models.families.base import (
 )
 from primerl_models.families.checkpoint import Checkpoint
 
+
 def _rope(cfg: dict, layer_type: str, k: int) -> Rope | None:
     params = (cfg.get("rope_parameters") or {}).get(layer_type)
     if params is None:
