@@ -18,7 +18,6 @@ import os
 import re
 import secrets
 import socket
-import sys
 import threading
 import time
 import urllib.error
@@ -266,25 +265,30 @@ class MemoryPublisher:
                 self.down.add(url)
                 continue
             self.down.discard(url)
-            store = transfer.host_store(0, 1 + self.cfg.workers_per_server, self.cfg.timeout_s)
-            body = {"host": self.host, "port": store.port, "secret": self.secret, "rank": 1,
-                    "world_size": 1 + self.cfg.workers_per_server, "timeout_s": self.cfg.timeout_s}
+            size = 1 + self.cfg.workers_per_server  # rank 0 and the server's workers
+            store = transfer.host_store(0, size, self.cfg.timeout_s)
+            body = {"host": self.host, "port": store.port, "secret": self.secret, "rank": 1, "world_size": size,
+                    "timeout_s": self.cfg.timeout_s}
             # The group's rendezvous in a thread: a server that refuses the join (or is gone) must
             # not keep rank 0 waiting for it until the group's timeout; that thread then ends by
             # itself at the timeout, its group never used.
-            opened = _in_thread(lambda: self.sender.open(url, store.port, self.secret, 1 + self.cfg.workers_per_server,
-                                                         self.cfg.timeout_s, store=store))
+            opened = _in_thread(lambda: self.sender.open(url, store.port, self.secret, size, self.cfg.timeout_s,
+                                                         store=store))
             try:
-                try:
-                    self._post(url, WEIGHTS_JOIN_ROUTE, body)  # answers once the server's workers are in
-                finally:  # the group's outcome: at once if the post failed (a stranger's rank shows there)
-                    opened(None if sys.exc_info()[0] is None else 1.0)
+                self._post(url, WEIGHTS_JOIN_ROUTE, body)  # answers once the server's workers are in
+                failure = None
             except RuntimeError as err:
+                failure = err
+            try:  # the group's outcome; at once if the post failed (a stranger's rank shows there)
+                opened(None if failure is None else 1.0)
+            except RuntimeError as err:
+                failure = err
+            if failure is not None:
                 self.sender.links.pop(url, None)
-                if isinstance(err, transfer.Stranger):  # the group met, with a member not holding the secret
-                    self.strangers += len(err.ranks)
+                if isinstance(failure, transfer.Stranger):  # the group met, with a member not holding the secret
+                    self.strangers += len(failure.ranks)
                 log.warning("inference server %s could not join the trainer's weight transfer: %s", url,
-                            str(err).splitlines()[0][:300])
+                            str(failure).splitlines()[0][:300])
             if n := transfer.strangers(store, self.secret):
                 self.strangers += n
                 log.warning("%d process(es) without the run's secret tried to join the weight transfer group of %s "
