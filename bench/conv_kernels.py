@@ -1,4 +1,4 @@
-"""The DeltaNet conv + SiLU kernels (common/conv_kernels.py) on one GPU: forward and backward
+"""The DeltaNet conv + SiLU kernels (primerl_models/kernels/conv.py) on one GPU: forward and backward
 times over tile sizes and warps, against flash-linear-attention's causal_conv1d (the reference,
 same run, when fla is importable) and the memory traffic's floor.
 
@@ -19,7 +19,7 @@ import json
 
 import torch
 from attention import timed
-from primerl_models.common import conv_kernels
+from primerl_models.kernels import conv
 
 
 def main() -> None:
@@ -41,14 +41,14 @@ def main() -> None:
     configs = [dict(BT=bt, BC=bc, num_warps=nw) for bt, bc, nw in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))
                if bt * bc <= 16384 and bt * bc // (32 * nw) >= 8]
     for cfg, da in itertools.product(configs, (torch.float32, torch.bfloat16)):
-        y = conv_kernels.conv_forward(x, w, pos, **cfg)
-        dx, dw = conv_kernels.conv_backward(dy, x, w, pos, **cfg, da_dtype=da)
+        y = conv.conv_forward(x, w, pos, **cfg)
+        dx, dw = conv.conv_backward(dy, x, w, pos, **cfg, da_dtype=da)
         if first is None:
             first = (y, dx, dw)
         diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
                    for a, b in zip((y, dx, dw), first))
-        t_f = timed(lambda: conv_kernels.conv_forward(x, w, pos, **cfg), reps=20)
-        t_b = timed(lambda: conv_kernels.conv_backward(dy, x, w, pos, **cfg, da_dtype=da), reps=20)
+        t_f = timed(lambda: conv.conv_forward(x, w, pos, **cfg), reps=20)
+        t_b = timed(lambda: conv.conv_backward(dy, x, w, pos, **cfg, da_dtype=da), reps=20)
         fwd_bytes = 2 * n * c * elem
         bwd_bytes = 3 * n * c * elem + 2 * n * c * torch.finfo(da).bits // 8
         rows.append(dict(impl="primerl", **cfg, da=str(da).split(".")[-1], fwd_ms=t_f * 1e3, bwd_ms=t_b * 1e3,

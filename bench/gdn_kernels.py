@@ -1,11 +1,11 @@
 """One Gated DeltaNet layer's rule, forward + backward, on one GPU, three ways on the same packed
 row (documents of unequal lengths, starting mid-chunk):
 
-- `fla`: flash-linear-attention's bf16 kernels, as the model runs them (gdn_fla.py), with
+- `fla`: flash-linear-attention's bf16 kernels, as the model runs them (gated_delta.py), with
   primerl's dq/dk/dg kernel where fla refuses its own (Hopper, 3.4 <= Triton < 3.7.1);
 - `fla, its own dqkwg`: the same with fla's kernel for that step, its guard lifted (fla #640):
   what the refusal protects from;
-- `torch fp32`: primerl's exact chunked form (linear_attention.gated_delta_rule), the reference.
+- `torch fp32`: primerl's exact chunked form (gated_deltanet.gated_delta_rule), the reference.
 
 Rows: ms forward + backward (median), and each output's largest error against the reference
 over the reference's largest magnitude (o and the gradients of q, k, v, g, beta; the fla rows
@@ -21,9 +21,9 @@ import json
 
 import torch
 from attention import timed
-from primerl_models.common import gdn_fla
-from primerl_models.common.attention import PackedSeqs
-from primerl_models.common.linear_attention import gated_delta_rule, l2norm, l2norm_rounded
+from primerl_models.blocks.gated_deltanet import gated_delta_rule, l2norm, l2norm_rounded
+from primerl_models.blocks.packing import PackedSeqs
+from primerl_models.kernels import gated_delta
 
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 
@@ -45,7 +45,7 @@ def inputs(lengths: list[int], key_heads: int, heads: int, dim: int, seed: int =
 def run_fla(x, seqs, weights, scale):
     leaves = [t.clone().requires_grad_() for t in x]
     q, k, *rest = leaves  # the norms as the model takes them: fp32, one rounding to bf16
-    o = gdn_fla.gated_delta_rule(l2norm_rounded(q), l2norm_rounded(k), *rest, seqs, scale)
+    o = gated_delta.gated_delta_rule(l2norm_rounded(q), l2norm_rounded(k), *rest, seqs, scale)
     (o.float() * weights.float()).sum().backward()
     return [o.detach(), *(t.grad for t in leaves)]
 
@@ -74,10 +74,10 @@ def case(lengths, key_heads, heads, dim) -> list[dict]:
     ours = run_fla(x, seqs, weights, scale)
     rows.append({**shape, "impl": "fla", "ms": timed(lambda: run_fla(x, seqs, weights, scale)) * 1e3,
                  **errors(ours, ref)})
-    if gdn_fla.triton_miscompiles_dqkwg():
+    if gated_delta.triton_miscompiles_dqkwg():
         import fla.ops.common.chunk_o as chunk_o
 
-        gdn_fla.REPLACE_DQKWG, lifted = False, chunk_o.TRITON_ABOVE_3_7_1
+        gated_delta.REPLACE_DQKWG, lifted = False, chunk_o.TRITON_ABOVE_3_7_1
         chunk_o.TRITON_ABOVE_3_7_1 = True  # lifts fla's refusal, for this row only
         try:
             own = run_fla(x, seqs, weights, scale)
@@ -88,7 +88,7 @@ def case(lengths, key_heads, heads, dim) -> list[dict]:
                          "ms": timed(lambda: run_fla(x, seqs, weights, scale)) * 1e3,
                          **errors(own, ref), **apart})
         finally:
-            gdn_fla.REPLACE_DQKWG, chunk_o.TRITON_ABOVE_3_7_1 = True, lifted
+            gated_delta.REPLACE_DQKWG, chunk_o.TRITON_ABOVE_3_7_1 = True, lifted
     for r in rows:
         print(json.dumps(r), flush=True)
     return rows
@@ -98,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    assert gdn_fla.available(), "flash-linear-attention (fla-core) is not importable"
+    assert gated_delta.available(), "flash-linear-attention (fla-core) is not importable"
     rows = case([5000, 3001, 6200, 2183], 16, 16, 128)  # Qwen3.5-0.8B's heads, 16k tokens
     rows += case([4000, 100, 4092], 16, 32, 128)  # Qwen3.5-35B-A3B's: two value heads per key head
     print(f"\n{'tokens':>6} {'heads':>6} {'impl':<20} {'ms':>7} " + " ".join(f"{n:>8}" for n in NAMES))

@@ -33,7 +33,8 @@ import time
 
 import torch
 from primerl_models import ModelArgs, Transformer, chunked_logprobs
-from primerl_models.common import gdn_fla, linear_attention
+from primerl_models.blocks import gated_deltanet
+from primerl_models.kernels import gated_delta
 
 PEAK_FLOPS = 989e12
 VOCAB = 151936
@@ -450,8 +451,8 @@ def main() -> None:
     DEVICE = args.device
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     # fla's kernels where installed (transformers' Qwen3.5 takes them too), with primerl's
-    # replacement for the one fla refuses on Hopper with this Triton (gdn_fla.py), registered now
-    fla = DEVICE == "cuda" and gdn_fla.available()
+    # replacement for the one fla refuses on Hopper with this Triton (gated_delta.py), registered now
+    fla = DEVICE == "cuda" and gated_delta.available()
     rows = []
     for name in args.models.split(","):
         for spec in args.runs.split(","):
@@ -459,7 +460,7 @@ def main() -> None:
             docs = next((int(f[4:]) for f in flags if f.startswith("docs")), 1)
             lora = next((int(f[4:]) for f in flags if f.startswith("lora")), 0)
             # torchgdn: Gated DeltaNet layers through the exact fp32 chunked form, not fla's kernels
-            linear_attention.FAST_KERNELS = "torchgdn" not in flags
+            gated_deltanet.FAST_KERNELS = "torchgdn" not in flags
             KEEP_LOGITS = "keep" in flags
             TRACE = args.trace and args.trace.replace("{run}", spec.replace(":", "-"))
             row = run(name, impl, args.steps, ac="ac" in flags, compile_layers=impl == "ours" and "eager" not in flags,

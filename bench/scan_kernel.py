@@ -1,4 +1,4 @@
-"""The chunk-state scan (primerl_models/common/state_scan.py) on one GPU: the Triton kernel
+"""The chunk-state scan (primerl_models/kernels/state_scan.py) on one GPU: the Triton kernel
 under each setting of SCAN_TUNING against the loop of batched matmuls it replaces (the CPU
 path, run on the GPU here), same inputs, same run; and the error of each against an fp64 loop.
 
@@ -19,8 +19,8 @@ import json
 
 import torch
 from attention import timed as attention_timed
-from primerl_models.common import state_scan
-from primerl_models.common.linear_attention import CHUNK
+from primerl_models.blocks.recurrent import CHUNK
+from primerl_models.kernels import state_scan
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -63,8 +63,8 @@ def rule_profile(heads: int, tokens: int, dim: int, tf32: bool) -> dict:
     """One layer's gated delta rule, forward + backward, four documents: ms, and its top kernels
     (`tf32`: the chunks' fp32 matmuls on TF32 tensor cores, torch's global switch)."""
     torch.backends.cuda.matmul.allow_tf32 = tf32
-    from primerl_models.common.attention import PackedSeqs
-    from primerl_models.common.linear_attention import gated_delta_rule, l2norm
+    from primerl_models.blocks.gated_deltanet import gated_delta_rule, l2norm
+    from primerl_models.blocks.packing import PackedSeqs
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -4,8 +4,8 @@ computation, and bad descriptions refused by name."""
 import pytest
 import torch
 from primerl_models import Attention, DenseMLP, Layer, ModelArgs, MoEMLP, Rope
-from primerl_models.common.transformer import Transformer
 from primerl_models.families import FAMILIES, TinyShape
+from primerl_models.model import Transformer
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from primerl_models import PackedSeqs, attention, chunked_logprobs, load_model
-from primerl_models.common.args import MoEMLP
-from primerl_models.common.moe import GroupedExperts
+from primerl_models.args import MoEMLP
+from primerl_models.blocks.moe import GroupedExperts
 from primerl_models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -85,7 +85,7 @@ def test_windows_and_sinks_agree_across_backends_on_packed_rows(backend, with_si
     (proved against the formula on CPU: test_attention.py), on the same bf16 inputs; then the
     gradients of q, k, v (and of the sinks: flex differentiates its log-sum-exp) within 3% of
     the fp32 ones' largest magnitude."""
-    from primerl_models.common.attention import _VARLEN_PARAMS
+    from primerl_models.blocks.attention import _VARLEN_PARAMS
 
     if backend == "varlen" and "window_size" not in _VARLEN_PARAMS:
         pytest.skip(f"torch {torch.__version__}'s varlen attention takes no window (window_size: torch 2.13)")
@@ -269,12 +269,13 @@ def test_bf16_model_on_gpu_matches_fp32_cpu(family, tmp_path, monkeypatch):
     # sum_i h_i w_vi errs with std U sqrt(n / 3) s_v, s_v = sqrt(sum_i h_i^2 w_vi^2). The largest
     # of ~14k logits stays below 5 std (a Gaussian's expected maximum over 14k draws is 3.9
     # std): tol = 5 U sqrt(n / 3) s + U |ref| (the logit's own rounding).
-    # Through fla's kernels (gdn_fla.py, when installed) a Gated DeltaNet side holds 7 more bf16
+    # Through fla's kernels (gated_delta.py, when installed) a Gated DeltaNet side holds 7 more bf16
     # intermediates: the L2-normed q and k, beta, the WY factors w and u, the chunk state and
     # the corrected values (the rule's float32 form keeps them all in fp32): 19.
-    from primerl_models.common import gdn_fla, linear_attention
+    from primerl_models.blocks import gated_deltanet
+    from primerl_models.kernels import gated_delta
 
-    gdn = 19 if linear_attention.FAST_KERNELS and gdn_fla.available() else 12
+    gdn = 19 if gated_deltanet.FAST_KERNELS and gated_delta.available() else 12
     n = 1 + sum((0 if layer.mixer is None else 7 if type(layer.mixer).__name__ == "Attention"
                  else gdn if type(layer.mixer).__name__ == "GatedDeltaNet" else 12)
                 + (0 if layer.mlp is None else 8 if getattr(layer.mlp, "shared_expert_gate", False) else 6)
@@ -342,7 +343,7 @@ def test_gated_delta_rule_on_gpu_matches_fp64_cpu_with_gradients():
     mid-chunk and span several chunks; forward and the gradients of q, k, v, g, beta. fp32
     carries ~6e-8 relative per operation and the chains here are a few hundred operations
     long: each tensor within 1e-5 of its largest magnitude (at least 1)."""
-    from primerl_models.common.linear_attention import gated_delta_rule
+    from primerl_models.blocks.gated_deltanet import gated_delta_rule
 
     torch.manual_seed(0)
     lengths = [200, 3, 64, 317]
@@ -374,7 +375,7 @@ def test_vision_frame_attention_varlen_matches_fp32_within_each_frame_with_gradi
     different grids, one of two frames. Each output is a convex combination of value rows,
     and its gradients sums of such; the bf16 roundings of the probabilities, the output and
     the gradients stay within 4 U of the largest value (or gradient) magnitude."""
-    from primerl_models.common.vision import ImageLayout, frame_attention
+    from primerl_models.blocks.vision import ImageLayout, frame_attention
 
     torch.manual_seed(0)
     layout = ImageLayout.build(torch.tensor([[1, 8, 8], [1, 4, 12], [2, 6, 4]]), 2, torch.device(CUDA))
@@ -394,7 +395,7 @@ def test_vision_frame_attention_varlen_matches_fp32_within_each_frame_with_gradi
 @pytest.mark.parametrize("key_heads,value_heads", [(4, 4), (2, 4)])
 def test_fla_gated_deltanet_layer_matches_the_fp32_form_with_gradients(key_heads, value_heads, monkeypatch):
     """A Gated DeltaNet layer under bf16 autocast through fla's kernels (the conv and the rule,
-    with primerl's dq/dk/dg kernel where fla refuses its own: gdn_fla.py) against the same layer
+    with primerl's dq/dk/dg kernel where fla refuses its own: gated_delta.py) against the same layer
     through the exact fp32 chunked form, on a packed row whose documents start mid-chunk, end
     mid-chunk, span several chunks and are longer than the conv; the output and the gradients
     of the input and of every parameter. fla keeps its operands and intermediates (normalised
@@ -402,15 +403,16 @@ def test_fla_gated_deltanet_layer_matches_the_fp32_form_with_gradients(key_heads
     at most U relative, and the errors of the few that meet in an element add up: every tensor
     within 8 U of its largest magnitude. A state or conv leaking across a document boundary
     moves the later documents' outputs by O(1) of it."""
-    from primerl_models.common import gdn_fla, linear_attention
-    from primerl_models.common.args import GatedDeltaNet
+    from primerl_models.args import GatedDeltaNet
+    from primerl_models.blocks import gated_deltanet
+    from primerl_models.kernels import gated_delta
 
-    if not gdn_fla.available():
+    if not gated_delta.available():
         pytest.skip("flash-linear-attention (fla-core) is not installed")
     torch.manual_seed(0)
     spec = GatedDeltaNet(num_k_heads=key_heads, num_v_heads=value_heads, head_k_dim=128, head_v_dim=128)
     dim = 256
-    layer = linear_attention.GatedDeltaNetMixer(spec, dim, 1e-6).to(CUDA)
+    layer = gated_deltanet.GatedDeltaNetMixer(spec, dim, 1e-6).to(CUDA)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.05)
@@ -423,7 +425,7 @@ def test_fla_gated_deltanet_layer_matches_the_fp32_form_with_gradients(key_heads
     weights = torch.randn(1, sum(lengths), dim, device=CUDA)
 
     def run(fast):
-        monkeypatch.setattr(linear_attention, "FAST_KERNELS", fast)
+        monkeypatch.setattr(gated_deltanet, "FAST_KERNELS", fast)
         layer.zero_grad()
         xg = x.clone().requires_grad_()
         with torch.autocast(CUDA, dtype=torch.bfloat16):
@@ -445,11 +447,12 @@ def test_fast_deltanet_ops_pass_opcheck_and_a_compiled_layer_holds_them_without_
     compiled with fullgraph=True (any graph break fails) gives the eager layer's output and
     gradients: the same kernels, inductor's fusions of the light ops around them differing by
     roundings (within 4 U of each tensor's largest)."""
-    # conv_kernels registers torch.ops.primerl.causal_conv_silu*, which the opchecks below call
-    from primerl_models.common import conv_kernels, gdn_fla, linear_attention  # noqa: F401
-    from primerl_models.common.args import GatedDeltaNet
+    # kernels.conv registers torch.ops.primerl.causal_conv_silu*, which the opchecks below call
+    from primerl_models.args import GatedDeltaNet
+    from primerl_models.blocks import gated_deltanet
+    from primerl_models.kernels import conv, gated_delta  # noqa: F401
 
-    if not gdn_fla.available():
+    if not gated_delta.available():
         pytest.skip("flash-linear-attention (fla-core) is not installed")
     torch.manual_seed(0)
     lengths = [200, 3, 64, 317, 130]
@@ -460,8 +463,8 @@ def test_fast_deltanet_ops_pass_opcheck_and_a_compiled_layer_holds_them_without_
     w = torch.randn(96, 4, device=CUDA).requires_grad_()
     torch.library.opcheck(torch.ops.primerl.causal_conv_silu.default, (x, w, pos))
     torch.library.opcheck(torch.ops.primerl.causal_conv_silu_bwd.default, (torch.randn_like(x), x.detach(), w.detach(), pos))
-    cu, indices = gdn_fla.chunk_indices(seqs)
-    q, k = (linear_attention.l2norm_rounded(torch.randn(1, n, 2, 128, device=CUDA).bfloat16()) for _ in range(2))
+    cu, indices = gated_delta.chunk_indices(seqs)
+    q, k = (gated_deltanet.l2norm_rounded(torch.randn(1, n, 2, 128, device=CUDA).bfloat16()) for _ in range(2))
     v = torch.randn(1, n, 4, 128, device=CUDA).bfloat16()
     g = -torch.rand(1, n, 4, device=CUDA)
     beta = torch.rand(1, n, 4, device=CUDA).bfloat16()
@@ -469,7 +472,7 @@ def test_fast_deltanet_ops_pass_opcheck_and_a_compiled_layer_holds_them_without_
     torch.library.opcheck(torch.ops.primerl.gated_delta_rule_fwd.default, (*leaves, cu, indices, 128**-0.5))
 
     spec = GatedDeltaNet(num_k_heads=2, num_v_heads=4, head_k_dim=128, head_v_dim=128)
-    layer = linear_attention.GatedDeltaNetMixer(spec, 256, 1e-6).to(CUDA)
+    layer = gated_deltanet.GatedDeltaNetMixer(spec, 256, 1e-6).to(CUDA)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.05)
@@ -492,13 +495,13 @@ def test_fast_deltanet_ops_pass_opcheck_and_a_compiled_layer_holds_them_without_
 
 
 def test_causal_conv_kernels_match_fp64_cpu_with_gradients():
-    """conv_kernels.causal_conv_silu (the DeltaNet conv on CUDA) against silu(causal_conv) in
+    """kernels.conv.causal_conv_silu (the DeltaNet conv on CUDA) against silu(causal_conv) in
     fp64 on the CPU, on bf16 inputs (the same values): documents of 70, 2, 64 and 131 tokens
     (shorter than the taps, crossing the 64-token tiles) and 200 channels (a partial channel
     tile). The kernels accumulate in fp32 and round once to bf16 (y, dx: within U of each
     element plus fp32 noise); dw stays fp32 (1e-5 of its largest)."""
-    from primerl_models.common import conv_kernels
-    from primerl_models.common.linear_attention import causal_conv
+    from primerl_models.blocks.recurrent import causal_conv
+    from primerl_models.kernels import conv
 
     torch.manual_seed(0)
     lengths = [70, 2, 64, 131]
@@ -511,7 +514,7 @@ def test_causal_conv_kernels_match_fp64_cpu_with_gradients():
     ref = F.silu(causal_conv(xr, wr, pos))
     (ref * dy.double()).sum().backward()
     xg, wg = x.to(CUDA).requires_grad_(), w.to(CUDA).requires_grad_()
-    y = conv_kernels.causal_conv_silu(xg, wg, pos.to(CUDA))
+    y = conv.causal_conv_silu(xg, wg, pos.to(CUDA))
     y.backward(dy.to(CUDA))
     for name, got, want, dtype_u in [("y", y, ref, U), ("dx", xg.grad, xr.grad, U), ("dw", wg.grad, wr.grad, 0.0)]:
         want = want.detach()

@@ -12,7 +12,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 from primerl_models import PackedSeqs, carried_tensors, load_model, read_config, save_hf
-from primerl_models.common.linear_attention import causal_conv, doc_positions, gated_delta_rule, ssd_scan
+from primerl_models.blocks.gated_deltanet import gated_delta_rule
+from primerl_models.blocks.mamba2 import ssd_scan
+from primerl_models.blocks.packing import doc_positions
+from primerl_models.blocks.recurrent import causal_conv
 from primerl_models.families import FAMILIES
 from primerl_models.families.base import TinyShape
 from primerl_models.testing import qwen35_draw, save_transformers, save_with_mtp
@@ -248,7 +251,7 @@ def test_nemotron_h_pattern_string_and_unsupported_options():
 def test_conv_kernels_refuse_mismatched_shapes_before_any_kernel():
     """The CUDA conv (conv_kernels.py) indexes x, weight and positions unchecked inside its
     kernels: mismatched shapes are refused by name first (this runs on the CPU: no kernel)."""
-    from primerl_models.common.conv_kernels import causal_conv_silu
+    from primerl_models.kernels.conv import causal_conv_silu
 
     x, w, pos = torch.randn(10, 6), torch.randn(6, 4), torch.arange(10)
     for bad in [(x[None], w, pos), (x, w[:5], pos), (x, w, pos[:9])]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from primerl_models import PackedSeqs, load_model, read_config, save_hf, to_hf, to_ours
-from primerl_models.common.vision import mrope_positions
+from primerl_models.blocks.vision import mrope_positions
 from primerl_models.families import FAMILIES
 from primerl_models.testing import save_with_mtp, vlm_draw
 from safetensors.torch import load_file

@@ -10,9 +10,9 @@ import sys
 import torch
 import torch.distributed as dist
 from primerl_models import PackedSeqs
-from primerl_models.common.attention import attention
-from primerl_models.common.transformer import Transformer
+from primerl_models.blocks.attention import attention
 from primerl_models.families import FAMILIES, TinyShape
+from primerl_models.model import Transformer
 from primerl_trainer.context_parallel import UlyssesAttention, chunk_of, ulysses_attention
 
 

@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 from primerl_models import MoEMLP
-from primerl_models.common.moe import MoE
+from primerl_models.blocks.moe import MoE
 from primerl_trainer.expert_parallel import shard_experts
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor

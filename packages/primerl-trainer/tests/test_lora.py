@@ -124,7 +124,7 @@ def test_adapted_experts_are_the_merged_experts_and_their_gradients_go_through_a
     (A [E, in, r], B [E, r, out]): the model equals the one with the adapters folded in
     (fp32, 1e-5), dL/dA = s dL/dW' B^T and dL/dB = s A^T dL/dW' per expert, and only adapters
     get gradients (GPT-OSS: biased experts with the clamped SwiGLU)."""
-    from primerl_models.common.moe import GroupedExperts
+    from primerl_models.blocks.moe import GroupedExperts
 
     torch.manual_seed(0)
     model = tiny(family)

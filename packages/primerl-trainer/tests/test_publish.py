@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from primerl_models import load_model, read_config
-from primerl_models.common.moe import GroupedExperts
+from primerl_models.blocks.moe import GroupedExperts
 from primerl_models.hf import to_hf
 from primerl_models.tiny import build_tiny_model
 from primerl_trainer.config import LoRAConfig

@@ -7,10 +7,9 @@ layer by layer (ModelArgs), HF conversion, tiny models.
     logprobs, entropy = chunked_logprobs(hidden[0], model.output_weight, targets, temperature)
 """
 
-from primerl_models.common.args import Attention, DenseMLP, Layer, ModelArgs, MoEMLP, Rope, Vision
-from primerl_models.common.attention import BACKENDS, PackedSeqs, attention
-from primerl_models.common.logprobs import chunked_logprobs
-from primerl_models.common.transformer import Transformer
+from primerl_models.args import Attention, DenseMLP, Layer, ModelArgs, MoEMLP, Rope, Vision
+from primerl_models.blocks.attention import BACKENDS, attention
+from primerl_models.blocks.packing import PackedSeqs
 from primerl_models.families import FAMILIES, family_for
 from primerl_models.hf import (
     build_model,
@@ -24,6 +23,8 @@ from primerl_models.hf import (
     to_hf,
     to_ours,
 )
+from primerl_models.logprobs import chunked_logprobs
+from primerl_models.model import Transformer
 
 __all__ = [
     "BACKENDS",

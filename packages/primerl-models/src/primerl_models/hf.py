@@ -22,11 +22,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from primerl_models.common.args import ModelArgs
-from primerl_models.common.attention import Backend
-from primerl_models.common.transformer import Transformer
+from primerl_models.args import ModelArgs
+from primerl_models.blocks.attention import Backend
 from primerl_models.families import FAMILIES, family_for
 from primerl_models.families.checkpoint import no_carried
+from primerl_models.model import Transformer
 
 
 def to_ours(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from primerl_models.common.transformer import Transformer
 from primerl_models.families import FAMILIES, TinyShape
 from primerl_models.hf import save_hf
+from primerl_models.model import Transformer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Tool calls as Qwen writes them: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 from primerl_models import Transformer, carried_tensors, family_for, published_config, save_hf, to_hf
-from primerl_models.common.moe import GroupedExperts
+from primerl_models.blocks.moe import GroupedExperts
 from primerl_models.hf import dequantize, read_config, read_tensors, to_ours
 from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER, verify
 from safetensors import SafetensorError

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from primerl_models.common.moe import GroupedExperts, MoE
+from primerl_models.blocks.moe import GroupedExperts, MoE
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard

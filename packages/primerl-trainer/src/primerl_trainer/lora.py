@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from primerl_models.common.moe import GroupedExperts
+from primerl_models.blocks.moe import GroupedExperts
 from torch import nn
 
 if TYPE_CHECKING:  # the module runs on torch alone (bench/model_step.py on a GPU machine without msgspec)
@@ -52,7 +52,7 @@ def _adapt(linear: nn.Linear, cfg: LoRAConfig) -> None:
 
 
 VISION_PREFIX = "visual."
-"""A VLM's vision tower (primerl_models.common.vision): never adapted, frozen with the rest."""
+"""A VLM's vision tower (primerl_models.blocks.vision): never adapted, frozen with the rest."""
 
 
 def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from primerl_models import ModelArgs, MoEMLP, Transformer, load_model, read_config, resolve_model_folder
-from primerl_models.common.moe import MoE
+from primerl_models.blocks.moe import MoE
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint

@@ -17,7 +17,7 @@ Checkpoint: per-expert matrices under `mlp.experts.<e>` as most families; the ro
 
 from dataclasses import replace
 
-from primerl_models.common.args import DenseMLP, Layer, ModelArgs, MoEMLP
+from primerl_models.args import DenseMLP, Layer, ModelArgs, MoEMLP
 from primerl_models.families.base import (
     ATTENTION_KINDS,
     Family,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from primerl_models.common.args import Attention, ModelArgs, Rope
+from primerl_models.args import Attention, ModelArgs, Rope
 from primerl_models.families.checkpoint import Checkpoint
 
 

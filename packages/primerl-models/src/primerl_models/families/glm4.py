@@ -3,7 +3,7 @@ default), q/k/v bias without o bias, sandwich norms (the attention's and the MLP
 normalised again before each residual add) and one fused `gate_up_proj` per MLP, which the
 checkpoint conversion splits into our gate_proj and up_proj and fuses back."""
 
-from primerl_models.common.args import DenseMLP, Layer, ModelArgs
+from primerl_models.args import DenseMLP, Layer, ModelArgs
 from primerl_models.families.base import Family, TinyShape, attention_from_hf, model_args, tiny_common
 from primerl_models.families.checkpoint import Checkpoint
 

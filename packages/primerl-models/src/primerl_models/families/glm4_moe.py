@@ -12,7 +12,7 @@ trained: they are carried from the source checkpoint to the published weights un
 
 import re
 
-from primerl_models.common.args import DenseMLP, Layer, ModelArgs, MoEMLP
+from primerl_models.args import DenseMLP, Layer, ModelArgs, MoEMLP
 from primerl_models.families.base import Family, TinyShape, attention_from_hf, model_args, tiny_common
 from primerl_models.families.checkpoint import Checkpoint
 

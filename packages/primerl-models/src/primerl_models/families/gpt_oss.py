@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from primerl_models.common.args import Layer, ModelArgs, MoEMLP
+from primerl_models.args import Layer, ModelArgs, MoEMLP
 from primerl_models.families.base import (
     ATTENTION_KINDS,
     Family,

@@ -16,7 +16,7 @@ the shared expert `mlp.shared_expert`, the gate `self_attn.g_proj` (the released
 transformers converts on load and writes back on save).
 """
 
-from primerl_models.common.args import Attention, DenseMLP, Layer, ModelArgs, MoEMLP, Rope
+from primerl_models.args import Attention, DenseMLP, Layer, ModelArgs, MoEMLP, Rope
 from primerl_models.families.base import (
     ATTENTION_KINDS,
     Family,

@@ -1,6 +1,6 @@
 """Llama (3.x): GQA, SwiGLU, RoPE with optional Llama-3 frequency scaling."""
 
-from primerl_models.common.args import DenseMLP, Layer, ModelArgs
+from primerl_models.args import DenseMLP, Layer, ModelArgs
 from primerl_models.families.base import Family, TinyShape, attention_from_hf, model_args, tiny_common, unsupported
 
 

@@ -9,7 +9,7 @@ chosen weights renormalised; experts of `intermediate_size` each. Checkpoint nam
 block-quantised FP8 (`quantization_config`): hf.py dequantises them at load.
 """
 
-from primerl_models.common.args import Layer, ModelArgs, MoEMLP
+from primerl_models.args import Layer, ModelArgs, MoEMLP
 from primerl_models.families.base import Family, TinyShape, attention_from_hf, model_args, tiny_common, unsupported
 from primerl_models.families.checkpoint import Checkpoint
 

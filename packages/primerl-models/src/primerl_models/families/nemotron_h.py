@@ -18,9 +18,10 @@ import re
 
 import torch
 
-from primerl_models.common.args import Attention, DenseMLP, Layer, Mamba2, ModelArgs, MoEMLP
+from primerl_models.args import Attention, DenseMLP, Layer, Mamba2, ModelArgs, MoEMLP
 from primerl_models.families.base import Family, TinyShape, layer_kinds, model_args, tiny_common, unsupported
 from primerl_models.families.checkpoint import Checkpoint
+from primerl_models.model import mixer_name
 
 KINDS = ("linear_attention", "full_attention", "mlp", "moe")
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -97,7 +98,7 @@ class NemotronHCheckpoint(Checkpoint):
                     norm = "input_layernorm" if layer.mixer is not None else "post_attention_layernorm"
                     renamed[f"model.layers.{i}.{norm}.{rest}"] = tensor
                 else:
-                    block = "mlp" if layer.mixer is None else "mamba" if isinstance(layer.mixer, Mamba2) else "self_attn"
+                    block = "mlp" if layer.mixer is None else mixer_name(layer.mixer)
                     renamed[f"model.layers.{i}.{block}.{rest}"] = tensor
             else:
                 renamed[_TOP.get(name, name)] = tensor

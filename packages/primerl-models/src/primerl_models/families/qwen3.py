@@ -1,6 +1,6 @@
 """Qwen3 dense: Llama's layout plus RMSNorm on each head of q and k."""
 
-from primerl_models.common.args import Attention, DenseMLP, Layer, ModelArgs
+from primerl_models.args import Attention, DenseMLP, Layer, ModelArgs
 from primerl_models.families.base import Family, TinyShape, attention_from_hf, model_args, tiny_common, unsupported
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from primerl_models.common.args import DenseMLP, GatedDeltaNet, Layer, ModelArgs, MoEMLP, Vision
+from primerl_models.args import DenseMLP, GatedDeltaNet, Layer, ModelArgs, MoEMLP, Vision
 from primerl_models.families.base import (
     Family,
     TinyShape,

@@ -1,7 +1,7 @@
 """Qwen3-MoE: Qwen3 attention; MLPs are mixtures of experts (softmax router, top-k), some
 layers dense (`mlp_only_layers`, `decoder_sparse_step`)."""
 
-from primerl_models.common.args import DenseMLP, Layer, ModelArgs, MoEMLP
+from primerl_models.args import DenseMLP, Layer, ModelArgs, MoEMLP
 from primerl_models.families import qwen3
 from primerl_models.families.base import Family, TinyShape, model_args, tiny_common
 

@@ -1,8 +1,10 @@
-"""Causal attention over packed rows, through one function with several back-ends.
+"""Softmax attention: the block (`SelfAttention`: q, k, v, optional norms, RoPE, an optional
+output gate, o) and the causal attention over packed rows it calls, one function with several
+back-ends.
 
 A packed row holds several documents end to end; position ids restart at 0 at each document,
 and attention never crosses a boundary. `PackedSeqs.from_position_ids` finds the boundaries
-once per forward; `attention(q, k, v, seqs, backend)` runs one of:
+once per forward (packing.py); `attention(q, k, v, seqs, backend)` runs one of:
 
   sdpa    torch SDPA. One document per row: is_causal (flash on GPU). Several: each document
           gathered into a row of its own (right-padded to the longest; is_causal is then
@@ -31,66 +33,22 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from primerl_models.args import Attention as AttentionSpec
+from primerl_models.blocks.mixer import Mixer
+from primerl_models.blocks.norms import RMSNorm
+from primerl_models.blocks.packing import PackedSeqs
+from primerl_models.blocks.rope import apply_rope
 
 Backend = Literal["auto", "sdpa", "varlen", "flex"]
+
+
 BACKENDS = ("auto", "sdpa", "varlen", "flex")
-
-
-@dataclass
-class PackedSeqs:
-    """Document boundaries of packed rows, shared by every layer of one forward."""
-
-    doc_ids_BT: torch.Tensor
-    """int32 [B, T]: document index of each token, unique across the batch."""
-    cu_seqlens: torch.Tensor
-    """int32 [S + 1]: document boundaries over the flattened N = B*T tokens."""
-    max_seqlen: int
-    single_doc: bool
-    """Every row is one document (so plain causal attention is exact)."""
-    block_masks: dict = field(default_factory=dict)
-    """flex attention's block masks by window (None: whole documents), each built by the first
-    layer that needs it."""
-    padded: torch.Tensor | None = None
-    """The padded layout's indices (see `padded_layout`), built by the first layer that needs it."""
-    chunk_layouts: dict = field(default_factory=dict)
-    """The recurrent mixers' chunk layouts by chunk size (linear_attention.chunk_layout), built
-    once per forward: each costs a host sync."""
-
-    @property
-    def num_docs(self) -> int:
-        return len(self.cu_seqlens) - 1
-
-    def padded_cheaper(self) -> bool:
-        """One row per document (right-padded) multiplies fewer attention scores than the packed rows."""
-        b, t = self.doc_ids_BT.shape
-        return self.num_docs * self.max_seqlen**2 < b * t * t
-
-    def padded_layout(self) -> torch.Tensor:
-        """int64 [N]: where token n of the flattened rows sits in the [S * M] padded layout
-        (document s's row is positions s*M .. s*M + M - 1, its tokens first)."""
-        if self.padded is None:
-            cu = self.cu_seqlens.long()
-            doc_N = self.doc_ids_BT.flatten().long()
-            self.padded = doc_N * self.max_seqlen + (torch.arange(len(doc_N), device=cu.device) - cu[doc_N])
-        return self.padded
-
-    @classmethod
-    def from_position_ids(cls, position_ids_BT: torch.Tensor) -> PackedSeqs:
-        b, t = position_ids_BT.shape
-        starts_BT = position_ids_BT == 0
-        starts_BT[:, 0] = True  # a row always starts a document
-        doc_ids_BT = (starts_BT.flatten().cumsum(0) - 1).view(b, t).to(torch.int32)
-        start_idx = starts_BT.flatten().nonzero().flatten()
-        n = torch.tensor([b * t], device=start_idx.device)
-        cu_seqlens = torch.cat([start_idx, n]).to(torch.int32)
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        max_seqlen, num_docs = int(lengths.max()), len(lengths)  # one host sync per forward
-        return cls(doc_ids_BT, cu_seqlens, max_seqlen, single_doc=num_docs == b)
 
 
 def attention(
@@ -209,10 +167,14 @@ def _load_varlen():
 
 
 _VARLEN = _load_varlen()
+
+
 # Read once here, not under torch.compile. The causal switch moved between torch releases:
 # `is_causal` (2.10/2.11) or `window_size=(-1, 0)` (2.13); remove when the oldest supported
 # torch has window_size.
 _VARLEN_PARAMS = inspect.signature(_VARLEN).parameters if _VARLEN is not None else {}
+
+
 _VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
 
 
@@ -270,3 +232,49 @@ def _flex(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window: int | None = None, s
         out, lse_BHT = _compiled_flex()(q, k, v, block_mask=seqs.block_masks[window], enable_gqa=gqa, return_lse=True)
         out = out * torch.sigmoid(lse_BHT - sinks_H.float()[None, :, None])[..., None].to(out.dtype)
     return out.transpose(1, 2)
+
+
+class SelfAttention(Mixer):
+    """The softmax attention block (HF's `self_attn`); its spec is args.Attention."""
+
+    def __init__(self, spec: AttentionSpec, dim: int, eps: float, zero_centered: bool = False):
+        super().__init__()
+        h, g, k = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.spec, self.rope = spec, spec.rope
+        self.num_heads, self.num_kv_heads, self.head_dim = h, g, k
+        self.q_proj = nn.Linear(dim, h * k, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(dim, g * k, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(dim, g * k, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(h * k, dim, bias=spec.o_bias)
+        norm_q, norm_k = {"none": (0, 0), "head": (k, k), "full": (h * k, g * k)}[spec.qk_norm]
+        self.q_norm = RMSNorm(norm_q, eps, zero_centered) if norm_q else None
+        self.k_norm = RMSNorm(norm_k, eps, zero_centered) if norm_k else None
+        self.sinks = nn.Parameter(torch.zeros(h)) if spec.sinks else None
+        if spec.gate != "none":
+            self.gate_proj = nn.Linear(dim, h if spec.gate_per_head else h * k, bias=False)
+
+    def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend: Backend) -> torch.Tensor:
+        b, t, _ = x_BTD.shape
+        q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        if self.spec.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BTHK = q.view(b, t, self.num_heads, self.head_dim)
+        k_BTGK = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v_BTGK = v.view(b, t, self.num_kv_heads, self.head_dim)
+        if self.spec.qk_norm == "head":
+            q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
+        if self.spec.rope is not None:  # else no positions (cos, sin are None)
+            interleaved = self.spec.rope.interleaved
+            q_BTHK = apply_rope(q_BTHK, cos_BTR, sin_BTR, interleaved)
+            k_BTGK = apply_rope(k_BTGK, cos_BTR, sin_BTR, interleaved)
+        out_BTHK = attention(q_BTHK, k_BTGK, v_BTGK, seqs, backend, window=self.spec.window, sinks_H=self.sinks)
+        if self.spec.gate != "none":
+            out_BTHK = out_BTHK * self._gate(x_BTD, out_BTHK.dtype).view(b, t, self.num_heads, -1)
+        return self.o_proj(out_BTHK.reshape(b, t, -1))
+
+    def _gate(self, x_BTD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[B, T, H or H*K]: sigmoid or softplus (in fp32 at least) of gate_proj(x)."""
+        g = self.gate_proj(x_BTD)
+        if self.spec.gate == "sigmoid":
+            return torch.sigmoid(g).to(dtype)
+        return F.softplus(g.float()).to(dtype)

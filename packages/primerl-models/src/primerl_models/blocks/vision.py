@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primerl_models.common.args import Vision
-from primerl_models.common.attention import PackedSeqs, _varlen_fn
-from primerl_models.common.rope import apply_rope
+from primerl_models.args import Vision
+from primerl_models.blocks.attention import _varlen_fn
+from primerl_models.blocks.packing import PackedSeqs
+from primerl_models.blocks.rope import apply_rope
 
 
 @dataclass

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from primerl_models.common.args import Rope
+from primerl_models.args import Rope
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 

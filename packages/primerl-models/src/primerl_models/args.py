@@ -94,6 +94,15 @@ class Attention:
         """What context parallelism splits over its ranks (each count must divide)."""
         return [(self.num_heads, "attention heads (num_attention_heads)")]
 
+    def mixing_flops(self, lengths: list[float]) -> float:
+        """Forward + backward FLOPs of causal attention beyond the projections, over documents of
+        these lengths: 6 H K n^2 per document of n tokens (QK^T and AV, half the square each,
+        times 3 for the backward); with a sliding window of w, 12 H K times the keys the queries
+        see (w (n - w) + w^2 / 2 once n > w)."""
+        w = self.window
+        pairs = sum(n * n / 2 if w is None or n <= w else w * (n - w) + w * w / 2 for n in lengths)
+        return 12 * self.num_heads * self.head_dim * pairs
+
     def num_params(self, dim: int) -> int:
         h, g, k = self.num_heads, self.num_kv_heads, self.head_dim
         params = dim * h * k * 2 + dim * g * k * 2
@@ -120,9 +129,6 @@ class GatedDeltaNet:
     head_v_dim: int
     conv_kernel: int = 4
 
-    rope = None  # no positions: the order is in the recurrence
-    window = None
-
     def __post_init__(self) -> None:
         if self.num_k_heads <= 0 or self.num_v_heads % self.num_k_heads:
             raise ValueError(f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
@@ -143,11 +149,11 @@ class GatedDeltaNet:
         projections = dim * (self.conv_dim + value + 2 * self.num_v_heads) + value * dim
         return projections + self.conv_dim * self.conv_kernel + 2 * self.num_v_heads + self.head_v_dim
 
-    def mixing_flops(self, tokens: float, chunk: int = 64) -> float:
+    def mixing_flops(self, lengths: list[float], chunk: int = 64) -> float:
         """Forward + backward FLOPs of the chunked scan beyond the projections: per token and
         value head, the chunk's q.k and k.k products and its attention over values (2 C (2 K +
         V)), and three K x V state products (read, correct, write), times 3."""
-        k, v = self.head_k_dim, self.head_v_dim
+        k, v, tokens = self.head_k_dim, self.head_v_dim, sum(lengths)
         return 3 * tokens * self.num_v_heads * (2 * chunk * (2 * k + v) + 6 * k * v)
 
 
@@ -167,9 +173,6 @@ class Mamba2:
     conv_kernel: int = 4
     conv_bias: bool = True
     dt_min: float = 0.0
-
-    rope = None  # no positions: the order is in the recurrence
-    window = None
 
     def __post_init__(self) -> None:
         if self.n_groups <= 0 or self.num_heads % self.n_groups:
@@ -191,10 +194,10 @@ class Mamba2:
         conv = self.conv_dim * (self.conv_kernel + (1 if self.conv_bias else 0))
         return projections + conv + 3 * self.num_heads + self.inner
 
-    def mixing_flops(self, tokens: float, chunk: int = 64) -> float:
+    def mixing_flops(self, lengths: list[float], chunk: int = 64) -> float:
         """Forward + backward FLOPs of the chunked scan: per token and head, the chunk's C.B
         products and their weighting of x (2 C (N + P)) and two N x P state products, times 3."""
-        n, p = self.state_size, self.head_dim
+        n, p, tokens = self.state_size, self.head_dim, sum(lengths)
         return 3 * tokens * self.num_heads * (2 * chunk * (n + p) + 4 * n * p)
 
 
@@ -423,17 +426,8 @@ class ModelArgs:
 
     def train_flops(self, doc_lengths) -> float:
         """FLOPs of forward + backward over documents of these lengths (one packed row or many):
-        6 N_active per token, plus causal attention in each attention layer, 6 H K n^2 per
-        document of n tokens (QK^T and AV, half the square each, times 3 for the backward);
-        with a sliding window of w, 12 H K times the keys the queries see (w (n - w) + w^2 / 2
-        once n > w)."""
+        6 N_active per token, plus what each layer's mixer does beyond its projections
+        (`mixing_flops`: causal attention over each document, or a recurrent scan)."""
         lengths = [float(n) for n in doc_lengths]
-        tokens = sum(lengths)
-
-        def pairs(w: int | None) -> float:  # half the square, or the window's band
-            return sum(n * n / 2 if w is None or n <= w else w * (n - w) + w * w / 2 for n in lengths)
-
-        attention = sum(12 * layer.mixer.num_heads * layer.mixer.head_dim * pairs(layer.mixer.window)
-                        if isinstance(layer.mixer, Attention) else layer.mixer.mixing_flops(tokens)
-                        for layer in self.layers if layer.mixer is not None)
-        return 6 * self.num_active_params() * tokens + attention
+        mixing = sum(layer.mixer.mixing_flops(lengths) for layer in self.layers if layer.mixer is not None)
+        return 6 * self.num_active_params() * sum(lengths) + mixing

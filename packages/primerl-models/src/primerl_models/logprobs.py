@@ -46,7 +46,7 @@ def _kernels(x: torch.Tensor):
     forms elsewhere (CPU, and fp64 anywhere: tests, gradcheck)."""
     if not x.is_cuda or x.dtype == torch.float64:
         return _forward_stats, _logits_grad
-    from primerl_models.common import logprobs_kernels
+    from primerl_models.kernels import logprobs as logprobs_kernels
 
     return logprobs_kernels.forward_stats, logprobs_kernels.logits_grad
 

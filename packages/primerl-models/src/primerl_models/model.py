@@ -1,5 +1,5 @@
 """The decoder-only transformer every family is made of, built layer by layer from ModelArgs
-(args.py): each layer's attention, RoPE, norms and MLP (dense or MoE) as its spec says. No
+(args.py): each layer's mixer and MLP as its spec says, from the blocks in blocks/ (MIXERS, MLPS). No
 family names here: families/ turn a config.json into the specs.
 
 Single-device code: parallelism (FSDP2, expert and context parallel), activation
@@ -18,113 +18,71 @@ Legend: B batch, T tokens, D hidden, H heads, G kv heads, K head_dim, R rotary d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from primerl_models.common.args import Attention as AttentionSpec
-from primerl_models.common.args import GatedDeltaNet, Layer, Mamba2, ModelArgs, MoEMLP, Rope
-from primerl_models.common.attention import Backend, PackedSeqs, attention
-from primerl_models.common.linear_attention import GatedDeltaNetMixer, Mamba2Mixer
-from primerl_models.common.logprobs import chunked_logprobs
-from primerl_models.common.moe import MoE, dense_mlp
-from primerl_models.common.rope import apply_rope, attention_factor, inv_freq, mrope_cos_sin, rope_cos_sin
-from primerl_models.common.vision import VisionTower, mrope_positions, scatter_images
+from primerl_models.args import Attention, DenseMLP, GatedDeltaNet, Layer, Mamba2, ModelArgs, MoEMLP, Rope
+from primerl_models.blocks.attention import Backend, SelfAttention
+from primerl_models.blocks.gated_deltanet import GatedDeltaNetMixer
+from primerl_models.blocks.mamba2 import Mamba2Mixer
+from primerl_models.blocks.mixer import Mixer
+from primerl_models.blocks.mlp import dense_mlp
+from primerl_models.blocks.moe import MoE
+from primerl_models.blocks.norms import RMSNorm
+from primerl_models.blocks.packing import PackedSeqs
+from primerl_models.blocks.rope import attention_factor, inv_freq, mrope_cos_sin, rope_cos_sin
+from primerl_models.blocks.vision import VisionTower, mrope_positions, scatter_images
+from primerl_models.logprobs import chunked_logprobs
+
+MIXERS: dict[type, tuple[str, Callable[..., Mixer]]] = {
+    Attention: ("self_attn", SelfAttention),
+    GatedDeltaNet: ("linear_attn", lambda spec, dim, eps, zero_centered: GatedDeltaNetMixer(spec, dim, eps)),
+    Mamba2: ("mamba", lambda spec, dim, eps, zero_centered: Mamba2Mixer(spec, dim, eps)),
+}
+"""Each mixer spec (args.py) -> the name of its module in a layer (Hugging Face's, so that
+checkpoints convert by renames) and its builder (spec, dim, eps, zero_centered). A new kind of
+mixer is a spec, a `Mixer` (blocks/mixer.py) and a row here."""
+
+MLPS: dict[type, Callable[[int, object], nn.Module]] = {
+    DenseMLP: lambda dim, spec: dense_mlp(dim, spec.intermediate_size, spec.activation),
+    MoEMLP: lambda dim, spec: MoE(dim, spec),
+}
+"""Each MLP spec -> its builder (dim, spec); the module is a layer's `mlp`."""
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight; zero-centred (Qwen3.5): * (1 + weight), the weight starting at 0."""
-
-    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
-        super().__init__()
-        self.eps, self.zero_centered = eps, zero_centered
-        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.zero_centered:  # scaled in fp32, then cast (as Qwen3.5's reference does)
-            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-        # Normalise in fp32, scale in the input dtype (as the reference implementations do).
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return self.weight.to(x.dtype) * normed
-
-
-class Attention(nn.Module):
-    def __init__(self, spec: AttentionSpec, dim: int, eps: float, zero_centered: bool = False):
-        super().__init__()
-        h, g, k = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.spec = spec
-        self.num_heads, self.num_kv_heads, self.head_dim = h, g, k
-        self.q_proj = nn.Linear(dim, h * k, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(dim, g * k, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(dim, g * k, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(h * k, dim, bias=spec.o_bias)
-        norm_q, norm_k = {"none": (0, 0), "head": (k, k), "full": (h * k, g * k)}[spec.qk_norm]
-        self.q_norm = RMSNorm(norm_q, eps, zero_centered) if norm_q else None
-        self.k_norm = RMSNorm(norm_k, eps, zero_centered) if norm_k else None
-        self.sinks = nn.Parameter(torch.zeros(h)) if spec.sinks else None
-        if spec.gate != "none":
-            self.gate_proj = nn.Linear(dim, h if spec.gate_per_head else h * k, bias=False)
-
-    def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend: Backend) -> torch.Tensor:
-        b, t, _ = x_BTD.shape
-        q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
-        if self.spec.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q_BTHK = q.view(b, t, self.num_heads, self.head_dim)
-        k_BTGK = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v_BTGK = v.view(b, t, self.num_kv_heads, self.head_dim)
-        if self.spec.qk_norm == "head":
-            q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
-        if self.spec.rope is not None:  # else no positions (cos, sin are None)
-            interleaved = self.spec.rope.interleaved
-            q_BTHK = apply_rope(q_BTHK, cos_BTR, sin_BTR, interleaved)
-            k_BTGK = apply_rope(k_BTGK, cos_BTR, sin_BTR, interleaved)
-        out_BTHK = attention(q_BTHK, k_BTGK, v_BTGK, seqs, backend, window=self.spec.window, sinks_H=self.sinks)
-        if self.spec.gate != "none":
-            out_BTHK = out_BTHK * self._gate(x_BTD, out_BTHK.dtype).view(b, t, self.num_heads, -1)
-        return self.o_proj(out_BTHK.reshape(b, t, -1))
-
-    def _gate(self, x_BTD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[B, T, H or H*K]: sigmoid or softplus (in fp32 at least) of gate_proj(x)."""
-        g = self.gate_proj(x_BTD)
-        if self.spec.gate == "sigmoid":
-            return torch.sigmoid(g).to(dtype)
-        return F.softplus(g.float()).to(dtype)
+def mixer_name(spec) -> str:
+    """The module name of a mixer spec's block in a layer (`self_attn`, `linear_attn`, `mamba`)."""
+    if type(spec) not in MIXERS:
+        raise TypeError(f"{type(spec).__name__} is not a mixer spec (one of {', '.join(t.__name__ for t in MIXERS)})")
+    return MIXERS[type(spec)][0]
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm mixer and MLP as its `Layer` spec says (args.py); with sandwich norms, their
     outputs are normalised again before the residual adds (GLM-4's post_*_layernorm). The mixer
-    is `self_attn` (softmax attention) or `linear_attn` (Gated DeltaNet), as HF names them."""
+    is built and named as MIXERS says (`self_attn`, `linear_attn`, `mamba`: HF's names)."""
 
     def __init__(self, spec: Layer, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
         self.spec = spec
+        self.mixer_name: str | None = None
         if spec.mixer is not None:
             self.input_layernorm = RMSNorm(dim, eps, zero_centered)
-            if isinstance(spec.mixer, GatedDeltaNet):
-                self.linear_attn = GatedDeltaNetMixer(spec.mixer, dim, eps)
-            elif isinstance(spec.mixer, Mamba2):
-                self.mamba = Mamba2Mixer(spec.mixer, dim, eps)
-            else:
-                self.self_attn = Attention(spec.mixer, dim, eps, zero_centered)
+            self.mixer_name = mixer_name(spec.mixer)
+            self.add_module(self.mixer_name, MIXERS[type(spec.mixer)][1](spec.mixer, dim, eps, zero_centered))
             if spec.sandwich_norm:
                 self.post_self_attn_layernorm = RMSNorm(dim, eps, zero_centered)
         if spec.mlp is not None:
             self.post_attention_layernorm = RMSNorm(dim, eps, zero_centered)
-            self.mlp: nn.Module = (
-                MoE(dim, spec.mlp) if isinstance(spec.mlp, MoEMLP)
-                else dense_mlp(dim, spec.mlp.intermediate_size, spec.mlp.activation)
-            )
+            self.mlp: nn.Module = MLPS[type(spec.mlp)](dim, spec.mlp)
             if spec.sandwich_norm:
                 self.post_mlp_layernorm = RMSNorm(dim, eps, zero_centered)
 
     @property
-    def mixer(self) -> nn.Module | None:
-        kind = self.spec.mixer
-        if kind is None:
-            return None
-        return self.linear_attn if isinstance(kind, GatedDeltaNet) else self.mamba if isinstance(kind, Mamba2) else self.self_attn
+    def mixer(self) -> Mixer | None:
+        return None if self.mixer_name is None else getattr(self, self.mixer_name)
 
     def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend: Backend) -> torch.Tensor:
         if self.spec.mixer is not None:
@@ -160,7 +118,7 @@ class Transformer(nn.Module):
         self.visual = None if args.vision is None else VisionTower(args.vision)
         if self.visual is not None:  # frozen unless asked (args.freeze_vision)
             self.visual.requires_grad_(not args.freeze_vision)
-        self._rope_specs = list(dict.fromkeys(layer.mixer.rope for layer in args.layers
+        self._rope_specs = list(dict.fromkeys(layer.mixer.rope for layer in self.layers
                                               if layer.mixer is not None and layer.mixer.rope is not None))
         self._inv_freq: dict[tuple[Rope, torch.device], torch.Tensor] = {}
 
@@ -245,11 +203,12 @@ class Transformer(nn.Module):
         x_BTD, mrope_3BT = self._embed(input_ids_BT, seqs, pixel_values, image_grid_thw, mrope_positions)
         ropes = self._ropes(position_ids_BT, mrope_3BT)
         ropes[None] = (None, None)  # layers without positions
-        for layer in self.layers:  # host-side layouts a mixer needs (host syncs), outside the compiled layers
-            if hasattr(layer.mixer, "prepare"):
-                layer.mixer.prepare(seqs, x_BTD.device)
-        for layer in self.layers:
-            x_BTD = layer(x_BTD, *ropes[getattr(layer.spec.mixer, "rope", None)], seqs, self.attn_backend)
+        mixers = [layer.mixer for layer in self.layers]
+        for mixer in mixers:  # host-side layouts a mixer needs (host syncs), outside the compiled layers
+            if mixer is not None:
+                mixer.prepare(seqs, x_BTD.device)
+        for layer, mixer in zip(self.layers, mixers):
+            x_BTD = layer(x_BTD, *ropes[None if mixer is None else mixer.rope], seqs, self.attn_backend)
         hidden_BTD = self.norm(x_BTD)
         if targets_BT is None:
             return hidden_BTD

@@ -1,0 +1,10 @@
+"""GPU kernels (Triton, torch custom ops), each the fast path of a torch form that stays the
+reference on every other device and in the tests:
+
+    conv.py          causal_conv_silu          <- blocks.recurrent.causal_conv (then SiLU)
+    gated_delta.py   gated_delta_rule (fla)    <- blocks.gated_deltanet.gated_delta_rule
+    state_scan.py    chunk_states (Triton)     <- its own _scan_loop (the loop on CPU)
+    logprobs.py      forward_stats, logits_grad <- logprobs._forward_stats, logprobs._logits_grad
+
+Each imports Triton (or fla) only when first used on CUDA.
+"""
