@@ -50,7 +50,7 @@ def measured() -> tuple[float, float]:
 
 def layer_params(layer, d: int) -> tuple[int, int]:
     """(dense, routed-expert) parameters of a decoder layer."""
-    experts = 3 * layer.mlp.num_experts * d * layer.mlp.expert_size if isinstance(layer.mlp, MoEMLP) else 0
+    experts = 3 * layer.mlp.num_experts * d * layer.mlp.experts.size if isinstance(layer.mlp, MoEMLP) else 0
     return layer.num_params(d) - experts, experts
 
 

@@ -3,7 +3,7 @@ computation, and bad descriptions refused by name."""
 
 import pytest
 import torch
-from primerl_models import Attention, DenseMLP, Layer, ModelArgs, MoEMLP, Rope
+from primerl_models import Attention, DenseMLP, Experts, Layer, ModelArgs, MoEMLP, Rope, Routing
 from primerl_models.families import FAMILIES, TinyShape
 from primerl_models.model import Transformer
 
@@ -34,7 +34,7 @@ def test_train_flops_count_each_layer_by_its_own_kind():
     wide = Attention(num_heads=8, num_kv_heads=2, head_dim=16, rope=rope)
     narrow = Attention(num_heads=2, num_kv_heads=1, head_dim=8, rope=rope)
     args = ModelArgs("test", vocab_size=10, hidden_size=32, layers=[
-        Layer(wide, DenseMLP(64)), Layer(narrow, MoEMLP(num_experts=4, top_k=1, expert_size=16))])
+        Layer(wide, DenseMLP(64)), Layer(narrow, MoEMLP(Routing(num_experts=4, top_k=1), Experts(size=16)))])
     d = 32
     attn_wide = d * 8 * 16 * 2 + d * 2 * 16 * 2
     attn_narrow = d * 2 * 8 * 2 + d * 1 * 8 * 2
@@ -46,10 +46,10 @@ def test_train_flops_count_each_layer_by_its_own_kind():
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: MoEMLP(num_experts=6, top_k=2, expert_size=8, n_group=4), r"n_group \(4\) must divide"),
-    (lambda: MoEMLP(num_experts=8, top_k=2, expert_size=8, n_group=2, topk_group=3), r"topk_group \(3\)"),
-    (lambda: MoEMLP(num_experts=8, top_k=5, expert_size=8, n_group=4, topk_group=2), r"more than the 4 experts"),
-    (lambda: MoEMLP(num_experts=4, top_k=5, expert_size=8), r"num_experts_per_tok \(5\)"),
+    (lambda: Routing(num_experts=6, top_k=2, n_group=4), r"n_group \(4\) must divide"),
+    (lambda: Routing(num_experts=8, top_k=2, n_group=2, topk_group=3), r"topk_group \(3\)"),
+    (lambda: Routing(num_experts=8, top_k=5, n_group=4, topk_group=2), r"more than the 4 experts"),
+    (lambda: Routing(num_experts=4, top_k=5), r"num_experts_per_tok \(5\)"),
     (lambda: Attention(num_heads=6, num_kv_heads=4, head_dim=8, rope=Rope(8)), r"multiple of"),
     (lambda: Attention(num_heads=4, num_kv_heads=2, head_dim=8, rope=Rope(16)), r"rotary_dim \(16\) is larger"),
     (lambda: Rope(rotary_dim=7), r"positive even"),

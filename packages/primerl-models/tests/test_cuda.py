@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from primerl_models import PackedSeqs, attention, chunked_logprobs, load_model
-from primerl_models.args import MoEMLP
+from primerl_models.args import Experts
 from primerl_models.blocks.moe import GroupedExperts
 from primerl_models.tiny import build_tiny_model
 
@@ -131,8 +131,7 @@ def test_grouped_mm_experts_match_the_loop(biased):
     loop path in fp64 on the same bf16-exact weights and inputs, forward and every gradient."""
     torch.manual_seed(0)
     e, d, f = 8, 256, 128
-    spec = MoEMLP(num_experts=e, top_k=2, expert_size=f, expert_bias=biased)
-    experts = GroupedExperts(e, d, f, spec).to(CUDA)
+    experts = GroupedExperts(e, d, Experts(size=f, bias=biased)).to(CUDA)
     with torch.no_grad():
         for w in experts.parameters():
             w.copy_(torch.randn_like(w).mul(0.05).bfloat16().float())  # bf16-exact weights
@@ -278,7 +277,7 @@ def test_bf16_model_on_gpu_matches_fp32_cpu(family, tmp_path, monkeypatch):
     gdn = 19 if gated_deltanet.FAST_KERNELS and gated_delta.available() else 12
     n = 1 + sum((0 if layer.mixer is None else 7 if type(layer.mixer).__name__ == "Attention"
                  else gdn if type(layer.mixer).__name__ == "GatedDeltaNet" else 12)
-                + (0 if layer.mlp is None else 8 if getattr(layer.mlp, "shared_expert_gate", False) else 6)
+                + (0 if layer.mlp is None else 8 if getattr(getattr(layer.mlp, "shared", None), "gate", False) else 6)
                 for layer in gpu.args.layers)
     s = ((hidden**2) @ (cpu.output_weight**2).T).sqrt()
     check_every_element(f"logits[{family}]", got, ref, 5 * U * (n / 3) ** 0.5 * s + U * ref.abs())

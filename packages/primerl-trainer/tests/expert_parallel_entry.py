@@ -8,7 +8,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from primerl_models import MoEMLP
+from primerl_models import Experts, MoEMLP, Routing, SharedExpert
 from primerl_models.blocks.moe import MoE
 from primerl_trainer.expert_parallel import shard_experts
 from torch.distributed.device_mesh import init_device_mesh
@@ -19,12 +19,11 @@ def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 SPECS = {
-    "qwen3_moe": MoEMLP(num_experts=4, top_k=2, expert_size=8, scoring="softmax", norm_topk_prob=True),
-    "glm4_moe": MoEMLP(num_experts=4, top_k=2, expert_size=8, scoring="sigmoid", norm_topk_prob=True,
-                       correction_bias=True, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-                       shared_expert_size=8),
-    "gpt_oss": MoEMLP(num_experts=4, top_k=2, expert_size=8, scoring="softmax_topk", router_bias=True,
-                      expert_bias=True, activation="clamped", limit=0.5),
+    "qwen3_moe": MoEMLP(Routing(num_experts=4, top_k=2, scoring="softmax", norm_topk_prob=True), Experts(size=8)),
+    "glm4_moe": MoEMLP(Routing(num_experts=4, top_k=2, scoring="sigmoid", norm_topk_prob=True, correction_bias=True,
+                               n_group=2, topk_group=1, scaling=2.5), Experts(size=8), SharedExpert(size=8)),
+    "gpt_oss": MoEMLP(Routing(num_experts=4, top_k=2, scoring="softmax_topk", bias=True),
+                      Experts(size=8, bias=True, activation="clamped", limit=0.5)),
 }
 
 

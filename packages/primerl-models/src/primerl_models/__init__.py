@@ -7,7 +7,18 @@ layer by layer (ModelArgs), HF conversion, tiny models.
     logprobs, entropy = chunked_logprobs(hidden[0], model.output_weight, targets, temperature)
 """
 
-from primerl_models.args import Attention, DenseMLP, Layer, ModelArgs, MoEMLP, Rope, Vision
+from primerl_models.args import (
+    Attention,
+    DenseMLP,
+    Experts,
+    Layer,
+    ModelArgs,
+    MoEMLP,
+    Rope,
+    Routing,
+    SharedExpert,
+    Vision,
+)
 from primerl_models.blocks.attention import BACKENDS, attention
 from primerl_models.blocks.packing import PackedSeqs
 from primerl_models.families import FAMILIES, family_for
@@ -31,11 +42,14 @@ __all__ = [
     "FAMILIES",
     "Attention",
     "DenseMLP",
+    "Experts",
     "Layer",
     "ModelArgs",
     "MoEMLP",
     "PackedSeqs",
     "Rope",
+    "Routing",
+    "SharedExpert",
     "Transformer",
     "Vision",
     "attention",

@@ -216,13 +216,11 @@ class DenseMLP:
 
 
 @dataclass(frozen=True)
-class MoEMLP:
-    """Mixture of SwiGLU experts: an fp32 router picks top_k of num_experts for each token."""
+class Routing:
+    """How an fp32 router picks top_k of num_experts for each token and weights them."""
 
     num_experts: int
     top_k: int
-    expert_size: int
-    """Hidden size of each expert (moe_intermediate_size)."""
     scoring: Scoring = "softmax"
     """Router scores: softmax over the experts (Qwen3-MoE), a sigmoid of each (GLM-4.5,
     MiniMax-M2), or top-k of the logits, then a softmax over those k (GPT-OSS)."""
@@ -235,24 +233,12 @@ class MoEMLP:
     topk_group: int = 1
     """Group-limited routing: the experts are split into n_group groups, each group scored by
     the sum of its two best experts, and top_k is chosen within the topk_group best groups."""
-    routed_scaling_factor: float = 1.0
-    """Multiplies the routed experts' weights (after any renormalisation)."""
-    shared_expert_size: int = 0
-    """Hidden size of a dense SwiGLU every token also goes through (0: none)."""
-    shared_expert_gate: bool = False
-    """The shared expert's output is scaled by sigmoid(x . w), w a learned [D] (Qwen3.5-MoE)."""
-    router_bias: bool = False
+    scaling: float = 1.0
+    """Multiplies the routed experts' weights after any renormalisation (routed_scaling_factor)."""
+    bias: bool = False
     """The router's linear layer has a bias (GPT-OSS); it chooses and weights, unlike correction_bias."""
     logit_softcap: float = 0.0
     """> 0: the router's logits become softcap * tanh(logits / softcap) before scoring (Laguna)."""
-    expert_bias: bool = False
-    """Each expert's gate, up and down projections have biases (GPT-OSS)."""
-    activation: Activation = "silu"
-    """silu: down(silu(gate) * up). clamped (GPT-OSS): gate clamped above at `limit`, up to
-    [-limit, limit], then down((up + 1) * gate * sigmoid(alpha * gate)). relu2 (Nemotron-H):
-    down(relu(up)^2), no gate, the shared expert too."""
-    limit: float = 7.0
-    alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -261,8 +247,6 @@ class MoEMLP:
             raise ValueError(f"router scoring must be 'softmax', 'sigmoid' or 'softmax_topk', got {self.scoring!r}")
         if self.logit_softcap < 0:
             raise ValueError(f"router logit soft-cap must be >= 0 (0: off), got {self.logit_softcap}")
-        if self.activation not in ("silu", "clamped", "relu2"):
-            raise ValueError(f"expert activation must be 'silu', 'clamped' or 'relu2', got {self.activation!r}")
         if self.n_group < 1 or self.num_experts % self.n_group:
             raise ValueError(f"n_group ({self.n_group}) must divide the number of experts ({self.num_experts})")
         if self.n_group > 1:
@@ -277,19 +261,69 @@ class MoEMLP:
                     f"of topk_group ({self.topk_group}) groups"
                 )
 
-    def expert_params(self, dim: int) -> int:
-        """Parameters of one routed expert."""
-        mats = 2 if self.activation == "relu2" else 3
-        return mats * dim * self.expert_size + ((2 * self.expert_size + dim) if self.expert_bias else 0)
+    def num_params(self, dim: int) -> int:
+        return self.num_experts * dim + (self.num_experts if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The routed experts, all alike: silu: down(silu(gate) * up). clamped (GPT-OSS): gate
+    clamped above at `limit`, up to [-limit, limit], then down((up + 1) * gate * sigmoid(alpha *
+    gate)). relu2 (Nemotron-H): down(relu(up)^2), no gate."""
+
+    size: int
+    """Hidden size of each expert (moe_intermediate_size)."""
+    activation: Activation = "silu"
+    bias: bool = False
+    """Each expert's gate, up and down projections have biases (GPT-OSS)."""
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __post_init__(self) -> None:
+        if self.activation not in ("silu", "clamped", "relu2"):
+            raise ValueError(f"expert activation must be 'silu', 'clamped' or 'relu2', got {self.activation!r}")
 
     def num_params(self, dim: int) -> int:
-        router = self.num_experts * dim + (self.num_experts if self.router_bias else 0)
+        """Parameters of one expert."""
         mats = 2 if self.activation == "relu2" else 3
-        shared = mats * dim * self.shared_expert_size + (dim if self.shared_expert_gate else 0)
-        return self.num_experts * self.expert_params(dim) + router + shared
+        return mats * dim * self.size + ((2 * self.size + dim) if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """A dense MLP every token also goes through (DenseMLP's activations), its output scaled by
+    sigmoid(x . w), w a learned [D], when `gate` (Qwen3.5-MoE)."""
+
+    size: int
+    activation: Literal["silu", "relu2"] = "silu"
+    gate: bool = False
+
+    def num_params(self, dim: int) -> int:
+        return DenseMLP(self.size, self.activation).num_params(dim) + (dim if self.gate else 0)
+
+
+@dataclass(frozen=True)
+class MoEMLP:
+    """Mixture of experts: the routing, the routed experts and an optional shared expert."""
+
+    routing: Routing
+    experts: Experts
+    shared: SharedExpert | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.routing.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
+
+    def num_params(self, dim: int) -> int:
+        shared = 0 if self.shared is None else self.shared.num_params(dim)
+        return self.num_experts * self.experts.num_params(dim) + self.routing.num_params(dim) + shared
 
     def num_active_params(self, dim: int) -> int:
-        return self.num_params(dim) - (self.num_experts - self.top_k) * self.expert_params(dim)
+        return self.num_params(dim) - (self.num_experts - self.top_k) * self.experts.num_params(dim)
 
 
 MLPSpec = DenseMLP | MoEMLP

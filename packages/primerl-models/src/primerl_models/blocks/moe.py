@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primerl_models.args import MoEMLP
+from primerl_models.args import Experts, MoEMLP, Routing
 from primerl_models.blocks.mlp import dense_mlp
 
 
@@ -29,17 +29,18 @@ class GroupedExperts(nn.Module):
     b_up [E, F] and b_down [E, D]. Every parameter is stacked on dim 0 (expert parallelism
     shards them all there)."""
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, spec: MoEMLP | None = None):
+    def __init__(self, num_experts: int, dim: int, spec: Experts):
         super().__init__()
-        self.clamp = (spec.limit, spec.alpha) if spec is not None and spec.activation == "clamped" else None
+        hidden = spec.size
+        self.clamp = (spec.limit, spec.alpha) if spec.activation == "clamped" else None
         """(limit, alpha) of the clamped SwiGLU (GPT-OSS); None: silu."""
-        self.gated = spec is None or spec.activation != "relu2"
+        self.gated = spec.activation != "relu2"
         """False: relu(up)^2 experts without a gate projection (Nemotron-H)."""
         if self.gated:
             self.w_gate = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w_up = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
-        if spec is not None and spec.expert_bias:
+        if spec.bias:
             self.b_gate = nn.Parameter(torch.zeros(num_experts, hidden))
             self.b_up = nn.Parameter(torch.zeros(num_experts, hidden))
             self.b_down = nn.Parameter(torch.zeros(num_experts, dim))
@@ -118,11 +119,11 @@ class Router(nn.Module):
     decide which experts run). `weight` [E, D]; with a correction bias, the fp32 buffer
     `e_score_correction_bias` [E] (a buffer, not trained: it balances load in pre-training)."""
 
-    def __init__(self, dim: int, spec: MoEMLP):
+    def __init__(self, dim: int, spec: Routing):
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, dim))
-        self.bias = nn.Parameter(torch.zeros(spec.num_experts)) if spec.router_bias else None
+        self.bias = nn.Parameter(torch.zeros(spec.num_experts)) if spec.bias else None
         if spec.correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
         else:
@@ -161,8 +162,8 @@ class Router(nn.Module):
         s = self.spec
         if s.norm_topk_prob:
             weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + (1e-20 if s.scoring == "sigmoid" else 0.0))
-        if s.routed_scaling_factor != 1.0:
-            weights_NK = weights_NK * s.routed_scaling_factor
+        if s.scaling != 1.0:
+            weights_NK = weights_NK * s.scaling
         return weights_NK
 
 
@@ -175,11 +176,11 @@ class MoE(nn.Module):
     def __init__(self, dim: int, spec: MoEMLP):
         super().__init__()
         self.top_k, self.num_experts = spec.top_k, spec.num_experts
-        self.router = Router(dim, spec)
-        self.experts = GroupedExperts(spec.num_experts, dim, spec.expert_size, spec)
-        self.shared_experts = (dense_mlp(dim, spec.shared_expert_size, spec.activation)
-                               if spec.shared_expert_size else None)
-        if spec.shared_expert_gate:
+        self.router = Router(dim, spec.routing)
+        self.experts = GroupedExperts(spec.num_experts, dim, spec.experts)
+        shared = spec.shared
+        self.shared_experts = None if shared is None else dense_mlp(dim, shared.size, shared.activation)
+        if shared is not None and shared.gate:
             self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
         self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts), persistent=False)
 

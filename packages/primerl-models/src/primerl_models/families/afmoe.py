@@ -17,7 +17,7 @@ Checkpoint: per-expert matrices under `mlp.experts.<e>` as most families; the ro
 
 from dataclasses import replace
 
-from primerl_models.args import DenseMLP, Layer, ModelArgs, MoEMLP
+from primerl_models.args import DenseMLP, Layer, ModelArgs
 from primerl_models.families.base import (
     ATTENTION_KINDS,
     Family,
@@ -25,6 +25,8 @@ from primerl_models.families.base import (
     attention_from_hf,
     layer_kinds,
     model_args,
+    moe_from_hf,
+    shared_expert_from_hf,
     tiny_common,
     unsupported,
 )
@@ -51,16 +53,9 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     options = dict(qkv_bias=bias, o_bias=bias, qk_norm="head", gate="sigmoid")
     sliding = attention_from_hf(cfg, window=cfg.get("sliding_window") or None, **options)
     full = replace(attention_from_hf(cfg, **options), rope=None)  # global layers: no positions
-    moe = MoEMLP(
-        num_experts=cfg["num_experts"],
-        top_k=cfg["num_experts_per_tok"],
-        expert_size=cfg["moe_intermediate_size"],
-        scoring="sigmoid",
-        norm_topk_prob=True,
-        correction_bias=True,
-        routed_scaling_factor=float(cfg.get("route_scale") or 1.0),
-        shared_expert_size=cfg["moe_intermediate_size"] * (cfg.get("num_shared_experts") or 0),
-    )
+    moe = moe_from_hf(cfg, scoring="sigmoid", norm_topk_prob=True, correction_bias=True,
+                      scaling=float(cfg.get("route_scale") or 1.0),
+                      shared=shared_expert_from_hf(cfg, count_key="num_shared_experts"))
     dense_mlp = DenseMLP(cfg["intermediate_size"])
     first_dense = cfg.get("num_dense_layers")
     first_dense = 1 if first_dense is None else first_dense

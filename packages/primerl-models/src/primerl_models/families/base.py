@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from primerl_models.args import Attention, ModelArgs, Rope
+from primerl_models.args import Attention, Experts, ModelArgs, MoEMLP, Rope, Routing, SharedExpert
 from primerl_models.families.checkpoint import Checkpoint
 
 
@@ -56,10 +56,49 @@ def attention_from_hf(cfg: dict, *, partial_default: float = 1.0, interleaved: b
                      **options)
 
 
-def model_args(cfg: dict, layers: list) -> ModelArgs:
-    """The model-wide fields, read from a HF config dict, around the family's layers."""
-    if cfg.get("hidden_act", "silu") != "silu":
-        unsupported(cfg, "hidden_act", "SwiGLU MLPs (silu) only")
+def moe_from_hf(cfg: dict, *, size_key: str = "moe_intermediate_size", norm_topk_default: bool = False,
+                shared: SharedExpert | None = None, experts: dict | None = None, **routing) -> MoEMLP:
+    """The mixture of experts most configs describe: the expert count (`n_routed_experts`,
+    `num_experts` or `num_local_experts`), `num_experts_per_tok`, each expert's size (`size_key`),
+    `norm_topk_prob` (else `norm_topk_default`), `n_group`, `topk_group` and
+    `routed_scaling_factor`; `routing` (scoring, correction_bias, ...) and `experts`
+    (activation, bias, ...) are the family's settings and win over what was read; `shared`
+    its shared expert (shared_expert_from_hf)."""
+    read = dict(
+        num_experts=first_key(cfg, "n_routed_experts", "num_experts", "num_local_experts"),
+        top_k=cfg["num_experts_per_tok"],
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_topk_default)),
+        n_group=cfg.get("n_group") or 1,
+        topk_group=cfg.get("topk_group") or 1,
+        scaling=float(cfg.get("routed_scaling_factor") or 1.0),
+    )
+    return MoEMLP(Routing(**{**read, **routing}), Experts(size=cfg[size_key], **(experts or {})), shared)
+
+
+def shared_expert_from_hf(cfg: dict, *, count_key: str | None, size_key: str = "moe_intermediate_size",
+                          **options) -> SharedExpert | None:
+    """The shared expert: `count_key` experts of `size_key`'s width as one dense MLP (GLM-4.5:
+    n_shared_experts x moe_intermediate_size), or one of `size_key` when `count_key` is None
+    (Qwen3.5, Laguna: shared_expert_intermediate_size); None when the width comes to 0.
+    `options`: SharedExpert's activation and gate."""
+    size = (cfg.get(size_key) or 0) * (1 if count_key is None else cfg.get(count_key) or 0)
+    return SharedExpert(size, **options) if size else None
+
+
+def first_key(cfg: dict, *keys: str):
+    """The value of the first of `keys` the config has (configs spell some counts several ways)."""
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    raise ValueError(f"{cfg.get('model_type')}: config.json has none of {', '.join(map(repr, keys))}")
+
+
+def model_args(cfg: dict, layers: list, act_key: str | None = "hidden_act") -> ModelArgs:
+    """The model-wide fields, read from a HF config dict, around the family's layers. `act_key`:
+    the key naming the MLPs' activation, which must be silu (SwiGLU); None where the family
+    checks its own."""
+    if act_key is not None and cfg.get(act_key, "silu") != "silu":
+        unsupported(cfg, act_key, "SwiGLU MLPs (silu) only")
     if len(layers) != cfg["num_hidden_layers"]:
         raise ValueError(f"{cfg.get('model_type')}: {len(layers)} layer specs for {cfg['num_hidden_layers']} layers")
     return ModelArgs(

@@ -12,8 +12,16 @@ trained: they are carried from the source checkpoint to the published weights un
 
 import re
 
-from primerl_models.args import DenseMLP, Layer, ModelArgs, MoEMLP
-from primerl_models.families.base import Family, TinyShape, attention_from_hf, model_args, tiny_common
+from primerl_models.args import DenseMLP, Layer, ModelArgs
+from primerl_models.families.base import (
+    Family,
+    TinyShape,
+    attention_from_hf,
+    model_args,
+    moe_from_hf,
+    shared_expert_from_hf,
+    tiny_common,
+)
 from primerl_models.families.checkpoint import Checkpoint
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -22,19 +30,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 def args_from_hf(cfg: dict) -> ModelArgs:
     attn = attention_from_hf(cfg, partial_default=0.5, qkv_bias=bool(cfg.get("attention_bias", False)),
                              o_bias=False, qk_norm="head" if cfg.get("use_qk_norm") else "none")
-    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
-    moe = MoEMLP(
-        num_experts=experts,
-        top_k=cfg["num_experts_per_tok"],
-        expert_size=cfg["moe_intermediate_size"],
-        scoring="sigmoid",
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        correction_bias=True,
-        n_group=cfg.get("n_group") or 1,
-        topk_group=cfg.get("topk_group") or 1,
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        shared_expert_size=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
-    )
+    moe = moe_from_hf(cfg, norm_topk_default=True, scoring="sigmoid", correction_bias=True,
+                      shared=shared_expert_from_hf(cfg, count_key="n_shared_experts"))
     first_dense = cfg.get("first_k_dense_replace", 1)
     dense = Layer(attn, DenseMLP(cfg["intermediate_size"]))
     sparse = Layer(attn, moe)

@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from primerl_models.args import Layer, ModelArgs, MoEMLP
+from primerl_models.args import Layer, ModelArgs
 from primerl_models.families.base import (
     ATTENTION_KINDS,
     Family,
@@ -29,6 +29,7 @@ from primerl_models.families.base import (
     attention_from_hf,
     layer_kinds,
     model_args,
+    moe_from_hf,
     tiny_common,
     unsupported,
 )
@@ -50,9 +51,9 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     bias = bool(cfg.get("attention_bias", True))
     full = attention_from_hf(cfg, qkv_bias=bias, o_bias=bias, sinks=True)
     sliding = attention_from_hf(cfg, qkv_bias=bias, o_bias=bias, sinks=True, window=cfg.get("sliding_window") or None)
-    moe = MoEMLP(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
-                 expert_size=cfg["intermediate_size"], scoring="softmax_topk", router_bias=True, expert_bias=True,
-                 activation="clamped", limit=float(cfg.get("swiglu_limit", 7.0)), alpha=SWIGLU_ALPHA)
+    moe = moe_from_hf(cfg, size_key="intermediate_size", scoring="softmax_topk", bias=True,
+                      experts=dict(bias=True, activation="clamped", limit=float(cfg.get("swiglu_limit", 7.0)),
+                                   alpha=SWIGLU_ALPHA))
     by_type = {"full_attention": Layer(full, moe), "sliding_attention": Layer(sliding, moe)}
     return model_args(cfg, [by_type[t] for t in layer_types(cfg)])
 

@@ -16,7 +16,7 @@ the shared expert `mlp.shared_expert`, the gate `self_attn.g_proj` (the released
 transformers converts on load and writes back on save).
 """
 
-from primerl_models.args import Attention, DenseMLP, Layer, ModelArgs, MoEMLP, Rope
+from primerl_models.args import Attention, DenseMLP, Layer, ModelArgs, Rope
 from primerl_models.families.base import (
     ATTENTION_KINDS,
     Family,
@@ -24,6 +24,8 @@ from primerl_models.families.base import (
     head_dim,
     layer_kinds,
     model_args,
+    moe_from_hf,
+    shared_expert_from_hf,
     tiny_common,
     unsupported,
 )
@@ -52,13 +54,10 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     k, bias = head_dim(cfg), bool(cfg.get("attention_bias", False))
     gating = cfg.get("gating", True)
     ropes = {t: _rope(cfg, t, k) for t in set(layer_types)}
-    moe = MoEMLP(
-        num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"], expert_size=cfg["moe_intermediate_size"],
-        scoring="sigmoid", norm_topk_prob=True, correction_bias=True,
-        routed_scaling_factor=float(cfg.get("moe_routed_scaling_factor", 1.0)),
-        shared_expert_size=cfg.get("shared_expert_intermediate_size") or 0,
-        logit_softcap=float(cfg.get("moe_router_logit_softcapping") or 0.0),
-    )
+    moe = moe_from_hf(cfg, scoring="sigmoid", norm_topk_prob=True, correction_bias=True,
+                      scaling=float(cfg.get("moe_routed_scaling_factor", 1.0)),
+                      logit_softcap=float(cfg.get("moe_router_logit_softcapping") or 0.0),
+                      shared=shared_expert_from_hf(cfg, count_key=None, size_key="shared_expert_intermediate_size"))
     dense = DenseMLP(cfg["intermediate_size"])
     layers = []
     for t, mlp_type, h in zip(layer_types, mlp_types, heads):

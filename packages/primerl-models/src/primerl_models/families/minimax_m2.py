@@ -9,8 +9,16 @@ chosen weights renormalised; experts of `intermediate_size` each. Checkpoint nam
 block-quantised FP8 (`quantization_config`): hf.py dequantises them at load.
 """
 
-from primerl_models.args import Layer, ModelArgs, MoEMLP
-from primerl_models.families.base import Family, TinyShape, attention_from_hf, model_args, tiny_common, unsupported
+from primerl_models.args import Layer, ModelArgs
+from primerl_models.families.base import (
+    Family,
+    TinyShape,
+    attention_from_hf,
+    model_args,
+    moe_from_hf,
+    tiny_common,
+    unsupported,
+)
 from primerl_models.families.checkpoint import Checkpoint
 
 
@@ -28,8 +36,7 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     if any(kind != 1 for kind in cfg.get("attn_type_list") or []):
         unsupported(cfg, "attn_type_list", "softmax attention in every layer (1), no lightning attention")
     attn = attention_from_hf(cfg, qk_norm="full")
-    moe = MoEMLP(num_experts=cfg.get("num_local_experts", cfg.get("num_experts")), top_k=cfg["num_experts_per_tok"],
-                 expert_size=cfg["intermediate_size"], scoring="sigmoid", norm_topk_prob=True, correction_bias=True)
+    moe = moe_from_hf(cfg, size_key="intermediate_size", scoring="sigmoid", norm_topk_prob=True, correction_bias=True)
     return model_args(cfg, [Layer(attn, moe)] * cfg["num_hidden_layers"])
 
 

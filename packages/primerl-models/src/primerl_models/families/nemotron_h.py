@@ -18,8 +18,17 @@ import re
 
 import torch
 
-from primerl_models.args import Attention, DenseMLP, Layer, Mamba2, ModelArgs, MoEMLP
-from primerl_models.families.base import Family, TinyShape, layer_kinds, model_args, tiny_common, unsupported
+from primerl_models.args import Attention, DenseMLP, Layer, Mamba2, ModelArgs
+from primerl_models.families.base import (
+    Family,
+    TinyShape,
+    layer_kinds,
+    model_args,
+    moe_from_hf,
+    shared_expert_from_hf,
+    tiny_common,
+    unsupported,
+)
 from primerl_models.families.checkpoint import Checkpoint
 from primerl_models.model import mixer_name
 
@@ -67,19 +76,15 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     blocks = {"linear_attention": Layer(mamba, None), "full_attention": Layer(attn, None),
               "mlp": Layer(None, DenseMLP(cfg["intermediate_size"], activation="relu2"))}
     if "moe" in kinds:
-        experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
-        blocks["moe"] = Layer(None, MoEMLP(
-            num_experts=experts, top_k=cfg["num_experts_per_tok"], expert_size=cfg["moe_intermediate_size"],
-            scoring="sigmoid", norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), correction_bias=True,
-            n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-            shared_expert_size=(cfg.get("moe_shared_expert_intermediate_size") or 0) * (cfg.get("n_shared_experts") or 0),
-            activation="relu2"))
-    # model_args' SwiGLU check does not apply (the MLPs are relu2 by their spec); transformers'
-    # Nemotron-H never ties the output projection to the embeddings, whatever the key says.
+        shared = shared_expert_from_hf(cfg, count_key="n_shared_experts", size_key="moe_shared_expert_intermediate_size",
+                                       activation="relu2")
+        blocks["moe"] = Layer(None, moe_from_hf(cfg, norm_topk_default=True, scoring="sigmoid", correction_bias=True,
+                                                experts=dict(activation="relu2"), shared=shared))
+    # transformers' Nemotron-H never ties the output projection to the embeddings, whatever the
+    # key says. Its activations were checked above (mlp_hidden_act, mamba_hidden_act).
     cfg = {**cfg, "num_hidden_layers": len(kinds), "rms_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
-           "hidden_act": "silu", "tie_word_embeddings": False}
-    return model_args(cfg, [blocks[k] for k in kinds])
+           "tie_word_embeddings": False}
+    return model_args(cfg, [blocks[k] for k in kinds], act_key=None)
 
 
 class NemotronHCheckpoint(Checkpoint):

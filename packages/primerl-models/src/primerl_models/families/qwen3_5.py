@@ -27,13 +27,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from primerl_models.args import DenseMLP, GatedDeltaNet, Layer, ModelArgs, MoEMLP, Vision
+from primerl_models.args import DenseMLP, GatedDeltaNet, Layer, ModelArgs, Vision
 from primerl_models.families.base import (
     Family,
     TinyShape,
     attention_from_hf,
     layer_kinds,
     model_args,
+    moe_from_hf,
+    shared_expert_from_hf,
     tiny_common,
     unsupported,
 )
@@ -73,10 +75,9 @@ def args_from_hf(cfg: dict) -> ModelArgs:
                            head_k_dim=text["linear_key_head_dim"], head_v_dim=text["linear_value_head_dim"],
                            conv_kernel=text.get("linear_conv_kernel_dim", 4))
     if text.get("num_experts"):
-        mlp = MoEMLP(num_experts=text["num_experts"], top_k=text["num_experts_per_tok"],
-                     expert_size=text["moe_intermediate_size"], scoring="softmax", norm_topk_prob=True,
-                     shared_expert_size=text.get("shared_expert_intermediate_size") or 0,
-                     shared_expert_gate=bool(text.get("shared_expert_intermediate_size")))
+        mlp = moe_from_hf(text, scoring="softmax", norm_topk_prob=True,
+                          shared=shared_expert_from_hf(text, count_key=None, size_key="shared_expert_intermediate_size",
+                                                       gate=True))
     else:
         mlp = DenseMLP(text["intermediate_size"])
     mixer = {"linear_attention": linear, "full_attention": full}

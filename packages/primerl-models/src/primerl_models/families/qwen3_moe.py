@@ -1,9 +1,9 @@
 """Qwen3-MoE: Qwen3 attention; MLPs are mixtures of experts (softmax router, top-k), some
 layers dense (`mlp_only_layers`, `decoder_sparse_step`)."""
 
-from primerl_models.args import DenseMLP, Layer, ModelArgs, MoEMLP
+from primerl_models.args import DenseMLP, Layer, ModelArgs
 from primerl_models.families import qwen3
-from primerl_models.families.base import Family, TinyShape, model_args, tiny_common
+from primerl_models.families.base import Family, TinyShape, model_args, moe_from_hf, tiny_common
 
 
 def args_from_hf(cfg: dict) -> ModelArgs:
@@ -13,9 +13,7 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     attn = qwen3.attention(cfg)
     dense = Layer(attn, DenseMLP(cfg["intermediate_size"]))
     if num_experts:
-        moe = Layer(attn, MoEMLP(num_experts=num_experts, top_k=cfg["num_experts_per_tok"],
-                                 expert_size=cfg["moe_intermediate_size"], scoring="softmax",
-                                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False))))
+        moe = Layer(attn, moe_from_hf(cfg, scoring="softmax"))
     layers = [
         moe if num_experts and i not in dense_only and (i + 1) % step == 0 else dense
         for i in range(cfg["num_hidden_layers"])
