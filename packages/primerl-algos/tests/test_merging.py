@@ -61,7 +61,7 @@ def test_logprob_count_must_match():
 
 
 def picture(value: int, h: int = 1, w: int = 2):
-    from primerl_protocol.rollouts import Image
+    from primerl_protocol.images import Image
 
     return Image(height=h, width=w, rgb=bytes([value]) * (h * w * 3))
 

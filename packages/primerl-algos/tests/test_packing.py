@@ -109,7 +109,7 @@ def test_empty_batch_gives_padding_rows_on_every_rank():
 
 
 def test_a_rows_images_are_its_samples_images_in_order():
-    from primerl_protocol.rollouts import Image
+    from primerl_protocol.images import Image
 
     def image(value, h, w):
         return Image(height=h, width=w, rgb=bytes([value]) * (h * w * 3))

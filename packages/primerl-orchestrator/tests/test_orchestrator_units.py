@@ -427,13 +427,14 @@ def test_rollouts_whose_images_cannot_train_get_an_error_naming_environment_task
     2 x 2 makes 4 image tokens.)"""
     import json
 
-    from primerl_orchestrator.images import check_images, vision_of
-    from primerl_protocol.rollouts import Image, Rollout, Turn
+    from primerl_orchestrator.images import check_images
+    from primerl_protocol.images import Image, model_images
+    from primerl_protocol.rollouts import Rollout, Turn
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "vision_config": {}, "image_token_id": 9}))
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(
         {"patch_size": 16, "merge_size": 2, "size": {"shortest_edge": 1024, "longest_edge": 1 << 20}}))
-    vision = vision_of(str(tmp_path))
+    vision = model_images(str(tmp_path))
     assert vision.image_token_id == 9 and vision.spec.factor == 32
 
     def rollout(sample_id, prompt, images, error=None):
@@ -458,7 +459,7 @@ def test_rollouts_whose_images_cannot_train_get_an_error_naming_environment_task
     assert sampled.error.endswith("turn 0: the model sampled the image token (id 9), which stands for no picture")
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    assert vision_of(str(tmp_path)) is None
+    assert model_images(str(tmp_path)) is None
     text = rollout(4, [1, 9, 9, 9, 9, 2], [(64, 64)])
     assert check_images([text], None, "shapes", "'t7'") == 1
     assert "the prompt holds 1 images but the model has no vision tower" in text.error
@@ -475,10 +476,11 @@ def test_a_task_whose_prompt_holds_a_picture_that_cannot_train_is_refused_before
     from types import SimpleNamespace
 
     from PIL import Image as PILImage
-    from primerl_orchestrator.images import refuse_task_images, task_images_problem, vision_of
+    from primerl_orchestrator.images import refuse_task_images, task_images_problem
+    from primerl_protocol.images import model_images
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "vision_config": {}, "image_token_id": 9}))
-    vision = vision_of(str(tmp_path))  # Qwen3.5's processor defaults: factor 32, at least 65,536 pixels
+    vision = model_images(str(tmp_path))  # Qwen3.5's processor defaults: factor 32, at least 65,536 pixels
 
     def task(url):
         parts = [{"type": "text", "text": "How many?"}, {"type": "image_url", "image_url": {"url": url}}]

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image as PILImage
 from primerl_protocol import BatchMessage, Decoder, Encoder, MicroBatch, TrainBatch
-from primerl_protocol.images import ImageError, ImageSpec, decode_data_url, placeholder_runs, tokens_problem
-from primerl_protocol.rollouts import Image
+from primerl_protocol.images import Image, ImageError, ImageSpec, decode_data_url, placeholder_runs, tokens_problem
 from primerl_protocol.testing import micro_batch
 
 SPEC = ImageSpec(patch_size=16, merge_size=2, min_pixels=32 * 32, max_pixels=1024 * 1024)

@@ -17,9 +17,8 @@ import torch
 import transformers
 from primerl_algos.packing import build_micro_batch
 from primerl_models import load_model
-from primerl_models.images import patchify
 from primerl_models.tiny import build_tiny_model, build_tiny_vlm
-from primerl_protocol.images import ImageSpec
+from primerl_protocol.images import ImageSpec, patchify
 from primerl_trainer.engine import token_logprobs
 from primerl_trainer.sft_data import DataError, load_samples
 from primerl_trainer.testing import free_port_block
@@ -138,13 +137,13 @@ def test_packed_image_rows_match_transformers_per_sample(tmp_path, vlm_dir, visi
     worst, least_moved, start = 0.0, float("inf"), 0
     for s in samples:
         ids = torch.tensor([s.token_ids])
-        patches, grids = zip(*(patchify(torch.frombuffer(bytearray(i.pixels()), dtype=torch.uint8).view(i.height, i.width, 3),
-                                        spec) for i in s.images))
+        patches, grids = zip(*(patchify(np.frombuffer(i.pixels(), dtype=np.uint8).reshape(i.height, i.width, 3), spec)
+                               for i in s.images))
         with torch.no_grad():
-            logits = hf(input_ids=ids, pixel_values=torch.cat(patches), image_grid_thw=torch.tensor(grids),
+            logits = hf(input_ids=ids, pixel_values=torch.from_numpy(np.concatenate(patches)), image_grid_thw=torch.tensor(grids),
                         mm_token_type_ids=(ids == image_id).int()).logits[0]
             # the pictures show in the numbers: other pixels move them far beyond the tolerance
-            other = hf(input_ids=ids, pixel_values=torch.cat(patches).flip(0), image_grid_thw=torch.tensor(grids),
+            other = hf(input_ids=ids, pixel_values=torch.from_numpy(np.concatenate(patches)).flip(0), image_grid_thw=torch.tensor(grids),
                        mm_token_type_ids=(ids == image_id).int()).logits[0]
         expected, moved = (torch.log_softmax(x.double(), -1)[:-1].gather(1, ids[0, 1:, None])[:, 0] for x in (logits, other))
         got = pi[start + 1: start + len(s)].double()

@@ -130,7 +130,7 @@ def build_micro_batch(samples: Sequence[Sample], pad_token_id: int = 0):
 
 
 def image_arrays(images: Sequence) -> dict[str, np.ndarray]:
-    """MicroBatch's image_sizes and image_pixels of `images` (primerl_protocol.rollouts.Image;
+    """MicroBatch's image_sizes and image_pixels of `images` (primerl_protocol.images.Image;
     encoded ones are decoded here, so a dataset's pictures are held at their file size)."""
     return {
         "image_sizes": np.array([[i.height, i.width] for i in images], np.int32).reshape(-1, 2),

@@ -11,7 +11,7 @@ package. Trajectory merging (merging.py) turns its turns into one or more sample
 from __future__ import annotations
 
 import msgspec
-from primerl_protocol.rollouts import Image
+from primerl_protocol.images import Image
 
 
 class Sample(msgspec.Struct, kw_only=True):

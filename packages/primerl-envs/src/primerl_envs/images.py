@@ -9,10 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from primerl_protocol.images import ImageError, decode_data_url
-from primerl_protocol.rollouts import Image
-
-__all__ = ["ImageError", "decode_data_url", "message_images"]
+from primerl_protocol.images import Image, decode_data_url
 
 DECODED = 64
 """Pictures kept decoded (by URL): a group's, with room for the groups running beside it."""

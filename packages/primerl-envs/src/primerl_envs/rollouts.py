@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from primerl_protocol.images import ImageError
 from primerl_protocol.rollouts import BAD_SCORE, TRACEBACK_CHARS, Rollout, Turn
 
 from primerl_envs.compat import BAD_SCORES
-from primerl_envs.images import ImageError, message_images
+from primerl_envs.images import message_images
 
 LIMITS = {"max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens"}
 """verifiers' stop conditions that cut a rollout short (a task's own @stop ends it normally)."""

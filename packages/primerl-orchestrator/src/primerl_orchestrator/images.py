@@ -1,6 +1,6 @@
 """Rollouts' images checked against the model before they can train.
 
-The trainer recomputes each image's patches from its pixels (primerl_models.images.patchify)
+The trainer recomputes each image's patches from its pixels (primerl_protocol.images.patchify)
 and scatters them over the image's run of placeholder tokens in the prompt that the server
 expanded. That holds only when the picture is at a size the model's processor keeps (the
 resize is not reproduced) and the server gave it exactly the tokens its size makes. A rollout
@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import logging
 
-from primerl_envs.images import ImageError, message_images
-from primerl_protocol.images import ModelImages as Vision
-from primerl_protocol.images import kept_size_problem, tokens_problem
-from primerl_protocol.images import model_images as vision_of  # noqa: F401 -- the loop's name for it
+from primerl_envs.images import message_images
+from primerl_protocol.images import ImageError, ModelImages, kept_size_problem, tokens_problem
 from primerl_protocol.rollouts import Rollout, Turn
 
 log = logging.getLogger("primerl.orchestrator")
@@ -25,7 +23,7 @@ log = logging.getLogger("primerl.orchestrator")
 IMAGE_ERROR = "ImageError"
 
 
-def image_problem(turn: Turn, vision: Vision | None) -> str | None:
+def image_problem(turn: Turn, vision: ModelImages | None) -> str | None:
     """What is wrong with the images of `turn` for training, or None."""
     if vision is None:
         return f"the prompt holds {len(turn.images)} images but the model has no vision tower" if turn.images else None
@@ -34,7 +32,7 @@ def image_problem(turn: Turn, vision: Vision | None) -> str | None:
     return tokens_problem(turn.prompt_ids, [(i.height, i.width) for i in turn.images], vision.spec, vision.image_token_id)
 
 
-def check_images(rollouts: list[Rollout], vision: Vision | None, env: str, task: str) -> int:
+def check_images(rollouts: list[Rollout], vision: ModelImages | None, env: str, task: str) -> int:
     """Set an ImageError on each rollout of `rollouts` (one task's) whose images cannot train;
     how many were refused."""
     refused = 0
@@ -53,7 +51,7 @@ def check_images(rollouts: list[Rollout], vision: Vision | None, env: str, task:
     return refused
 
 
-def task_images_problem(task, vision: Vision | None) -> str | None:
+def task_images_problem(task, vision: ModelImages | None) -> str | None:
     """What is wrong with the pictures of `task`'s own prompt (verifiers messages at
     task.data.prompt) for training, or None: one that is not an inline RGB picture, one the
     processor would resize, any for a text model."""
@@ -74,7 +72,7 @@ def task_images_problem(task, vision: Vision | None) -> str | None:
     return None
 
 
-def refuse_task_images(task, vision: Vision | None, env: str, name: str, sample_ids: list[int],
+def refuse_task_images(task, vision: ModelImages | None, env: str, name: str, sample_ids: list[int],
                        group_id: int, policy_step: int) -> list[Rollout] | None:
     """The group's rollouts, each with an ImageError and no tokens (tagged with the policy
     served now, so that the group is not taken for a stale one), when `task`'s prompt holds a

@@ -51,6 +51,7 @@ from primerl_protocol import (
     Shutdown,
     TransportTimeout,
 )
+from primerl_protocol.images import model_images
 from primerl_protocol.rundir import CheckpointError, RunDir, append_record, latest_checkpoint
 from primerl_protocol.serving import LOGPROBS_MODE
 
@@ -59,7 +60,7 @@ from primerl_orchestrator.config import OrchRunConfig
 from primerl_orchestrator.evals import evaluate
 from primerl_orchestrator.generate import AGENT_SLOTS, open_environments, start_generator
 from primerl_orchestrator.health import Health, step_summary
-from primerl_orchestrator.images import check_images, refuse_task_images, vision_of
+from primerl_orchestrator.images import check_images, refuse_task_images
 from primerl_orchestrator.samples import Samples
 
 log = logging.getLogger("primerl.orchestrator")
@@ -117,7 +118,7 @@ class Orchestrator:
         self.on_group = None
         """Called with every finished group (for benchmarks and tools)."""
         self.vision = None
-        """The model's image settings (images.vision_of; None: a text model)."""
+        """The model's image settings (primerl_protocol.images.model_images; None: a text model)."""
         self.health = Health(o.max_error_rate, o.error_patience)
         """Rollout errors logged and counted, steps that train nothing, the error-rate stop."""
         self.samples = Samples(o.samples, self.out_dir)
@@ -153,7 +154,7 @@ class Orchestrator:
             preload(cfg.model.tokenizer or cfg.model.name)
             self.samples.tokenizer = cfg.model.tokenizer or cfg.model.name
             # Resumed, the servers may serve anything: the trainer publishes its restored weights first.
-            self.vision = vision_of(cfg.model.name)
+            self.vision = model_images(cfg.model.name)
             self.gen = await start_generator(stack, cfg.model, cfg.inference.server_urls(),
                                              cfg.inference.resolved_admin_token(), logprobs_mode=LOGPROBS_MODE,
                                              any_policy=self.version is None, max_retries=self.o.max_retries,

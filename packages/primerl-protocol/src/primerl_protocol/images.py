@@ -1,12 +1,15 @@
-"""Images as Qwen-VL models take them: the processor's size rule and each image's placeholder
-tokens, in plain Python, for every process that checks images without torch (environments,
-the orchestrator) and for the trainer (primerl_models.images adds the patches).
+"""Images as Qwen-VL models take them, the one home of the concept for every process: the
+picture a prompt holds (`Image`), the model's processor settings and image token
+(`ModelImages`), the processor's size rule, each image's placeholder tokens and its patches,
+in numpy (environments and the orchestrator check images without torch; the trainer feeds the
+patches to the vision tower, primerl_models/blocks/vision.py).
 
-    spec = ImageSpec.from_folder(model_dir)            # its preprocessor_config.json
-    h, w = smart_resize(height, width, spec)          # the size the processor resizes to
+    images = model_images(model_dir)                   # ModelImages, or None for a text model
+    h, w = smart_resize(height, width, images.spec)    # the size the processor resizes to
     n = image_tokens(grid_of(height, width, spec), spec)   # its placeholder tokens in the text
+    pixel_values, grid = patchify(rgb_HW3, spec)       # [t h w, C T P P] float32, (t, h, w)
 
-An image travels as an `Image` (rollouts.py): its size and raw RGB bytes. `decode_data_url`
+An image travels as an `Image`: its size and raw RGB bytes (or its file). `decode_data_url`
 reads one from a message's inline data URL, for environments' prompts and SFT data alike.
 Only what the server and the trainer read alike is taken: an inline `data:image/...;base64,`
 URL (no fetching: a URL on the network could answer the server and the orchestrator
@@ -25,9 +28,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 
-from primerl_protocol.rollouts import Image
+
+class Image(msgspec.Struct, kw_only=True, frozen=True):
+    """One picture of a prompt: what the trainer needs to recompute what the server's image
+    processor made of it (`patchify`). Either decoded (`rgb`) or, to hold
+    a dataset's pictures at their file size, still encoded (`encoded`, checked when read:
+    decode_data_url(keep_encoded=True)); `pixels()` gives the RGB bytes."""
+
+    height: int
+    width: int
+    rgb: bytes = b""
+    """height x width x 3 bytes, row-major RGB."""
+    encoded: bytes = b""
+    """The picture's file (PNG, JPEG, ...), when `rgb` is not kept."""
+
+    def __post_init__(self) -> None:
+        if self.height <= 0 or self.width <= 0:
+            raise ValueError(f"an image must have a positive size, got {self.height} x {self.width}")
+        if not self.rgb and not self.encoded:
+            raise ValueError("an image needs its RGB bytes or its encoded file")
+        if self.rgb and len(self.rgb) != self.height * self.width * 3:
+            raise ValueError(f"an image of {self.height} x {self.width} pixels needs {self.height * self.width * 3} "
+                             f"RGB bytes, got {len(self.rgb)}")
+
+    def pixels(self) -> bytes:
+        """The RGB bytes, decoded from `encoded` when not kept (ValueError if they do not match the size)."""
+        if self.rgb:
+            return self.rgb
+        image = decode_bytes(self.encoded)
+        if (image.height, image.width) != (self.height, self.width):
+            raise ValueError(f"an encoded image of {image.height} x {image.width} pixels, recorded as "
+                             f"{self.height} x {self.width}")
+        return image.rgb
 
 
 @dataclass(frozen=True)
@@ -196,3 +231,29 @@ def decode_bytes(data: bytes) -> Image:
         raise
     except Exception as e:  # PIL raises many kinds for a broken file
         raise ImageError(f"not a readable image ({type(e).__name__}: {e})") from None
+
+
+def patchify(rgb_HW3: np.ndarray, spec: ImageSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """(pixel_values [t h w, 3 T P P] float32, grid (t, h, w) in patches) of one RGB image,
+    uint8 [H, W, 3], at a size the processor keeps (ValueError naming the size it would resize
+    to otherwise): what transformers' Qwen2-VL processor (which vLLM runs) makes of it.
+
+    At a kept size the processor's resize changes nothing, and rescaling, normalising and
+    cutting into patches are exact arithmetic, the same on both sides (environments draw or
+    resize their images to such sizes: primerl_shapes); the resize itself (torchvision's
+    antialiased bicubic filter) is not reproduced. Layout (Qwen2-VL's): the image repeated to
+    `temporal_patch_size` frames; patches ordered by merge block (row-major over blocks of
+    merge x merge patches), then row-major inside a block; each patch flattened as [C, T, P, P]."""
+    if rgb_HW3.dtype != np.uint8 or rgb_HW3.ndim != 3 or rgb_HW3.shape[2] != 3:
+        raise ValueError(f"an image must be uint8 [height, width, 3], not {rgb_HW3.dtype} {list(rgb_HW3.shape)}")
+    height, width = rgb_HW3.shape[:2]
+    if (problem := kept_size_problem(height, width, spec)) is not None:
+        raise ValueError(problem)
+    p, t, m = spec.patch_size, spec.temporal_patch_size, spec.merge_size
+    mean, std = np.asarray(spec.mean, dtype=np.float32), np.asarray(spec.std, dtype=np.float32)
+    x_CHW = ((rgb_HW3.astype(np.float32) / np.float32(255.0) - mean) / std).transpose(2, 0, 1)
+    gh, gw = height // p, width // p
+    frames = np.broadcast_to(x_CHW[None], (t, *x_CHW.shape))  # [T, C, H, W]: the image as t identical frames
+    blocks = frames.reshape(t, 3, gh // m, m, p, gw // m, m, p)  # T C bh mh P bw mw P
+    patches = blocks.transpose(2, 5, 3, 6, 1, 0, 4, 7)  # bh bw mh mw C T P P
+    return np.ascontiguousarray(patches.reshape(gh * gw, 3 * t * p * p)), (1, gh, gw)

@@ -12,47 +12,14 @@ import math
 
 import msgspec
 
+from primerl_protocol.images import Image
+
 TRACEBACK_CHARS = 16_000
 """Most characters of a traceback a rollout keeps (its first and last halves: a chain's root
 cause comes first, the exception finally raised last)."""
 BAD_SCORE = "BadScore"
 """Error type of a rollout whose reward or metric was not a finite number (it never trains,
 whatever the filters say: `Rollout.bad_score`)."""
-
-
-class Image(msgspec.Struct, kw_only=True, frozen=True):
-    """One picture of a prompt: what the trainer needs to recompute what the server's image
-    processor made of it (primerl_models.images.patchify). Either decoded (`rgb`) or, to hold
-    a dataset's pictures at their file size, still encoded (`encoded`, checked when read:
-    primerl_protocol.images.decode_data_url(keep_encoded=True)); `pixels()` gives the RGB bytes."""
-
-    height: int
-    width: int
-    rgb: bytes = b""
-    """height x width x 3 bytes, row-major RGB."""
-    encoded: bytes = b""
-    """The picture's file (PNG, JPEG, ...), when `rgb` is not kept."""
-
-    def __post_init__(self) -> None:
-        if self.height <= 0 or self.width <= 0:
-            raise ValueError(f"an image must have a positive size, got {self.height} x {self.width}")
-        if not self.rgb and not self.encoded:
-            raise ValueError("an image needs its RGB bytes or its encoded file")
-        if self.rgb and len(self.rgb) != self.height * self.width * 3:
-            raise ValueError(f"an image of {self.height} x {self.width} pixels needs {self.height * self.width * 3} "
-                             f"RGB bytes, got {len(self.rgb)}")
-
-    def pixels(self) -> bytes:
-        """The RGB bytes, decoded from `encoded` when not kept (ValueError if they do not match the size)."""
-        if self.rgb:
-            return self.rgb
-        from primerl_protocol.images import decode_bytes
-
-        image = decode_bytes(self.encoded)
-        if (image.height, image.width) != (self.height, self.width):
-            raise ValueError(f"an encoded image of {image.height} x {image.width} pixels, recorded as "
-                             f"{self.height} x {self.width}")
-        return image.rgb
 
 
 class Turn(msgspec.Struct, kw_only=True):

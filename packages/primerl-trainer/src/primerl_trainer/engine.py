@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from primerl_algos.losses import mean_metrics
 from primerl_models.hf import fp8_weights
-from primerl_models.images import ImageSpec, patchify
 from primerl_protocol import MicroBatch, PolicyReady
+from primerl_protocol.images import ImageSpec, patchify
 
 from primerl_trainer.adapters import AdapterPublisher
 from primerl_trainer.checkpoint import Checkpointer, SetupError
@@ -65,13 +65,13 @@ def model_inputs(mb: MicroBatch, device: torch.device) -> tuple[torch.Tensor, to
 def image_inputs(mb: MicroBatch, spec: ImageSpec | None, device: torch.device) -> dict[str, torch.Tensor]:
     """The vision tower's inputs of the row's images (none without images): pixel_values
     [patches, C * Tp * P * P], recomputed from the pixels as the server's processor made
-    them (primerl_models.images.patchify), and image_grid_thw [images, 3]."""
+    them (primerl_protocol.images.patchify), and image_grid_thw [images, 3]."""
     if not len(mb.image_sizes):
         return {}
     if spec is None:
         raise ValueError(f"the row holds {len(mb.image_sizes)} images but the model has no vision tower")
-    patches, grids = zip(*(patchify(torch.from_numpy(image.copy()), spec) for image in mb.images()))
-    return {"pixel_values": torch.cat(patches).to(device), "image_grid_thw": torch.tensor(grids, device=device)}
+    patches, grids = zip(*(patchify(image, spec) for image in mb.images()))
+    return {"pixel_values": torch.from_numpy(np.concatenate(patches)).to(device), "image_grid_thw": torch.tensor(grids, device=device)}
 
 
 def token_logprobs(model, mb: MicroBatch, device: torch.device, cp_group=None,

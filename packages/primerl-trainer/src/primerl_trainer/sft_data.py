@@ -26,6 +26,7 @@ from pathlib import Path
 
 from primerl_algos.types import Sample
 from primerl_protocol.images import (
+    Image,
     ImageError,
     ImageSpec,
     ModelImages,
@@ -34,7 +35,6 @@ from primerl_protocol.images import (
     image_tokens,
     kept_size_problem,
 )
-from primerl_protocol.rollouts import Image
 
 log = logging.getLogger("primerl.trainer")
 

@@ -1,11 +1,11 @@
-"""Image inputs of the Qwen-VL tower (primerl_models.images): the processor's size rule worked by
+"""Image inputs of the Qwen-VL tower (primerl_protocol.images): the processor's size rule worked by
 hand, and the patch layout against a loop over the layout's definition, pixel by pixel."""
 
 import json
 
+import numpy as np
 import pytest
-import torch
-from primerl_models.images import ImageSpec, image_tokens, patchify, smart_resize
+from primerl_protocol.images import ImageSpec, image_tokens, patchify, smart_resize
 
 QWEN35 = ImageSpec()  # patches of 16 merged 2 x 2 (factor 32), 65,536 .. 16,777,216 pixels
 
@@ -30,7 +30,7 @@ def test_patches_follow_the_layout_pixel_by_pixel():
     repeated over T; values (x / 255 - mean) / std. Expected from a loop over that definition."""
     spec = ImageSpec(patch_size=2, temporal_patch_size=2, merge_size=2, mean=(0.1, 0.2, 0.3), std=(0.5, 0.25, 2.0),
                      min_pixels=16, max_pixels=10_000)
-    rgb = torch.randint(0, 256, (8, 12, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    rgb = np.random.default_rng(0).integers(0, 256, (8, 12, 3), dtype=np.uint8)
     got, grid = patchify(rgb, spec)
     assert grid == (1, 4, 6) and got.shape == (24, 3 * 2 * 2 * 2) and image_tokens(grid, spec) == 6
     p, m = 2, 2
@@ -40,19 +40,19 @@ def test_patches_follow_the_layout_pixel_by_pixel():
             for mh in range(m):
                 for mw in range(m):
                     top, left = (bh * m + mh) * p, (bw * m + mw) * p
-                    want = [(rgb[top + i, left + j, c].item() / 255 - spec.mean[c]) / spec.std[c]
+                    want = [(int(rgb[top + i, left + j, c]) / 255 - spec.mean[c]) / spec.std[c]
                             for c in range(3) for _ in range(2) for i in range(p) for j in range(p)]
-                    torch.testing.assert_close(got[n], torch.tensor(want), atol=1e-6, rtol=0)
+                    np.testing.assert_allclose(got[n], want, atol=1e-6, rtol=0)
                     n += 1
 
 
 def test_an_image_the_processor_would_resize_is_refused_naming_the_size():
     with pytest.raises(ValueError, match="resized to 256 x 256"):
-        patchify(torch.zeros(100, 100, 3, dtype=torch.uint8), QWEN35)
+        patchify(np.zeros((100, 100, 3), dtype=np.uint8), QWEN35)
     with pytest.raises(ValueError, match="uint8"):
-        patchify(torch.zeros(256, 256, 3), QWEN35)
+        patchify(np.zeros((256, 256, 3)), QWEN35)
     with pytest.raises(ValueError, match=r"\[256, 256, 4\]"):
-        patchify(torch.zeros(256, 256, 4, dtype=torch.uint8), QWEN35)
+        patchify(np.zeros((256, 256, 4), dtype=np.uint8), QWEN35)
 
 
 def test_the_spec_of_a_model_folder(tmp_path):
@@ -84,8 +84,9 @@ def test_patches_equal_transformers_processor_on_an_image_it_keeps(size):
     settings; on a size it keeps, its resize changes nothing and every value matches."""
     processor = _transformers_processor()(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
                                           image_std=[0.5] * 3, size={"shortest_edge": 65536, "longest_edge": 16777216})
-    rgb = torch.randint(0, 256, (*size, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    ref = processor(images=[rgb.numpy()], return_tensors="pt")
+    rgb = np.random.default_rng(1).integers(0, 256, (*size, 3), dtype=np.uint8)
+    ref = processor(images=[rgb], return_tensors="pt")
     got, grid = patchify(rgb, QWEN35)
     assert ref["image_grid_thw"].tolist() == [list(grid)]
-    torch.testing.assert_close(got, ref["pixel_values"].float(), atol=1e-6, rtol=0)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, ref["pixel_values"].float().numpy(), atol=1e-6, rtol=0)
