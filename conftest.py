@@ -68,10 +68,26 @@ def vllm_session(tmp_path_factory):
     from primerl_models.tiny import build_tiny_model
     from primerl_trainer.testing import free_port_block
 
-    model = build_tiny_model(tmp_path_factory.mktemp("shared-model"), "qwen3", alphabet=SHARED_ALPHABET,
-                             hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, tie_embeddings=True)
-    shared = start_shared(model, tmp_path_factory.mktemp("shared-servers"), free_port_block(2), replicas=2,
-                          max_model_len=4096, enable_lora=True, max_lora_rank=8)
+    model = build_tiny_model(
+        tmp_path_factory.mktemp("shared-model"),
+        "qwen3",
+        alphabet=SHARED_ALPHABET,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        tie_embeddings=True,
+    )
+    shared = start_shared(
+        model,
+        tmp_path_factory.mktemp("shared-servers"),
+        free_port_block(2),
+        replicas=2,
+        max_model_len=4096,
+        enable_lora=True,
+        max_lora_rank=8,
+    )
     yield shared
     shared.servers.stop()
 

@@ -35,7 +35,7 @@ from pathlib import Path
 RESULT_MARKER = "__PRIMERL_SANDBOX_RESULT__"
 
 # The child: reads {"code", "tests"} from stdin, locks itself down, runs the code and each test.
-RUNNER = r'''
+RUNNER = r"""
 import json, os, sys
 def main():
     job = json.loads(sys.stdin.read())
@@ -101,7 +101,7 @@ def run(code, tests, out):
     out.flush()
     os._exit(0)
 main()
-'''
+"""
 
 
 @dataclass
@@ -143,7 +143,12 @@ async def run_tests(
     try:
         with open(result_path, "wb") as result_file:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", "-c", runner, str(result_file.fileno()),
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                runner,
+                str(result_file.fileno()),
                 cwd=box,
                 env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"},
                 stdin=asyncio.subprocess.PIPE,
@@ -165,7 +170,7 @@ async def run_tests(
         marker = text.rfind(RESULT_MARKER)
         if marker < 0:
             return SandboxResult(0, len(tests), f"the sandbox ended without a result: {_how(proc.returncode)}")
-        data = json.loads(text[marker + len(RESULT_MARKER):].splitlines()[0])
+        data = json.loads(text[marker + len(RESULT_MARKER) :].splitlines()[0])
         error = data.get("error")
         return SandboxResult(int(data["passed"]), int(data["total"]), error)
     finally:

@@ -58,6 +58,7 @@ def main() -> None:
                     with sdpa_kernel(ctx):
                         out = attention(q, kk, v, seqs, backend)
                 out.sum().backward()
+
             return fn
 
         candidates = {"sdpa-default": run("sdpa")}

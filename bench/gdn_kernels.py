@@ -72,8 +72,9 @@ def case(lengths, key_heads, heads, dim) -> list[dict]:
     shape = {"tokens": sum(lengths), "docs": lengths, "key_heads": key_heads, "heads": heads, "dim": dim}
     rows = [{**shape, "impl": "torch fp32", "ms": timed(lambda: run_torch(x, seqs, weights, scale)) * 1e3}]
     ours = run_fla(x, seqs, weights, scale)
-    rows.append({**shape, "impl": "fla", "ms": timed(lambda: run_fla(x, seqs, weights, scale)) * 1e3,
-                 **errors(ours, ref)})
+    rows.append(
+        {**shape, "impl": "fla", "ms": timed(lambda: run_fla(x, seqs, weights, scale)) * 1e3, **errors(ours, ref)}
+    )
     if gated_delta.triton_miscompiles_dqkwg():
         import fla.ops.common.chunk_o as chunk_o
 
@@ -82,11 +83,19 @@ def case(lengths, key_heads, heads, dim) -> list[dict]:
         try:
             own = run_fla(x, seqs, weights, scale)
             # how far fla's own kernel lands from primerl's (0: the same bits)
-            apart = {f"{n} vs primerl": float((a.float() - b.float()).abs().max() / b.float().abs().max())
-                     for n, a, b in zip(NAMES[1:], own[1:], ours[1:])}
-            rows.append({**shape, "impl": "fla, its own dqkwg",
-                         "ms": timed(lambda: run_fla(x, seqs, weights, scale)) * 1e3,
-                         **errors(own, ref), **apart})
+            apart = {
+                f"{n} vs primerl": float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                for n, a, b in zip(NAMES[1:], own[1:], ours[1:])
+            }
+            rows.append(
+                {
+                    **shape,
+                    "impl": "fla, its own dqkwg",
+                    "ms": timed(lambda: run_fla(x, seqs, weights, scale)) * 1e3,
+                    **errors(own, ref),
+                    **apart,
+                }
+            )
         finally:
             gated_delta.REPLACE_DQKWG, chunk_o.TRITON_ABOVE_3_7_1 = True, lifted
     for r in rows:

@@ -129,8 +129,11 @@ def main() -> None:
     for flag in ("--middleware", "--worker-extension-cls"):  # what a user would type by hand
         i = plain.index(flag)
         del plain[i : i + 2]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": spec.env["VLLM_CPU_KVCACHE_SPACE"],
-           "VLLM_CACHE_ROOT": spec.env["VLLM_CACHE_ROOT"]}
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": spec.env["VLLM_CPU_KVCACHE_SPACE"],
+        "VLLM_CACHE_ROOT": spec.env["VLLM_CACHE_ROOT"],
+    }
     ours = launch(InferenceConfig(port=8500, admin_token=TOKEN), str(folder), 512, root / "run-ours")
     log = (root / "hand.log").open("w")
     hand = subprocess.Popen(plain, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -141,7 +144,7 @@ def main() -> None:
         for url in urls.values():  # warm-up round each, discarded
             throughput(url, str(folder), a.concurrency, a.tokens)
         for r in range(a.rounds):
-            for k in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
+            for k in list(urls) if r % 2 == 0 else list(urls)[::-1]:
                 results[k].append(throughput(urls[k], str(folder), a.concurrency, a.tokens))
     finally:
         ours.stop()
@@ -153,8 +156,10 @@ def main() -> None:
     print(f"{'server':<18} {'median tokens/s':>16}")
     for k, v in med.items():
         print(f"{k:<18} {v:>16.0f}")
-    print(f"median of the per-pair ratios (ours / by hand): {statistics.median(pair_ratios):.3f}"
-          f" (quartiles {statistics.quantiles(pair_ratios, n=4)[0]:.3f} .. {statistics.quantiles(pair_ratios, n=4)[2]:.3f})")
+    print(
+        f"median of the per-pair ratios (ours / by hand): {statistics.median(pair_ratios):.3f}"
+        f" (quartiles {statistics.quantiles(pair_ratios, n=4)[0]:.3f} .. {statistics.quantiles(pair_ratios, n=4)[2]:.3f})"
+    )
 
 
 if __name__ == "__main__":

@@ -79,24 +79,44 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=16)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="primerl-logprobs-"))
-    model = build_tiny_model(work / "model", "qwen3", alphabet=string.ascii_lowercase + " ", hidden_size=128,
-                             num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
+    model = build_tiny_model(
+        work / "model",
+        "qwen3",
+        alphabet=string.ascii_lowercase + " ",
+        hidden_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+    )
     model_code = load_model(model)
-    modes = {"processed_logprobs (primerl)": [], "raw_logprobs (vLLM default, before)": ["--logprobs-mode", "raw_logprobs"]}
+    modes = {
+        "processed_logprobs (primerl)": [],
+        "raw_logprobs (vLLM default, before)": ["--logprobs-mode", "raw_logprobs"],
+    }
     rows = []
     for mode, extra_args in modes.items():
         cfg = InferenceConfig(port=free_port_block(1), startup_timeout_s=600, extra_args=extra_args)
         servers = launch(cfg, str(model), 1024, work / mode.split()[0])
         try:
             for temperature in args.temperatures:
-                rows.append({"mode": mode, "temperature": temperature,
-                             **agreement(model_code, rollouts(servers.urls[0], str(model), temperature, args.tasks), temperature)})
+                rows.append(
+                    {
+                        "mode": mode,
+                        "temperature": temperature,
+                        **agreement(
+                            model_code, rollouts(servers.urls[0], str(model), temperature, args.tasks), temperature
+                        ),
+                    }
+                )
         finally:
             servers.stop()
     print("\n| server logprobs mode | temperature | tokens | mismatch KL / token | max abs(pi - mu) |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['temperature']} | {r['tokens']} | {r['mismatch_kl']:.2e} | {r['max_abs_diff']:.2e} |")
+        print(
+            f"| {r['mode']} | {r['temperature']} | {r['tokens']} | {r['mismatch_kl']:.2e} | {r['max_abs_diff']:.2e} |"
+        )
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
 

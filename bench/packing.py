@@ -55,8 +55,12 @@ def main() -> None:
     big = lengths_mix(10_000, seq, seed=1)
     rng = np.random.default_rng(2)
     samples = [
-        Sample(sample_id=i, token_ids=rng.integers(0, 150_000, n).tolist(), loss_mask=[True] * n,
-               inference_logprobs=[-0.5] * n)
+        Sample(
+            sample_id=i,
+            token_ids=rng.integers(0, 150_000, n).tolist(),
+            loss_mask=[True] * n,
+            inference_logprobs=[-0.5] * n,
+        )
         for i, n in enumerate(big)
     ]
     t_naive = median_seconds(lambda: [[i] for i in range(len(big))], a.reps)

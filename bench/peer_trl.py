@@ -186,8 +186,15 @@ def measure(name: str, argv: list[str], log: Path, env: dict | None = None) -> d
     time, peak tree RSS. Exits when the command fails."""
     print(f"\n== {name}: {' '.join(argv)}", flush=True)
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            env={**os.environ, **(env or {})}, cwd=ROOT)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+    )
     mem = TreeMemory(proc.pid)
     mem.start()
     step_at: dict[int, float] = {}
@@ -230,8 +237,12 @@ def reward_summary(rewards: list[float]) -> dict:
     n = min(WINDOW, len(rewards))
     first = statistics.fmean(rewards[:n]) if n else None
     last = statistics.fmean(rewards[-n:]) if n else None
-    return {"reward_first20": first, "reward_last20": last,
-            "reward_rise": last - first if n else None, "rewards": rewards}
+    return {
+        "reward_first20": first,
+        "reward_last20": last,
+        "reward_rise": last - first if n else None,
+        "rewards": rewards,
+    }
 
 
 # -- the two sides ----------------------------------------------------------------------------
@@ -255,8 +266,17 @@ def sft_weights(run_dir: Path, rows: int = 8192) -> Path:
     if (weights := rt.final_weights(sft_dir)) is None or (sft_dir / "running").exists():
         sft_dir.mkdir(exist_ok=True)
         (sft_dir / "running").touch()
-        rt.run([str(BIN / "primerl"), "sft", "@", str(EXAMPLE / "sft.toml"), f"model.name={model}",
-                f"run_dir={sft_dir}", f"data.path={data}"])
+        rt.run(
+            [
+                str(BIN / "primerl"),
+                "sft",
+                "@",
+                str(EXAMPLE / "sft.toml"),
+                f"model.name={model}",
+                f"run_dir={sft_dir}",
+                f"data.path={data}",
+            ]
+        )
         (sft_dir / "running").unlink()
         weights = rt.final_weights(sft_dir)
     print(f"SFT weights: {weights}", flush=True)
@@ -269,9 +289,18 @@ def run_primerl(run_dir: Path, weights: Path, steps: int) -> dict:
     rl_dir = run_dir / "primerl"
     shutil.rmtree(rl_dir, ignore_errors=True)
     port = free_port_block(3)
-    argv = [str(BIN / "primerl"), "rl", "@", str(RL_TOML), f"model.name={weights}", f"run_dir={rl_dir}",
-            f"max_steps={steps}", f"transport.policy_port={port}", f"transport.batch_port={port + 1}",
-            f"inference.port={free_port_block(1)}"]
+    argv = [
+        str(BIN / "primerl"),
+        "rl",
+        "@",
+        str(RL_TOML),
+        f"model.name={weights}",
+        f"run_dir={rl_dir}",
+        f"max_steps={steps}",
+        f"transport.policy_port={port}",
+        f"transport.batch_port={port + 1}",
+        f"inference.port={free_port_block(1)}",
+    ]
     result = measure("primerl", argv, run_dir / "primerl.log")
     rows = {}
     for line in (rl_dir / "metrics.jsonl").read_text().splitlines():
@@ -289,12 +318,24 @@ def run_trl(run_dir: Path, weights: Path, steps: int, settings: dict) -> dict:
     trl_dir.mkdir(parents=True)
     (trl_dir / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in primerl_prompts(settings, steps)))
     (trl_dir / "settings.json").write_text(json.dumps(settings, indent=2))
-    argv = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", "--model", str(weights),
-            "--run-dir", str(trl_dir), "--steps", str(steps)]
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--trl-worker",
+        "--model",
+        str(weights),
+        "--run-dir",
+        str(trl_dir),
+        "--steps",
+        str(steps),
+    ]
     result = measure("trl", argv, run_dir / "trl.log", env={"PYTHONUNBUFFERED": "1"})
     log = [json.loads(line) for line in (trl_dir / "steps.jsonl").read_text().splitlines() if line.strip()]
-    return result | reward_summary([r["reward"] for r in log]) | {"lr": [r["lr"] for r in log],
-                                                                  "trl_version": log[0]["trl"] if log else None}
+    return (
+        result
+        | reward_summary([r["reward"] for r in log])
+        | {"lr": [r["lr"] for r in log], "trl_version": log[0]["trl"] if log else None}
+    )
 
 
 def trl_worker(model_dir: Path, out: Path, steps: int) -> None:
@@ -323,13 +364,17 @@ def trl_worker(model_dir: Path, out: Path, steps: int) -> None:
     direct = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
     text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     via_text = tokenizer(text, add_special_tokens=False)["input_ids"]
-    print(f"prompt 0: {text!r} -> {len(direct)} tokens; TRL's tokenization "
-          f"{'matches' if via_text == direct else 'DIFFERS: ' + str(via_text)}", flush=True)
+    print(
+        f"prompt 0: {text!r} -> {len(direct)} tokens; TRL's tokenization "
+        f"{'matches' if via_text == direct else 'DIFFERS: ' + str(via_text)}",
+        flush=True,
+    )
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[s["dtype"]]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=tuple(s["betas"]),
-                                  weight_decay=s["weight_decay"])
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=s["lr"], betas=tuple(s["betas"]), weight_decay=s["weight_decay"]
+    )
     scheduler = build_scheduler(optimizer, SchedulerConfig(**s["scheduler"]), steps)
 
     rewards: list[float] = []
@@ -351,8 +396,12 @@ def trl_worker(model_dir: Path, out: Path, steps: int) -> None:
         def on_step_end(self, args, state, control, **_):
             step = state.global_step - 1
             reward = rewards[-1]
-            log.write(json.dumps({"step": step, "reward": reward, "lr": self.lr, "generations": len(rewards),
-                                  "trl": trl.__version__}) + "\n")
+            log.write(
+                json.dumps(
+                    {"step": step, "reward": reward, "lr": self.lr, "generations": len(rewards), "trl": trl.__version__}
+                )
+                + "\n"
+            )
             log.flush()
             print(f"step {step} | reward {reward:.3f} | lr {fmt(self.lr, '.2e')}", flush=True)
 
@@ -361,7 +410,7 @@ def trl_worker(model_dir: Path, out: Path, steps: int) -> None:
         max_steps=steps,
         per_device_train_batch_size=s["batch_size"],  # completions per step: 16 prompts x 8
         gradient_accumulation_steps=1,
-        steps_per_generation=1,                        # one optimizer step per generation batch
+        steps_per_generation=1,  # one optimizer step per generation batch
         num_generations=s["group_size"],
         num_iterations=1,
         max_completion_length=s["max_tokens"],
@@ -372,8 +421,8 @@ def trl_worker(model_dir: Path, out: Path, steps: int) -> None:
         loss_type="dapo",
         scale_rewards="group",
         mask_truncated_completions=False,
-        shuffle_dataset=False,                         # primerl's task order
-        learning_rate=s["lr"],                         # (the optimizer and schedule passed below rule)
+        shuffle_dataset=False,  # primerl's task order
+        learning_rate=s["lr"],  # (the optimizer and schedule passed below rule)
         max_grad_norm=s["max_grad_norm"],
         use_cpu=True,
         bf16=False,
@@ -450,16 +499,21 @@ def main() -> None:
         results["primerl"] = run_primerl(run_dir, weights, args.steps)
     if args.only in (None, "trl"):
         results["trl"] = run_trl(run_dir, weights, args.steps, settings)
-    stamp = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": args.steps,
-             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "sft_weights": str(weights)}
+    stamp = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "steps": args.steps,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "sft_weights": str(weights),
+    }
     for side in results.values():
         side.update(stamp)
 
     saved = json.loads(args.out.read_text()) if args.out.exists() else {}
     merged = {**saved.get("results", {}), **results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "bench/peer_trl.py", "settings": settings, "results": merged},
-                                   indent=1) + "\n")
+    args.out.write_text(
+        json.dumps({"bench": "bench/peer_trl.py", "settings": settings, "results": merged}, indent=1) + "\n"
+    )
     print("\n" + table(merged))
     print(f"\n(written to {args.out})")
 

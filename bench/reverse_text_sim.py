@@ -76,7 +76,7 @@ def seq_logprobs(model, seqs: list[list[int]], starts: list[int], pad: int, devi
     mask = torch.zeros_like(lp, dtype=torch.bool)
     for i, (s, st) in enumerate(zip(seqs, starts)):
         off = t - len(s)
-        mask[i, off + st - 1:] = True  # predicting tokens st.. of the sequence
+        mask[i, off + st - 1 :] = True  # predicting tokens st.. of the sequence
     return lp, mask
 
 
@@ -137,9 +137,10 @@ def rl(model, tok: Tok, cfg: dict, device, seed: int) -> list[dict]:
         prompts = [tok.prompt(t) for t in texts for _ in range(cfg["group"])]
         answers = [t[::-1] for t in texts for _ in range(cfg["group"])]
         seqs = sample(sampler, prompts, tok, 16, cfg.get("temperature", 1.0), device, gen)
-        comps = [s[len(p):] for s, p in zip(seqs, prompts)]
-        rewards = torch.tensor([scoring.lcs_ratio(tok.decode([c for c in comp if c != tok.end]), a)
-                                for comp, a in zip(comps, answers)])
+        comps = [s[len(p) :] for s, p in zip(seqs, prompts)]
+        rewards = torch.tensor(
+            [scoring.lcs_ratio(tok.decode([c for c in comp if c != tok.end]), a) for comp, a in zip(comps, answers)]
+        )
         r = rewards.view(cfg["prompts"], cfg["group"])
         adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
         keep = [i for i in range(len(seqs)) if (r.std(1) > 0).repeat_interleave(cfg["group"])[i] and len(comps[i])]
@@ -158,7 +159,7 @@ def rl(model, tok: Tok, cfg: dict, device, seed: int) -> list[dict]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         history.append(copy.deepcopy(model.state_dict()))
-        history = history[-(k + 2):]
+        history = history[-(k + 2) :]
         rows.append({"step": step, "reward": float(rewards.mean()), "kl": kl})
     return rows
 
@@ -172,8 +173,17 @@ def main():
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = Path(tempfile.mkdtemp()) / "base"
-    build_tiny_model(folder, "qwen3", alphabet=ALPHABET, hidden_size=128, num_layers=4, num_heads=4,
-                     num_kv_heads=2, head_dim=64, seed=0)
+    build_tiny_model(
+        folder,
+        "qwen3",
+        alphabet=ALPHABET,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        seed=0,
+    )
     tok = Tok(folder)
     results = []
     sft_cache = {}
@@ -191,8 +201,9 @@ def main():
         grid = json.loads(args.grid)
     steps = args.steps
     grid = {"k": [1], "seed": [0]} | grid
-    for k, seed, sft_steps, lr, prompts, warmup in itertools.product(*(grid[n] for n in (
-            "k", "seed", "sft_steps", "lr", "prompts", "warmup"))):
+    for k, seed, sft_steps, lr, prompts, warmup in itertools.product(
+        *(grid[n] for n in ("k", "seed", "sft_steps", "lr", "prompts", "warmup"))
+    ):
         t0 = time.time()
         if sft_steps not in sft_cache:
             model = load_model(folder, device, attn_backend="sdpa")
@@ -208,12 +219,24 @@ def main():
         maxkl = max(r["kl"] for r in rows)
         mid = sum(r["reward"] for r in rows[80:100]) / 20
         over = sum(r["kl"] > 1e-2 for r in rows)
-        res = {"sft_steps": sft_steps, "sft_loss": sft_loss, **cfg, "first20": first, "last20": last,
-               "steps80_100": mid, "max_kl": maxkl, "kl_over": over, "s": time.time() - t0, "rows": rows}
+        res = {
+            "sft_steps": sft_steps,
+            "sft_loss": sft_loss,
+            **cfg,
+            "first20": first,
+            "last20": last,
+            "steps80_100": mid,
+            "max_kl": maxkl,
+            "kl_over": over,
+            "s": time.time() - t0,
+            "rows": rows,
+        }
         results.append(res)
-        print(f"k {k} seed {seed} sft {sft_steps} ({sft_loss:.2f}) lr {lr:.0e} prompts {prompts}: first20 {first:.3f} "
-              f"80-100 {mid:.3f} last20 {last:.3f} rise {last - first:+.3f} max kl {maxkl:.1e} ({over} over 1e-2) ({time.time() - t0:.0f}s)",
-              flush=True)
+        print(
+            f"k {k} seed {seed} sft {sft_steps} ({sft_loss:.2f}) lr {lr:.0e} prompts {prompts}: first20 {first:.3f} "
+            f"80-100 {mid:.3f} last20 {last:.3f} rise {last - first:+.3f} max kl {maxkl:.1e} ({over} over 1e-2) ({time.time() - t0:.0f}s)",
+            flush=True,
+        )
         Path(args.out).write_text(json.dumps(results))
 
 

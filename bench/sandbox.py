@@ -94,17 +94,29 @@ def main() -> None:
 
     data = asyncio.run(measure(args.runs, args.concurrency))
     seq, conc = data["sequential_ms"], data["concurrent_ms_per_episode"]
-    print(f"one episode = {len(INPUTS)} hidden tests of a correct submission; {args.runs} runs each, interleaved; "
-          f"{os.cpu_count()} cores, {bwrap_version()}")
-    print(f"{'sandbox':<8} {'min ms':>8} {'median ms':>10} {'max ms':>8} {'vs old':>7}   "
-          f"{'ms/episode at ' + str(args.concurrency) + ' in flight':>26} {'vs old':>7}")
+    print(
+        f"one episode = {len(INPUTS)} hidden tests of a correct submission; {args.runs} runs each, interleaved; "
+        f"{os.cpu_count()} cores, {bwrap_version()}"
+    )
+    print(
+        f"{'sandbox':<8} {'min ms':>8} {'median ms':>10} {'max ms':>8} {'vs old':>7}   "
+        f"{'ms/episode at ' + str(args.concurrency) + ' in flight':>26} {'vs old':>7}"
+    )
     base = statistics.median(seq["old"])
     for name in RUN:
         t = seq[name]
-        print(f"{name:<8} {min(t):>8.1f} {statistics.median(t):>10.1f} {max(t):>8.1f} "
-              f"{statistics.median(t) / base:>6.2f}x   {conc[name]:>26.1f} {conc[name] / conc['old']:>6.2f}x")
-    data.update(runs=args.runs, concurrency=args.concurrency, cores=os.cpu_count(), machine=platform.machine(),
-                bwrap=bwrap_version(), median_ms={name: statistics.median(t) for name, t in seq.items()})
+        print(
+            f"{name:<8} {min(t):>8.1f} {statistics.median(t):>10.1f} {max(t):>8.1f} "
+            f"{statistics.median(t) / base:>6.2f}x   {conc[name]:>26.1f} {conc[name] / conc['old']:>6.2f}x"
+        )
+    data.update(
+        runs=args.runs,
+        concurrency=args.concurrency,
+        cores=os.cpu_count(),
+        machine=platform.machine(),
+        bwrap=bwrap_version(),
+        median_ms={name: statistics.median(t) for name, t in seq.items()},
+    )
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -31,7 +31,10 @@ def timed(fn, reps: int = 20) -> float:
 def scan_rows(heads: int, chunks: int, dim: int) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     # transitions like the delta rule's: contractions (decay times I minus a low-rank part)
-    a = 0.9 * torch.eye(dim, device="cuda") - 0.1 * torch.randn(heads, chunks, dim, dim, device="cuda", generator=g) / dim**0.5
+    a = (
+        0.9 * torch.eye(dim, device="cuda")
+        - 0.1 * torch.randn(heads, chunks, dim, dim, device="cuda", generator=g) / dim**0.5
+    )
     x = torch.randn(heads, chunks, dim, dim, device="cuda", generator=g)
     keep = torch.ones(chunks, device="cuda")
     keep[:: max(chunks // 4, 1)] = 0.0  # four documents
@@ -99,10 +102,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = scan_rows(args.heads, args.tokens // CHUNK, args.dim)
-    best = min((r for r in rows[1:] if "fwd_ms" in r and r["fwd_rel_err"] < 1e-5),
-               key=lambda r: r["fwd_ms"] + r["bwd_ms"])
-    print(f"\nbest: {best['setting']}: {rows[0]['fwd_ms'] / best['fwd_ms']:.1f}x the loop forward, "
-          f"{rows[0]['bwd_ms'] / best['bwd_ms']:.1f}x backward")
+    best = min(
+        (r for r in rows[1:] if "fwd_ms" in r and r["fwd_rel_err"] < 1e-5), key=lambda r: r["fwd_ms"] + r["bwd_ms"]
+    )
+    print(
+        f"\nbest: {best['setting']}: {rows[0]['fwd_ms'] / best['fwd_ms']:.1f}x the loop forward, "
+        f"{rows[0]['bwd_ms'] / best['bwd_ms']:.1f}x backward"
+    )
     bv, warps, stages, precision = best["setting"].split()
     state_scan.SCAN_TUNING.update(bv=int(bv[2:]), num_warps=int(warps[1:]), stages=int(stages[1:]), precision=precision)
     rule = [rule_profile(args.heads, args.tokens, args.dim, tf32) for tf32 in (False, True)]

@@ -34,7 +34,7 @@ def host_chain(ops_by_tid: dict, tid, t: float, depth: int) -> str:
     """The innermost `depth` host ops on thread `tid` that contain time t, outermost first."""
     starts, ops = ops_by_tid.get(tid, ([], []))
     i = bisect.bisect_right(starts, t)
-    inside = [op for op in ops[max(0, i - 4000):i] if op["ts"] + op["dur"] >= t]
+    inside = [op for op in ops[max(0, i - 4000) : i] if op["ts"] + op["dur"] >= t]
     names = [op["name"] for op in sorted(inside, key=lambda op: (op["ts"], -op["dur"]))]
     return " > ".join(names[-depth:]) if names else "(no host op)"
 
@@ -52,13 +52,18 @@ def main() -> None:
     if not gpu:
         raise SystemExit(f"{args.trace}: no GPU events (a trace of a CPU run?)")
     host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
     ops_by_tid: dict = collections.defaultdict(list)
     for e in host:
         ops_by_tid[e["tid"]].append(e)
-    ops_by_tid = {tid: ([op["ts"] for op in ops], ops)
-                  for tid, ops in ((tid, sorted(ops, key=lambda op: op["ts"])) for tid, ops in ops_by_tid.items())}
+    ops_by_tid = {
+        tid: ([op["ts"] for op in ops], ops)
+        for tid, ops in ((tid, sorted(ops, key=lambda op: op["ts"])) for tid, ops in ops_by_tid.items())
+    }
 
     step_start = min(e["ts"] for e in host) if host else gpu[0]["ts"]
     busy, end, gaps = 0.0, gpu[0]["ts"], []
@@ -70,9 +75,11 @@ def main() -> None:
     span = end - step_start
     lead = gpu[0]["ts"] - step_start
     idle = sum(e["ts"] - start for start, e in gaps)
-    print(f"step {span / 1e3:.2f} ms: GPU busy {busy / 1e3:.2f} ms, lead {lead / 1e3:.2f} ms, "
-          f"{len(gaps)} gaps of > {args.min_us:g} us {idle / 1e3:.2f} ms, "
-          f"kernels {len(gpu)}")
+    print(
+        f"step {span / 1e3:.2f} ms: GPU busy {busy / 1e3:.2f} ms, lead {lead / 1e3:.2f} ms, "
+        f"{len(gaps)} gaps of > {args.min_us:g} us {idle / 1e3:.2f} ms, "
+        f"kernels {len(gpu)}"
+    )
 
     by_cause: dict = collections.defaultdict(lambda: [0.0, 0, 0.0])
     rows = []
@@ -94,11 +101,11 @@ def main() -> None:
 
     print(f"\ngaps by the host ops that launched the next kernel (of {idle / 1e3:.2f} ms)")
     print(f"{'ms':>7} {'n':>5} {'host-late ms':>12}  host ops (innermost last)")
-    for cause, (total, n, late) in sorted(by_cause.items(), key=lambda kv: -kv[1][0])[:args.top]:
+    for cause, (total, n, late) in sorted(by_cause.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"{total / 1e3:>7.2f} {n:>5} {late / 1e3:>12.2f}  {cause[:150]}")
     print("\nlongest gaps")
     print(f"{'us':>8} {'host-late us':>12}  next kernel  <-  host ops")
-    for length, late, cause, kernel in sorted(rows, key=lambda r: -r[0])[:args.top]:
+    for length, late, cause, kernel in sorted(rows, key=lambda r: -r[0])[: args.top]:
         print(f"{length:>8.0f} {late:>12.0f}  {kernel[:50]}  <-  {cause[:110]}")
 
 

@@ -49,9 +49,13 @@ def row(vocab: int, seq: int, docs: int, seed: int) -> MicroBatch:
     mask = np.ones(seq, bool)
     mask[np.cumsum(lens) - lens] = False  # each document's first token is context
     return MicroBatch(
-        input_ids=rng.integers(0, vocab, seq, dtype=np.int32), loss_mask=mask,
-        inference_logprobs=np.full(seq, -11.0, np.float32), advantages=rng.standard_normal(seq).astype(np.float32),
-        temperatures=np.ones(seq, np.float32), seq_lens=lens, sample_ids=np.arange(docs, dtype=np.int64),
+        input_ids=rng.integers(0, vocab, seq, dtype=np.int32),
+        loss_mask=mask,
+        inference_logprobs=np.full(seq, -11.0, np.float32),
+        advantages=rng.standard_normal(seq).astype(np.float32),
+        temperatures=np.ones(seq, np.float32),
+        seq_lens=lens,
+        sample_ids=np.arange(docs, dtype=np.int64),
         policy_steps=np.zeros(docs, np.int32),
     )
 
@@ -83,8 +87,12 @@ def main() -> None:
     # this rank's rows, and with CP its group's (each rank runs its chunk of all of them)
     rows = mesh.group_rows([row(args.vocab_size, a.seq, a.docs, seed=d.rank * 100 + i) for i in range(a.rows)])
     loss_tokens = int(sum(mb.loss_mask.sum() for mb in rows)) * mesh.dp
-    loss_fn = rl_loss(LossConfig(type="aipo"), LossScale(tokens=loss_tokens, sequences=a.docs * len(rows) * mesh.dp),
-                      d.device, mesh.cp_group)
+    loss_fn = rl_loss(
+        LossConfig(type="aipo"),
+        LossScale(tokens=loss_tokens, sequences=a.docs * len(rows) * mesh.dp),
+        d.device,
+        mesh.cp_group,
+    )
     flops = sum(train_flops(args, mb.seq_lens) for mb in rows) / mesh.cp  # this rank's share
     times = []
     for i in range(a.steps + 2):
@@ -115,9 +123,22 @@ def main() -> None:
     peak = torch.cuda.max_memory_allocated() / 2**30
     tokens_per_gpu, mfu, peak = (v / d.world_size for v in all_reduce_sum([tokens_per_gpu, mfu, peak], d))
     if d.is_main:
-        result = {"model": a.model, "layers": args.num_layers, "gpus": d.world_size, **mesh.layout, "seq": a.seq, "docs": a.docs,
-                  "rows_per_gpu": a.rows, "ac": a.ac, "s_per_step": step_s, "tokens_per_s_per_gpu": tokens_per_gpu, "mfu": mfu,
-                  "peak_gib": peak, "publish_s": publish_s, "publish_phases_s": pub.last_timing if a.publish_dir else None}
+        result = {
+            "model": a.model,
+            "layers": args.num_layers,
+            "gpus": d.world_size,
+            **mesh.layout,
+            "seq": a.seq,
+            "docs": a.docs,
+            "rows_per_gpu": a.rows,
+            "ac": a.ac,
+            "s_per_step": step_s,
+            "tokens_per_s_per_gpu": tokens_per_gpu,
+            "mfu": mfu,
+            "peak_gib": peak,
+            "publish_s": publish_s,
+            "publish_phases_s": pub.last_timing if a.publish_dir else None,
+        }
         print(json.dumps(result))
         if a.out:
             Path(a.out).write_text(json.dumps(result))

@@ -70,7 +70,9 @@ def bench(name: str, reps: int, root: Path) -> dict:
     folder = FolderPublisher(root / name, root, hf, keep=1, dtype=torch.bfloat16, d=d)
     sender = MemorySender(model, hf, torch.bfloat16, d)
     names = [n for g in sender.groups(model) for n, _ in g]
-    fp8_sender = MemorySender(model, hf, torch.bfloat16, d, fp8=((128, 128), {n for n in names if n.endswith("proj.weight")}))
+    fp8_sender = MemorySender(
+        model, hf, torch.bfloat16, d, fp8=((128, 128), {n for n in names if n.endswith("proj.weight")})
+    )
     hosts: list = []
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
@@ -102,11 +104,14 @@ def bench(name: str, reps: int, root: Path) -> dict:
     def overlap_path():
         list(transfer.pack_update(0, sender.groups(model), hosts=hosts))
 
-    runs = {"folder publish": lambda: folder.publish(model, 0), "memory: gather+cast+pack": pack_only,
-            "memory: + to pinned host + checksum": host_path,
-            "memory, overlap: what the step waits for": overlap_path,
-            "memory, FP8 blocks: gather+cast+quant+pack": lambda: pack_only(fp8_sender),
-            "memory: + CUDA IPC hand-off": ipc_path}
+    runs = {
+        "folder publish": lambda: folder.publish(model, 0),
+        "memory: gather+cast+pack": pack_only,
+        "memory: + to pinned host + checksum": host_path,
+        "memory, overlap: what the step waits for": overlap_path,
+        "memory, FP8 blocks: gather+cast+quant+pack": lambda: pack_only(fp8_sender),
+        "memory: + CUDA IPC hand-off": ipc_path,
+    }
     times = {k: [] for k in runs}
     with torch.no_grad():
         for k, fn in runs.items():  # warm-up (allocator, pinned buffers, the receiver's CUDA context)
@@ -117,8 +122,13 @@ def bench(name: str, reps: int, root: Path) -> dict:
     inbox.put(None)
     proc.join(30)
     nbytes = sum(p.numel() * 2 for p in model.parameters())
-    return {"model": name, "params": params, "bf16_gb": nbytes / 1e9, "median_s": {k: statistics.median(v) for k, v in times.items()},
-            "all_s": times}
+    return {
+        "model": name,
+        "params": params,
+        "bf16_gb": nbytes / 1e9,
+        "median_s": {k: statistics.median(v) for k, v in times.items()},
+        "all_s": times,
+    }
 
 
 def main() -> None:
@@ -134,7 +144,9 @@ def main() -> None:
     for r in rows:
         base = r["median_s"]["folder publish"]
         for k, v in r["median_s"].items():
-            print(f"{r['model']:<18} {r['params'] / 1e9:>7.2f}B {r['bf16_gb']:>6.2f} {k:<44} {v:>7.3f} {base / v:>8.1f}x")
+            print(
+                f"{r['model']:<18} {r['params'] / 1e9:>7.2f}B {r['bf16_gb']:>6.2f} {k:<44} {v:>7.3f} {base / v:>8.1f}x"
+            )
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
 

@@ -56,7 +56,9 @@ def make_batch(seed: int = 0) -> TrainBatch:
             )
         )
     loss_tokens = int(sum(mb.loss_mask.sum() for mb in rows))
-    return TrainBatch(step=0, rank=0, num_ranks=1, micro_batches=rows, num_loss_tokens=loss_tokens, num_sequences=SAMPLES)
+    return TrainBatch(
+        step=0, rank=0, num_ranks=1, micro_batches=rows, num_loss_tokens=loss_tokens, num_sequences=SAMPLES
+    )
 
 
 def payload_bytes(batch: TrainBatch) -> int:
@@ -66,9 +68,7 @@ def payload_bytes(batch: TrainBatch) -> int:
 def as_lists(batch: TrainBatch) -> dict:
     return {
         "step": batch.step,
-        "micro_batches": [
-            {f: getattr(mb, f).tolist() for f in mb.__struct_fields__} for mb in batch.micro_batches
-        ],
+        "micro_batches": [{f: getattr(mb, f).tolist() for f in mb.__struct_fields__} for mb in batch.micro_batches],
     }
 
 
@@ -86,7 +86,6 @@ def receiver(endpoint: str, mode: str, count: int, done: mp.Queue) -> None:
             tokens += sum(len(mb.input_ids if mode == "pickle-numpy" else mb["input_ids"]) for mb in rows)
     done.put((time.time(), tokens))
     rx.close()
-
 
 
 def run_once(mode: str, batch: TrainBatch, lists: dict, count: int) -> float:

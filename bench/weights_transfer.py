@@ -59,26 +59,39 @@ def bench(label: str, shape: dict, root: Path, port: int, reps: int) -> dict:
     base = build_tiny_model(root / label, "qwen3", init_std=0.05, **shape)
     model = load_model(base)
     params = sum(p.numel() for p in model.parameters())
-    server = launch(InferenceConfig(port=port, admin_token=TOKEN, startup_timeout_s=900), str(base), 512, root / f"server-{label}")
+    server = launch(
+        InferenceConfig(port=port, admin_token=TOKEN, startup_timeout_s=900), str(base), 512, root / f"server-{label}"
+    )
     url = server.urls[0]
     folders = FolderPublisher(root / f"run-{label}", base, read_config(base), keep=2, dtype=torch.float32, d=ONE)
     sender = MemorySender(model, read_config(base), torch.float32, ONE)
     times: dict[str, dict[str, list[float]]] = {k: {"trainer": [], "total": []} for k in KINDS}
     try:
         store = free_port_block(1)
-        joined = in_thread(lambda: post(url, "/admin/weights/join", {"host": "127.0.0.1", "port": store, "secret": "bench",
-                                                                     "rank": 1, "world_size": 2}, TOKEN))
+        joined = in_thread(
+            lambda: post(
+                url,
+                "/admin/weights/join",
+                {"host": "127.0.0.1", "port": store, "secret": "bench", "rank": 1, "world_size": 2},
+                TOKEN,
+            )
+        )
         sender.open("127.0.0.1", store, "bench", 2, 600)
         joined()
         step = 0
         for rep in range(reps):
-            for kind in KINDS[rep % 3:] + KINDS[:rep % 3]:
+            for kind in KINDS[rep % 3 :] + KINDS[: rep % 3]:
                 step += 1
                 t0 = time.perf_counter()
                 if kind == "folder":
                     ready = folders.publish(model, step)
                     t1 = time.perf_counter()
-                    post(url, "/admin/load_weights", {"path": ready.location, "step": step, "checksum": ready.checksum}, TOKEN)
+                    post(
+                        url,
+                        "/admin/load_weights",
+                        {"path": ready.location, "step": step, "checksum": ready.checksum},
+                        TOKEN,
+                    )
                 else:
                     answer = in_thread(lambda s=step: post(url, "/admin/weights/receive", {"step": s}, TOKEN))
                     sender.send(model, step, background=kind == "overlap")
@@ -111,8 +124,14 @@ def main() -> None:
         f = r["median_s"]["folder"]
         for kind in KINDS:
             m = r["median_s"][kind]
-            ratio = "" if kind == "folder" else f"  folder/{kind}: {f['trainer'] / m['trainer']:.1f}x, {f['total'] / m['total']:.1f}x"
-            print(f"{r['model']:<6} {r['params'] / 1e6:>7.1f}M {r['mb']:>7.0f} {kind:<9} {m['trainer']:>10.3f} {m['total']:>8.3f}{ratio}")
+            ratio = (
+                ""
+                if kind == "folder"
+                else f"  folder/{kind}: {f['trainer'] / m['trainer']:.1f}x, {f['total'] / m['total']:.1f}x"
+            )
+            print(
+                f"{r['model']:<6} {r['params'] / 1e6:>7.1f}M {r['mb']:>7.0f} {kind:<9} {m['trainer']:>10.3f} {m['total']:>8.3f}{ratio}"
+            )
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
 

@@ -35,6 +35,8 @@ def test_every_key_of_the_rl_config_is_on_the_page():
 def test_types_and_defaults_read_as_written():
     page = render()
     assert "| `orchestrator.max_async_level` | int (>= 0) | `1` |" in page
-    assert "| `transport.sockets.recv_timeout_s` | float | `1800.0` |" in page  # the run configs' default, not the class's inf
+    assert (
+        "| `transport.sockets.recv_timeout_s` | float | `1800.0` |" in page
+    )  # the run configs' default, not the class's inf
     assert "| `model.name` | str | required |" in page
     assert type_name(mi.UnionType((mi.IntType(), mi.NoneType()))) == "int \\| none"

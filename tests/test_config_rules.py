@@ -86,41 +86,66 @@ def test_batch_sizes_that_are_whole_groups_are_accepted(batch_size, group_size):
     assert (cfg.orchestrator.batch_size, cfg.orchestrator.group_size) == (batch_size, group_size)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["orchestrator.advantage.type=grpoo"],
-     "config key `orchestrator.advantage`: unknown advantage 'grpoo': built-in ones are drgrpo, grpo, maxrl, rloo"),
-    (["trainer.loss.type=gspoo"],
-     "config key `trainer.loss`: unknown loss 'gspoo': built-in ones are aipo, cispo, dppo, gspo, ppo"),
-    (["inference.num_replicas=2", "inference.tensor_parallel_size=2", "inference.gpus=[0, 1, 2]"],
-     "config key `inference`: gpus lists 3 GPUs, but 2 replicas x 2 GPUs each need 4"),
-    (["seq_len=1024", "trainer.micro_batch_tokens=1023"],
-     "trainer.micro_batch_tokens = 1023 is below seq_len = 1024"),
-    (["orchestrator.group_size=1", "orchestrator.batch_size=7"],
-     'config key `orchestrator`: group_size = 1 with advantage.type = "grpo" can never train'),
-    (["orchestrator.max_async_level=2", "trainer.weights.keep=2"],
-     "trainer.weights.keep = 2 with orchestrator.max_async_level = 2: .* set trainer.weights.keep >= 3"),
-    (["transport.trainer_ranks=4", "trainer.parallel.cp=3"],
-     r"trainer.parallel.cp = 3 does not divide the trainer's 4 ranks \(transport.trainer_ranks\)"),
-    (["transport.trainer_ranks=4", "trainer.parallel.ep=8"],
-     r"trainer.parallel.ep = 8 does not divide the trainer's 4 ranks \(transport.trainer_ranks\)"),
-    (["transport.trainer_ranks=8", "trainer.parallel.cp=2", "trainer.parallel.dp=2"],
-     r"trainer.parallel.dp x trainer.parallel.cp = 2 x 2 = 4, but the trainer has 8 ranks \(transport.trainer_ranks\)"),
-], ids=["advantage", "loss", "gpus", "group-of-one", "rows-one-short", "keep-equal", "cp-ranks", "ep-ranks",
-        "dp-cp"])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["orchestrator.advantage.type=grpoo"],
+            "config key `orchestrator.advantage`: unknown advantage 'grpoo': built-in ones are drgrpo, grpo, maxrl, rloo",
+        ),
+        (
+            ["trainer.loss.type=gspoo"],
+            "config key `trainer.loss`: unknown loss 'gspoo': built-in ones are aipo, cispo, dppo, gspo, ppo",
+        ),
+        (
+            ["inference.num_replicas=2", "inference.tensor_parallel_size=2", "inference.gpus=[0, 1, 2]"],
+            "config key `inference`: gpus lists 3 GPUs, but 2 replicas x 2 GPUs each need 4",
+        ),
+        (
+            ["seq_len=1024", "trainer.micro_batch_tokens=1023"],
+            "trainer.micro_batch_tokens = 1023 is below seq_len = 1024",
+        ),
+        (
+            ["orchestrator.group_size=1", "orchestrator.batch_size=7"],
+            'config key `orchestrator`: group_size = 1 with advantage.type = "grpo" can never train',
+        ),
+        (
+            ["orchestrator.max_async_level=2", "trainer.weights.keep=2"],
+            "trainer.weights.keep = 2 with orchestrator.max_async_level = 2: .* set trainer.weights.keep >= 3",
+        ),
+        (
+            ["transport.trainer_ranks=4", "trainer.parallel.cp=3"],
+            r"trainer.parallel.cp = 3 does not divide the trainer's 4 ranks \(transport.trainer_ranks\)",
+        ),
+        (
+            ["transport.trainer_ranks=4", "trainer.parallel.ep=8"],
+            r"trainer.parallel.ep = 8 does not divide the trainer's 4 ranks \(transport.trainer_ranks\)",
+        ),
+        (
+            ["transport.trainer_ranks=8", "trainer.parallel.cp=2", "trainer.parallel.dp=2"],
+            r"trainer.parallel.dp x trainer.parallel.cp = 2 x 2 = 4, but the trainer has 8 ranks \(transport.trainer_ranks\)",
+        ),
+    ],
+    ids=["advantage", "loss", "gpus", "group-of-one", "rows-one-short", "keep-equal", "cp-ranks", "ep-ranks", "dp-cp"],
+)
 def test_cross_checks_refuse_naming_the_keys(overrides, message):
     with pytest.raises(ConfigError) as err:
         load(RLConfig, *overrides)
     assert re.search(message, str(err.value)), str(err.value)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["seq_len=1024", "trainer.micro_batch_tokens=1024"],  # rows exactly seq_len long
-    ["orchestrator.max_async_level=2", "trainer.weights.keep=3"],  # one folder more than the window
-    ["orchestrator.max_async_level=0", "trainer.weights.keep=1"],  # on-policy keeps one
-    ["inference.num_replicas=2", "inference.tensor_parallel_size=2", "inference.gpus=[4, 5, 6, 7]"],
-    ["orchestrator.advantage.type=my_pkg.adv:fn", "trainer.loss.type=my_pkg.loss:fn"],  # plugins pass
-    ["transport.trainer_ranks=8", "trainer.parallel.dp=2", "trainer.parallel.cp=4", "trainer.parallel.ep=8"],
-], ids=["rows-equal", "keep-one-more", "keep-on-policy", "gpus-exact", "plugins", "mesh-8"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["seq_len=1024", "trainer.micro_batch_tokens=1024"],  # rows exactly seq_len long
+        ["orchestrator.max_async_level=2", "trainer.weights.keep=3"],  # one folder more than the window
+        ["orchestrator.max_async_level=0", "trainer.weights.keep=1"],  # on-policy keeps one
+        ["inference.num_replicas=2", "inference.tensor_parallel_size=2", "inference.gpus=[4, 5, 6, 7]"],
+        ["orchestrator.advantage.type=my_pkg.adv:fn", "trainer.loss.type=my_pkg.loss:fn"],  # plugins pass
+        ["transport.trainer_ranks=8", "trainer.parallel.dp=2", "trainer.parallel.cp=4", "trainer.parallel.ep=8"],
+    ],
+    ids=["rows-equal", "keep-one-more", "keep-on-policy", "gpus-exact", "plugins", "mesh-8"],
+)
 def test_cross_checks_accept_their_boundary(overrides):
     load(RLConfig, *overrides)
 
@@ -128,9 +153,11 @@ def test_cross_checks_accept_their_boundary(overrides):
 @pytest.fixture
 def torchrun_ranks(monkeypatch):
     """This process as a rank of a torchrun job of `n` ranks (the variables torchrun sets)."""
+
     def set_world(n: int) -> None:
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
         monkeypatch.setenv("WORLD_SIZE", str(n))
+
     return set_world
 
 
@@ -141,9 +168,13 @@ def test_a_trainer_under_torchrun_takes_torchruns_ranks(torchrun_ranks, root):
     cfg = load(root, *extra, "trainer.parallel.ep=8", "trainer.parallel.cp=2")  # no transport.trainer_ranks
     assert cfg.transport.trainer_ranks == 8
     assert load(root, *extra, "transport.trainer_ranks=8", "trainer.parallel.ep=8").transport.trainer_ranks == 8
-    with pytest.raises(ConfigError, match=r"transport.trainer_ranks = 4, but torchrun started 8 ranks \(WORLD_SIZE = 8\)"):
+    with pytest.raises(
+        ConfigError, match=r"transport.trainer_ranks = 4, but torchrun started 8 ranks \(WORLD_SIZE = 8\)"
+    ):
         load(root, *extra, "transport.trainer_ranks=4")
-    with pytest.raises(ConfigError, match=r"trainer.parallel.ep = 16 does not divide the trainer's 8 ranks \(torchrun's WORLD_SIZE\)"):
+    with pytest.raises(
+        ConfigError, match=r"trainer.parallel.ep = 16 does not divide the trainer's 8 ranks \(torchrun's WORLD_SIZE\)"
+    ):
         load(root, *extra, "trainer.parallel.ep=16")
 
 
@@ -156,11 +187,14 @@ def test_without_torchrun_unset_trainer_ranks_are_one(monkeypatch):
         load(SFTConfig, "data.path=d.jsonl", "trainer.parallel.ep=2")
 
 
-@pytest.mark.parametrize("override, key", [
-    ("trainer.lora.rank=0", "trainer.lora.rank"),
-    ("trainer.lora.dropout=1.0", "trainer.lora.dropout"),
-    ("trainer.lora.alpha=-2", "trainer.lora.alpha"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.lora.rank=0", "trainer.lora.rank"),
+        ("trainer.lora.dropout=1.0", "trainer.lora.dropout"),
+        ("trainer.lora.alpha=-2", "trainer.lora.alpha"),
+    ],
+)
 def test_bad_lora_values_are_refused_naming_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         load(RLConfig, override)
@@ -187,14 +221,22 @@ def test_published_adapters_turn_on_lora_serving():
     assert (kept.max_lora_rank, kept.max_loras) == (64, 4)  # what the user set, where it fits
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["trainer.lora.rank=8", "inference.enable_lora=false"],
-     r"inference.enable_lora = false, but trainer.lora.publish = \"adapter\" .* trainer.lora.publish = \"merged\""),
-    (["trainer.lora.rank=32", "inference.max_lora_rank=16"],
-     r"inference.max_lora_rank = 16 is below trainer.lora.rank = 32, .* set it >= 32"),
-    (["trainer.lora.rank=1024"], r"trainer.lora.rank = 1024 is above the largest rank vLLM serves \(512\)"),
-    (["inference.max_lora_rank=12"], r"inference.max_lora_rank"),  # vLLM takes 8 or 16, not 12
-], ids=["lora-off", "rank-too-small", "rank-too-large", "rank-vllm-refuses"])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["trainer.lora.rank=8", "inference.enable_lora=false"],
+            r"inference.enable_lora = false, but trainer.lora.publish = \"adapter\" .* trainer.lora.publish = \"merged\"",
+        ),
+        (
+            ["trainer.lora.rank=32", "inference.max_lora_rank=16"],
+            r"inference.max_lora_rank = 16 is below trainer.lora.rank = 32, .* set it >= 32",
+        ),
+        (["trainer.lora.rank=1024"], r"trainer.lora.rank = 1024 is above the largest rank vLLM serves \(512\)"),
+        (["inference.max_lora_rank=12"], r"inference.max_lora_rank"),  # vLLM takes 8 or 16, not 12
+    ],
+    ids=["lora-off", "rank-too-small", "rank-too-large", "rank-vllm-refuses"],
+)
 def test_serving_settings_that_contradict_published_adapters_are_refused_naming_the_keys(overrides, message):
     with pytest.raises(ConfigError) as err:
         load(RLConfig, *overrides)

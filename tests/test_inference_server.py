@@ -43,8 +43,10 @@ def variant(base: Path, folder: Path, seed: int) -> Path:
         if f.is_file() and f.suffix != ".safetensors" and f.name != "meta.json":
             (folder / f.name).write_bytes(f.read_bytes())
     g = torch.Generator().manual_seed(seed)
-    tensors = {k: (torch.randn(t.shape, generator=g) * 0.1 if t.dim() > 1 else t)
-               for k, t in load_file(base / "model.safetensors").items()}
+    tensors = {
+        k: (torch.randn(t.shape, generator=g) * 0.1 if t.dim() > 1 else t)
+        for k, t in load_file(base / "model.safetensors").items()
+    }
     save_file(tensors, folder / "model.safetensors")
     return published(folder, seed)
 
@@ -80,10 +82,19 @@ def wait_for(condition, what: str) -> None:
 
 
 def complete(url: str, model: str, prompt=PROMPT, max_tokens: int = 8):
-    status, headers, body = request(url, "/v1/completions", {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "logprobs": 1, "return_token_ids": True, "ignore_eos": True,
-    })
+    status, headers, body = request(
+        url,
+        "/v1/completions",
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
     assert status == 200, body
     choice = body["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"], int(headers["x-primerl-policy-step"]), choice
@@ -109,14 +120,19 @@ def assert_matches(got, want):
     assert max(abs(a - b) for a, b in zip(logprobs, want[1])) <= 1e-3
 
 
-
-
 @pytest.fixture
 def shared(vllm, tmp_path):
     """Replica 0 of the shared servers (tied embeddings, LoRA on, on its base weights); the
     folders of its base model and of two more models of its shape."""
-    return vllm.urls[0], str(vllm.model), {"base": vllm.model, "v1": variant(vllm.model, tmp_path / "v1", 1),
-                                           "v2": variant(vllm.model, tmp_path / "v2", 2)}
+    return (
+        vllm.urls[0],
+        str(vllm.model),
+        {
+            "base": vllm.model,
+            "v1": variant(vllm.model, tmp_path / "v1", 1),
+            "v2": variant(vllm.model, tmp_path / "v2", 2),
+        },
+    )
 
 
 def test_tokens_and_logprobs_match_transformers_before_and_after_a_reload(shared):
@@ -167,8 +183,15 @@ def test_a_corrupt_folder_is_refused_and_the_old_weights_keep_serving(shared, tm
 def stream_tokens(url: str, model: str, max_tokens: int, tokens: list[int]) -> dict:
     """A greedy completion streamed: each sampled token id appended to `tokens` as it arrives;
     the response headers."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "logprobs": 1, "stream": True}
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "stream": True,
+    }
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=DEADLINE_S) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -273,8 +296,12 @@ def test_a_published_adapter_is_the_policy_and_a_corrupt_one_is_refused_keeping_
     url, name, models = shared
     deltas = write_lora(tmp_path / "adapter1", models["base"], seed=1)
     digest = published_adapter(tmp_path / "adapter1", tmp_path / "step_0", 1)
-    status, _, body = request(url, "/admin/lora/load", {"name": "policy-1", "path": str(tmp_path / "step_0"),
-                                                         "step": 1, "checksum": digest}, token=TOKEN)
+    status, _, body = request(
+        url,
+        "/admin/lora/load",
+        {"name": "policy-1", "path": str(tmp_path / "step_0"), "step": 1, "checksum": digest},
+        token=TOKEN,
+    )
     assert status == 200 and body["step"] == 1, body
     policy = request(url, "/admin/policy", token=TOKEN)[2]
     assert (policy["step"], policy["adapter"], policy["checksum"]) == (1, "policy-1", digest)
@@ -291,7 +318,9 @@ def test_a_published_adapter_is_the_policy_and_a_corrupt_one_is_refused_keeping_
     data[-10] ^= 0xFF
     (bad / "adapter_model.safetensors").write_bytes(bytes(data))
     status, _, body = request(url, "/admin/lora/load", {"name": "policy-2", "path": str(bad), "step": 2}, token=TOKEN)
-    assert status == 409 and "refused LoRA adapter 'policy-2' for step 2" in body["error"] and "checksum" in body["error"]
+    assert (
+        status == 409 and "refused LoRA adapter 'policy-2' for step 2" in body["error"] and "checksum" in body["error"]
+    )
     (bad / "primerl.json").unlink()
     status, _, body = request(url, "/admin/lora/load", {"name": "policy-2", "path": str(bad), "step": 2}, token=TOKEN)
     assert status == 409 and "not a complete published weights folder" in body["error"]
@@ -325,8 +354,14 @@ def joined_sender(url: str, model, folder, secret: str = "run-secret") -> Memory
     """A sender of `model` and the replica at `url` in one transfer group."""
     sender = MemorySender(model, read_config(folder), torch.float32, ONE)
     port = free_port_block(1)
-    answer = in_thread(lambda: request(url, WEIGHTS_JOIN_ROUTE, {"host": "127.0.0.1", "port": port, "secret": secret,
-                                                                 "rank": 1, "world_size": 2, "timeout_s": 60}, token=TOKEN))
+    answer = in_thread(
+        lambda: request(
+            url,
+            WEIGHTS_JOIN_ROUTE,
+            {"host": "127.0.0.1", "port": port, "secret": secret, "rank": 1, "world_size": 2, "timeout_s": 60},
+            token=TOKEN,
+        )
+    )
     sender.open(url, port, secret, 2, 60)
     status, _, body = answer()
     assert status == 200, body
@@ -392,22 +427,36 @@ def test_a_tensor_parallel_server_takes_its_workers_ranks_and_serves_the_weights
     from primerl_inference.launcher import launch
     from primerl_models.tiny import build_tiny_model
 
-    base = build_tiny_model(tmp_path / "base", "qwen3", hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
-                            head_dim=64)
-    servers = launch(InferenceConfig(port=free_port_block(1), admin_token=TOKEN, tensor_parallel_size=2,
-                                     cpu_kv_cache_gib=0.05), str(base), 256, tmp_path / "run")
+    base = build_tiny_model(
+        tmp_path / "base", "qwen3", hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=64
+    )
+    servers = launch(
+        InferenceConfig(port=free_port_block(1), admin_token=TOKEN, tensor_parallel_size=2, cpu_kv_cache_gib=0.05),
+        str(base),
+        256,
+        tmp_path / "run",
+    )
     try:
         url = servers.urls[0]
         port = free_port_block(1)
-        status, _, body = request(url, WEIGHTS_JOIN_ROUTE, {"host": "127.0.0.1", "port": port, "secret": "s", "rank": 1,
-                                                            "world_size": 2, "timeout_s": 5}, token=TOKEN)
+        status, _, body = request(
+            url,
+            WEIGHTS_JOIN_ROUTE,
+            {"host": "127.0.0.1", "port": port, "secret": "s", "rank": 1, "world_size": 2, "timeout_s": 5},
+            token=TOKEN,
+        )
         assert status == 400 and "2 worker(s) ranks 1..2 of a group of 2" in body["error"], body
         v1 = variant(base, tmp_path / "v1", 1)
         sender = MemorySender(load_model(v1), read_config(v1), torch.float32, ONE)
         port = free_port_block(1)
-        answer = in_thread(lambda: request(url, WEIGHTS_JOIN_ROUTE, {"host": "127.0.0.1", "port": port, "secret": "s",
-                                                                     "rank": 1, "world_size": 3, "timeout_s": 60},
-                                           token=TOKEN))
+        answer = in_thread(
+            lambda: request(
+                url,
+                WEIGHTS_JOIN_ROUTE,
+                {"host": "127.0.0.1", "port": port, "secret": "s", "rank": 1, "world_size": 3, "timeout_s": 60},
+                token=TOKEN,
+            )
+        )
         sender.open(url, port, "s", 3, 60)
         status, _, body = answer()
         assert status == 200, body
@@ -417,7 +466,8 @@ def test_a_tensor_parallel_server_takes_its_workers_ranks_and_serves_the_weights
         assert failed == {} and status == 200 and body["checksum"] == checksum, body
         # both workers received the whole stream (each keeps its shard): twice one copy's bytes
         assert body["nbytes"] == 2 * sum(
-            -(-t.numel() * 4 // transfer.ALIGN) * transfer.ALIGN for t in read_tensors(v1).values())
+            -(-t.numel() * 4 // transfer.ALIGN) * transfer.ALIGN for t in read_tensors(v1).values()
+        )
         got = complete(url, str(base))
         assert got[2] == 4
         assert_matches(got, reference(v1))
@@ -428,11 +478,17 @@ def test_a_tensor_parallel_server_takes_its_workers_ranks_and_serves_the_weights
 def test_the_transfer_routes_need_the_token_and_a_join_that_never_meets_times_out(vllm):
     url = vllm.urls[0]
     assert request(url, WEIGHTS_RECEIVE_ROUTE, {"step": 1})[0] == 401
-    assert request(url, WEIGHTS_JOIN_ROUTE, {"host": "127.0.0.1", "port": 1, "secret": "x", "rank": 1,
-                                             "world_size": 2})[0] == 401
+    assert (
+        request(url, WEIGHTS_JOIN_ROUTE, {"host": "127.0.0.1", "port": 1, "secret": "x", "rank": 1, "world_size": 2})[0]
+        == 401
+    )
     # nobody hosts the group: the join gives up after its timeout, and the server serves on
     port = free_port_block(1)
-    status, _, body = request(url, WEIGHTS_JOIN_ROUTE, {"host": "127.0.0.1", "port": port, "secret": "x", "rank": 1,
-                                                        "world_size": 2, "timeout_s": 3}, token=TOKEN)
+    status, _, body = request(
+        url,
+        WEIGHTS_JOIN_ROUTE,
+        {"host": "127.0.0.1", "port": port, "secret": "x", "rank": 1, "world_size": 2, "timeout_s": 3},
+        token=TOKEN,
+    )
     assert status == 409 and "could not join" in body["error"], body
     assert complete(url, str(vllm.model))[2] == 0

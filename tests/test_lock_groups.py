@@ -41,9 +41,21 @@ def _uv() -> str:
 def resolution(args: tuple[str, ...]) -> dict[str, str]:
     """name -> version of every non-workspace package the install with these group args holds."""
     out = subprocess.run(
-        [_uv(), "export", "--frozen", "--no-hashes", "--no-header", "--no-annotate", "--no-emit-workspace",
-         "--quiet", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            _uv(),
+            "export",
+            "--frozen",
+            "--no-hashes",
+            "--no-header",
+            "--no-annotate",
+            "--no-emit-workspace",
+            "--quiet",
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     found = {}

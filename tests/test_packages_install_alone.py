@@ -85,9 +85,21 @@ def constraints(tmp_path_factory) -> Path:
     """The lock's versions of the default (CPU) resolution, workspace packages left out."""
     path = tmp_path_factory.mktemp("lock") / "constraints.txt"
     subprocess.run(
-        [_uv(), "export", "--frozen", "--no-hashes", "--no-emit-workspace", "--no-header", "--no-annotate",
-         "--quiet", "--output-file", str(path)],
-        cwd=ROOT, check=True, timeout=120,
+        [
+            _uv(),
+            "export",
+            "--frozen",
+            "--no-hashes",
+            "--no-emit-workspace",
+            "--no-header",
+            "--no-annotate",
+            "--quiet",
+            "--output-file",
+            str(path),
+        ],
+        cwd=ROOT,
+        check=True,
+        timeout=120,
     )
     assert "torch==" in path.read_text()
     return path
@@ -105,17 +117,29 @@ def _install_alone(name: str, tmp_path: Path, constraints: Path) -> Path:
     subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True, timeout=120, env=_env())
     py = venv / "bin" / "python"
     out = subprocess.run(
-        [uv, "pip", "install", "-q", "--python", str(py), "--constraint", str(constraints), *_torch_index_args(),
-         *(str(FOLDERS[n]) for n in _workspace_closure(name))],
-        capture_output=True, text=True, timeout=600, env=_env(),
+        [
+            uv,
+            "pip",
+            "install",
+            "-q",
+            "--python",
+            str(py),
+            "--constraint",
+            str(constraints),
+            *_torch_index_args(),
+            *(str(FOLDERS[n]) for n in _workspace_closure(name)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
     )
     assert out.returncode == 0, f"installing {name} alone failed:\n{out.stderr}"
     return py
 
 
 def _run(py: Path, code: str, cwd: Path) -> str:
-    out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=cwd, env=_env())
+    out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300, cwd=cwd, env=_env())
     assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
     return out.stdout
 
@@ -191,8 +215,16 @@ CASES = {
         """,
     ),
     "primerl-envs": (
-        ["primerl_envs", "primerl_chat", "primerl_reverse_text", "primerl_alphabet_sort", "primerl_math",
-         "primerl_tool_use", "primerl_code", "primerl_shapes"],
+        [
+            "primerl_envs",
+            "primerl_chat",
+            "primerl_reverse_text",
+            "primerl_alphabet_sort",
+            "primerl_math",
+            "primerl_tool_use",
+            "primerl_code",
+            "primerl_shapes",
+        ],
         ["torch", "vllm", "primerl_models", "primerl_trainer"],
         """
         import asyncio, types
@@ -280,11 +312,15 @@ def _guarded(tree: ast.AST) -> set[int]:
     guarded = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Try) and any(
-            isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
-            or isinstance(h.type, ast.Tuple) and any(getattr(e, "id", "") in ("ImportError", "ModuleNotFoundError") for e in h.type.elts)
+            isinstance(h.type, ast.Name)
+            and h.type.id in ("ImportError", "ModuleNotFoundError")
+            or isinstance(h.type, ast.Tuple)
+            and any(getattr(e, "id", "") in ("ImportError", "ModuleNotFoundError") for e in h.type.elts)
             for h in node.handlers
         ):
-            guarded |= {id(n) for stmt in node.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
+            guarded |= {
+                id(n) for stmt in node.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))
+            }
     return guarded
 
 

@@ -23,9 +23,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_reverse_text_example_learns(tmp_path):
     port = free_port_block(3)
-    cmd = [sys.executable, str(ROOT / "examples" / "reverse_text" / "run.py"), "--run-dir", str(tmp_path / "rt"),
-           f"rl.transport.policy_port={port}", f"rl.transport.batch_port={port + 1}",
-           f"rl.inference.port={free_port_block(1)}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "reverse_text" / "run.py"),
+        "--run-dir",
+        str(tmp_path / "rt"),
+        f"rl.transport.policy_port={port}",
+        f"rl.transport.batch_port={port + 1}",
+        f"rl.inference.port={free_port_block(1)}",
+    ]
     t0 = time.monotonic()
     # the bound only stops a hung run; the example's time is reported, not asserted
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -40,8 +46,10 @@ def test_the_reverse_text_example_learns(tmp_path):
     first, last = statistics.mean(rewards[:20]), statistics.mean(rewards[-20:])
     kls = [r["trainer/mismatch_kl"] for r in rows]
     times = json.loads((tmp_path / "rt" / "times.json").read_text())
-    print(f"\nreverse_text: reward first 20 {first:.3f}, last 20 {last:.3f}; max mismatch KL {max(kls):.2e}; "
-          f"wall {wall:.0f} s ({times})")
+    print(
+        f"\nreverse_text: reward first 20 {first:.3f}, last 20 {last:.3f}; max mismatch KL {max(kls):.2e}; "
+        f"wall {wall:.0f} s ({times})"
+    )
     assert last >= first + 0.1, f"reward first 20 steps {first:.3f}, last 20 {last:.3f}"
     assert max(kls) < 1e-2, f"mismatch KL {max(kls):.3g} at step {kls.index(max(kls))}"
     # SFT really warmed the model: its published final weights are what RL started from

@@ -38,14 +38,17 @@ def test_uv_would_install_nothing_in_the_synced_environment():
     # --frozen: the installed state against uv.lock as it is (the lock's freshness is CI's --locked).
     out = subprocess.run(
         [_uv(), "sync", "--frozen", "--inexact", "--dry-run", "-v"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     changes = [line for line in out.stderr.splitlines() if line.startswith((" + ", " - ", " ~ "))]
     reasons = [line for line in out.stderr.splitlines() if "mismatch" in line.lower() or "not fresh" in line]
     assert not changes and "Would make no changes" in out.stderr, (
-        "uv would change the synced environment, so every `uv run` would do so first:\n"
-        + "\n".join(changes + reasons)
+        "uv would change the synced environment, so every `uv run` would do so first:\n" + "\n".join(changes + reasons)
     )
 
 
@@ -71,8 +74,7 @@ def _dist(wheel_tag, tmp_path: Path, tag: str) -> tuple[Path, Path]:
     wheel = dist_info / "WHEEL"
     wheel.write_text(f"Wheel-Version: 1.0\nGenerator: setuptools (80.10.2)\nRoot-Is-Purelib: false\n{tag}\n")
     (dist_info / "RECORD").write_text(
-        f"vllm/__init__.py,sha256=abc,10\n{wheel_tag.DIST_INFO}/WHEEL,sha256=old,105\n"
-        f"{wheel_tag.DIST_INFO}/RECORD,,\n"
+        f"vllm/__init__.py,sha256=abc,10\n{wheel_tag.DIST_INFO}/WHEEL,sha256=old,105\n{wheel_tag.DIST_INFO}/RECORD,,\n"
     )
     return wheel, dist_info / "RECORD"
 

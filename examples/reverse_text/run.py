@@ -38,8 +38,17 @@ def build_model(folder: Path) -> Path:
     from primerl_models.tiny import build_tiny_model
 
     if not (folder / "config.json").exists():
-        build_tiny_model(folder, "qwen3", alphabet=ALPHABET, hidden_size=128, num_layers=4, num_heads=4,
-                         num_kv_heads=2, head_dim=64, seed=0)
+        build_tiny_model(
+            folder,
+            "qwen3",
+            alphabet=ALPHABET,
+            hidden_size=128,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            seed=0,
+        )
     return folder
 
 
@@ -68,8 +77,10 @@ def run(argv: list[str], log: Path | None = None, on_line=None) -> None:
 
 
 def final_weights(sft_dir: Path) -> Path | None:
-    steps = sorted((p for p in (sft_dir / "weights").glob("step_*") if (p / "primerl.json").exists()),
-                   key=lambda p: int(p.name.split("_")[1]))
+    steps = sorted(
+        (p for p in (sft_dir / "weights").glob("step_*") if (p / "primerl.json").exists()),
+        key=lambda p: int(p.name.split("_")[1]),
+    )
     return steps[-1] if steps else None
 
 
@@ -100,8 +111,18 @@ def main() -> None:
     if (sft_model := final_weights(sft_dir)) is None or (sft_dir / "running").exists():
         (sft_dir).mkdir(exist_ok=True)
         (sft_dir / "running").touch()
-        run([str(BIN / "primerl"), "sft", "@", str(HERE / "sft.toml"), f"model.name={model}",
-             f"run_dir={sft_dir}", f"data.path={data}", *over["sft"]])
+        run(
+            [
+                str(BIN / "primerl"),
+                "sft",
+                "@",
+                str(HERE / "sft.toml"),
+                f"model.name={model}",
+                f"run_dir={sft_dir}",
+                f"data.path={data}",
+                *over["sft"],
+            ]
+        )
         (sft_dir / "running").unlink()
         sft_model = final_weights(sft_dir)
     times["sft"] = time.monotonic() - t0
@@ -114,8 +135,18 @@ def main() -> None:
         if not first_step and line.startswith("step "):
             first_step.append(time.monotonic())
 
-    run([str(BIN / "primerl"), "rl", "@", str(HERE / "rl.toml"), f"model.name={sft_model}", f"run_dir={rl_dir}",
-         *over["rl"]], on_line=on_line)
+    run(
+        [
+            str(BIN / "primerl"),
+            "rl",
+            "@",
+            str(HERE / "rl.toml"),
+            f"model.name={sft_model}",
+            f"run_dir={rl_dir}",
+            *over["rl"],
+        ],
+        on_line=on_line,
+    )
     t2 = time.monotonic()
     times["rl_startup"] = (first_step[0] if first_step else t2) - t1
     times["rl_steps"] = t2 - (first_step[0] if first_step else t2)
@@ -123,8 +154,10 @@ def main() -> None:
 
     times["total"] = time.monotonic() - t0
     (run_dir / "times.json").write_text(json.dumps(times, indent=2))
-    print(f"\nreverse_text: SFT {times['sft']:.0f} s, RL start-up {times['rl_startup']:.0f} s, "
-          f"RL steps {times['rl_steps']:.0f} s, total {times['total']:.0f} s")
+    print(
+        f"\nreverse_text: SFT {times['sft']:.0f} s, RL start-up {times['rl_startup']:.0f} s, "
+        f"RL steps {times['rl_steps']:.0f} s, total {times['total']:.0f} s"
+    )
     print((rl_dir / "report" / "summary.txt").read_text())
 
 

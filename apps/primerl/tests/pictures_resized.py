@@ -23,6 +23,12 @@ class ResizedPicturesTaskset(ShapesTaskset):
     def load(self):
         for task in super().load():
             image, text = task.data.prompt[0].content
-            prompt = [vf.UserMessage(content=[
-                vf.ImageUrlContentPart(image_url=vf.ImageUrlSource(url=resized(image.image_url.url))), text])]
+            prompt = [
+                vf.UserMessage(
+                    content=[
+                        vf.ImageUrlContentPart(image_url=vf.ImageUrlSource(url=resized(image.image_url.url))),
+                        text,
+                    ]
+                )
+            ]
             yield ShapesTask(task.data.model_copy(update={"prompt": prompt}), task.config)

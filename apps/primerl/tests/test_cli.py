@@ -57,24 +57,29 @@ def test_rl_dry_run_prints_toml_of_the_resolved_config(config):
     )
 
 
-@pytest.mark.parametrize("setup, message", [
-    ("model", "model.name: tiny/config.json not found"),
-    # an org/name id is fetched from the hub before anything starts; offline here (HF_HUB_OFFLINE)
-    ("hub", "model.name: model 'no-such-org/no-such-model' is not a local folder and could not be fetched"),
-    ("gpt2", "model_type 'gpt2' is not implemented by primerl-models; supported:"),
-    ("no-envs", "envs.train: no training environments"),
-    ("missing-env", "envs.train[0].id:"),
-    ("long-rows", "seq_len = 8192 is above the model's max_position_embeddings = 4096"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        ("model", "model.name: tiny/config.json not found"),
+        # an org/name id is fetched from the hub before anything starts; offline here (HF_HUB_OFFLINE)
+        ("hub", "model.name: model 'no-such-org/no-such-model' is not a local folder and could not be fetched"),
+        ("gpt2", "model_type 'gpt2' is not implemented by primerl-models; supported:"),
+        ("no-envs", "envs.train: no training environments"),
+        ("missing-env", "envs.train[0].id:"),
+        ("long-rows", "seq_len = 8192 is above the model's max_position_embeddings = 4096"),
+    ],
+)
 def test_rl_bad_setups_fail_before_any_process_starts(tmp_path, monkeypatch, setup, message):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "gpt2" if setup == "gpt2" else "qwen3",
-                                                   "max_position_embeddings": 4096}))
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "gpt2" if setup == "gpt2" else "qwen3", "max_position_embeddings": 4096})
+    )
     name = {"model": "tiny", "hub": "no-such-org/no-such-model"}.get(setup, str(model))
     envs = {"no-envs": "", "missing-env": '[[envs.train]]\nid = "./no_such_env.py"\n'}.get(
-        setup, '[[envs.train]]\nid = "reverse-text"\n')
+        setup, '[[envs.train]]\nid = "reverse-text"\n'
+    )
     path = tmp_path / "rl.toml"
     seq_len = "seq_len = 8192\n" if setup == "long-rows" else ""
     path.write_text(f'{seq_len}run_dir = "{tmp_path / "run"}"\n[model]\nname = "{name}"\n{envs}')
@@ -102,13 +107,20 @@ def test_config_error_exits_2_naming_the_key(config):
     assert "did you mean `trainer.optimizer.weight_decay`?" in result.output
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["seq_len=1024", "trainer.micro_batch_tokens=512"],
-     "trainer.micro_batch_tokens = 512 is below seq_len = 1024: the orchestrator packs rows"),
-    (["orchestrator.max_async_level=3"],
-     "trainer.weights.keep = 3 with orchestrator.max_async_level = 3: .* set trainer.weights.keep >= 4"),
-    (["orchestrator.sampling.temperature=0"], "temperature 0 \\(greedy\\) cannot train"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["seq_len=1024", "trainer.micro_batch_tokens=512"],
+            "trainer.micro_batch_tokens = 512 is below seq_len = 1024: the orchestrator packs rows",
+        ),
+        (
+            ["orchestrator.max_async_level=3"],
+            "trainer.weights.keep = 3 with orchestrator.max_async_level = 3: .* set trainer.weights.keep >= 4",
+        ),
+        (["orchestrator.sampling.temperature=0"], "temperature 0 \\(greedy\\) cannot train"),
+    ],
+)
 def test_values_trainer_and_orchestrator_must_agree_on_are_checked_at_load(config, overrides, message):
     result = CliRunner().invoke(main, ["rl", "@", str(config), *overrides, "--dry-run"])
     assert result.exit_code == 2, result.output
@@ -127,8 +139,16 @@ def test_trainers_name_a_model_that_cannot_be_loaded(name, config, tmp_path):
     cmd, prefix, _ = COMMANDS[name]
     args = [*prefix, "@", str(config), f"model.name={tmp_path / 'no-such-model'}", f"run_dir={tmp_path / 'run'}"]
     result = subprocess.run(
-        [sys.executable, "-m", "primerl.sft_entry" if name == "sft" else "primerl.trainer_entry", *args[len(prefix[:1]):]],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "WANDB_MODE": "disabled"},
+        [
+            sys.executable,
+            "-m",
+            "primerl.sft_entry" if name == "sft" else "primerl.trainer_entry",
+            *args[len(prefix[:1]) :],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "WANDB_MODE": "disabled"},
     )
     assert result.returncode == 1, result.stderr
     assert f"cannot load model '{tmp_path / 'no-such-model'}'" in result.stderr
@@ -137,7 +157,9 @@ def test_trainers_name_a_model_that_cannot_be_loaded(name, config, tmp_path):
 def test_inference_command_names_a_server_that_does_not_come_up(tmp_path):
     cfg = tmp_path / "inf.toml"
     port = free_port_block(1)
-    cfg.write_text(f'run_dir = "{tmp_path}"\n[model]\nname = "{tmp_path / "no-such-model"}"\n[inference]\nport = {port}\n')
+    cfg.write_text(
+        f'run_dir = "{tmp_path}"\n[model]\nname = "{tmp_path / "no-such-model"}"\n[inference]\nport = {port}\n'
+    )
     result = CliRunner().invoke(inference_main, ["@", str(cfg)])
     assert result.exit_code == 1
     assert f"inference replica 0 (http://127.0.0.1:{port}) exited with code" in result.output
@@ -164,8 +186,11 @@ def test_the_servers_lora_rank_fits_the_published_adapters_before_anything_start
     assert fitted(glm4, "trainer.lora.rank=8") == 16
     assert fitted(glm4, "trainer.lora.rank=8", 'trainer.lora.targets=["q_proj", "up_proj"]') == 8
     assert fitted(glm4, "trainer.lora.rank=8", 'trainer.lora.publish="merged"') is None
-    with pytest.raises(RunError, match=r"inference.max_lora_rank = 8, but the adapters trainer.lora publishes have rank "
-                                       r"16 \(trainer.lora.rank = 8 x 2 layers the checkpoint fuses\): set it to 16"):
+    with pytest.raises(
+        RunError,
+        match=r"inference.max_lora_rank = 8, but the adapters trainer.lora publishes have rank "
+        r"16 \(trainer.lora.rank = 8 x 2 layers the checkpoint fuses\): set it to 16",
+    ):
         fitted(glm4, "trainer.lora.rank=8", "inference.max_lora_rank=8")
     with pytest.raises(RunError, match=r"trainer.lora.publish = \"adapter\": trainer.lora.targets = \['qkv'\] matches"):
         fitted(qwen3, 'trainer.lora.targets=["qkv"]')
@@ -198,9 +223,18 @@ def lora_adapter(folder: Path, base: Path, recorded: str | None, *, rank: int = 
             tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(w.shape[0], rank)
     folder.mkdir(parents=True)
     save_file(tensors, folder / "adapter_model.safetensors")
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj"], "bias": "none",
-        "base_model_name_or_path": recorded}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": ["q_proj"],
+                "bias": "none",
+                "base_model_name_or_path": recorded,
+            }
+        )
+    )
     return folder
 
 
@@ -216,8 +250,10 @@ def test_merge_lora_refuses_an_adapter_of_another_base_naming_both(tmp_path):
 
     result = CliRunner().invoke(main, ["merge-lora", str(other), str(adapter), str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
-    assert (f"the adapter {adapter} was trained on '{trained_on}' (base_model_name_or_path in its "
-            f"adapter_config.json), not on '{other}'") in result.output, result.output
+    assert (
+        f"the adapter {adapter} was trained on '{trained_on}' (base_model_name_or_path in its "
+        f"adapter_config.json), not on '{other}'"
+    ) in result.output, result.output
     assert "--allow-base-mismatch" in result.output
     assert not (tmp_path / "out").exists()
 
@@ -242,8 +278,10 @@ def test_merge_lora_refuses_an_adapter_whose_layers_do_not_fit_the_base_naming_t
     for flags in ([], ["--allow-base-mismatch"]):
         result = CliRunner().invoke(main, ["merge-lora", str(base), str(adapter), str(tmp_path / "out"), *flags])
         assert result.exit_code == 2, result.output
-        assert ("adapter module model.layers.0.self_attn.q_proj: A (2, 64) and B (64, 2) of rank 2 do not fit the "
-                "base weight (32, 32)") in result.output, result.output
+        assert (
+            "adapter module model.layers.0.self_attn.q_proj: A (2, 64) and B (64, 2) of rank 2 do not fit the "
+            "base weight (32, 32)"
+        ) in result.output, result.output
         assert not (tmp_path / "out").exists()
 
 

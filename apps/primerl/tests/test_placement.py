@@ -12,8 +12,13 @@ from primerl_protocol.config import ModelConfig, TransportConfig
 
 
 def cfg(ranks=2, colocate=False, trainer_gpus=None, **inference):
-    return RLConfig(model=ModelConfig(name="m"), transport=TransportConfig(trainer_ranks=ranks),
-                    inference=InferenceConfig(**inference), colocate=colocate, trainer_gpus=trainer_gpus)
+    return RLConfig(
+        model=ModelConfig(name="m"),
+        transport=TransportConfig(trainer_ranks=ranks),
+        inference=InferenceConfig(**inference),
+        colocate=colocate,
+        trainer_gpus=trainer_gpus,
+    )
 
 
 def test_cpu_has_no_gpus():
@@ -39,8 +44,9 @@ def test_bad_plans_are_named():
 
 def test_trainer_threads_share_the_cores_only_when_training_and_generation_alternate():
     cores = len(os.sched_getaffinity(0))
-    on_policy = msgspec.structs.replace(cfg(ranks=1), orchestrator=msgspec.structs.replace(
-        cfg().orchestrator, max_async_level=0))
+    on_policy = msgspec.structs.replace(
+        cfg(ranks=1), orchestrator=msgspec.structs.replace(cfg().orchestrator, max_async_level=0)
+    )
     assert trainer_threads(on_policy, []) == cores
     two_ranks = msgspec.structs.replace(on_policy, transport=TransportConfig(trainer_ranks=2))
     assert trainer_threads(two_ranks, []) == max(1, cores // 2)

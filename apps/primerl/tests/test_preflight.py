@@ -24,8 +24,9 @@ def write_config(tmp_path: Path, body: str = "", env: str = 'id = "reverse-text"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "max_position_embeddings": 4096}))
     path = tmp_path / "rl.toml"
-    path.write_text(f'seq_len = 512\nrun_dir = "{tmp_path / "run"}"\n{body}\n[model]\nname = "{model}"\n'
-                    f"[[envs.train]]\n{env}\n")
+    path.write_text(
+        f'seq_len = 512\nrun_dir = "{tmp_path / "run"}"\n{body}\n[model]\nname = "{model}"\n[[envs.train]]\n{env}\n'
+    )
     return path
 
 
@@ -38,21 +39,37 @@ def assert_nothing_started(tmp_path: Path) -> None:
     assert not leftovers(tmp_path / "run")
 
 
-@pytest.mark.parametrize("env, message", [
-    ('id = "reverse_text"', "envs.train[0]: environment 'reverse_text' (id 'reverse_text'): not found (no module "
-                            "'reverse_text'). Did you mean 'reverse-text'?"),
-    ('id = "{dir}/needs_a_package.py"', "envs.train[0]: environment 'needs_a_package' (id '{dir}/needs_a_package.py'): "
-                                        "its module 'needs_a_package' was found, but importing it failed: it imports "
-                                        "'no_such_package_anywhere', which is not installed ({dir}/needs_a_package.py, "
-                                        "line 2)"),
-    ('id = "{dir}/classic_env.py"', "envs.train[0]: environment 'classic_env' (id '{dir}/classic_env.py'): module "
-                                    "'classic_env' ({dir}/classic_env.py) defines `load_environment()`: this is the "
-                                    "classic verifiers API (0.3"),
-    ('id = "reverse-text"\nargs = {{num_taskz = 3}}', "envs.train[0]: environment 'reverse-text' (id 'reverse-text'): "
-                                                      "bad arguments (envs.*.args)"),
-    ('id = "reverse-text"\nargs = {{num_tasks = 0}}', "envs.train[0]: environment 'reverse-text' (id 'reverse-text'): "
-                                                      "its taskset has no tasks"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            'id = "reverse_text"',
+            "envs.train[0]: environment 'reverse_text' (id 'reverse_text'): not found (no module "
+            "'reverse_text'). Did you mean 'reverse-text'?",
+        ),
+        (
+            'id = "{dir}/needs_a_package.py"',
+            "envs.train[0]: environment 'needs_a_package' (id '{dir}/needs_a_package.py'): "
+            "its module 'needs_a_package' was found, but importing it failed: it imports "
+            "'no_such_package_anywhere', which is not installed ({dir}/needs_a_package.py, "
+            "line 2)",
+        ),
+        (
+            'id = "{dir}/classic_env.py"',
+            "envs.train[0]: environment 'classic_env' (id '{dir}/classic_env.py'): module "
+            "'classic_env' ({dir}/classic_env.py) defines `load_environment()`: this is the "
+            "classic verifiers API (0.3",
+        ),
+        (
+            'id = "reverse-text"\nargs = {{num_taskz = 3}}',
+            "envs.train[0]: environment 'reverse-text' (id 'reverse-text'): bad arguments (envs.*.args)",
+        ),
+        (
+            'id = "reverse-text"\nargs = {{num_tasks = 0}}',
+            "envs.train[0]: environment 'reverse-text' (id 'reverse-text'): its taskset has no tasks",
+        ),
+    ],
+)
 def test_environment_mistakes_are_named_before_anything_starts(tmp_path, env, message):
     """Each took 17-60 s here (the servers and the trainer started first) and some were misnamed:
     a missing import was "not found", `reverse_text` got no did-you-mean, a verifiers 0.3 module
@@ -72,7 +89,10 @@ def test_eval_environments_are_checked_too(tmp_path):
     path.write_text(path.read_text() + '[[envs.eval]]\nid = "alphabet_sort"\n')
     result = rl("@", path)
     assert result.exit_code == EXIT_CONFIG
-    assert "envs.eval[0]: environment 'alphabet_sort'" in result.output and "Did you mean 'alphabet-sort'?" in result.output
+    assert (
+        "envs.eval[0]: environment 'alphabet_sort'" in result.output
+        and "Did you mean 'alphabet-sort'?" in result.output
+    )
     assert_nothing_started(tmp_path)
 
 
@@ -86,9 +106,14 @@ def test_a_run_dir_that_is_a_file_is_named(tmp_path):
     assert (tmp_path / "run").read_text() == "not a folder"
 
 
-@pytest.mark.parametrize("key, ports", [
-    ("inference.port", 1), ("transport.policy_port", 1), ("transport.batch_port", 2),
-])
+@pytest.mark.parametrize(
+    "key, ports",
+    [
+        ("inference.port", 1),
+        ("transport.policy_port", 1),
+        ("transport.batch_port", 2),
+    ],
+)
 def test_a_busy_port_is_refused_naming_its_key(tmp_path, key, ports):
     """A busy inference.port failed after 48 s with vLLM's traceback, a busy transport port after
     78 s. Held here by a listening socket, as a server holds it; with two replicas or two trainer
@@ -97,7 +122,9 @@ def test_a_busy_port_is_refused_naming_its_key(tmp_path, key, ports):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", base + ports - 1))
         holder.listen()
-        result = rl("@", write_config(tmp_path), f"{key}={base}", "inference.num_replicas=2", "transport.trainer_ranks=2")
+        result = rl(
+            "@", write_config(tmp_path), f"{key}={base}", "inference.num_replicas=2", "transport.trainer_ranks=2"
+        )
     assert result.exit_code == EXIT_CONFIG, result.output
     assert f"{key} = {base}: port {base + ports - 1}" in result.output and "is taken" in result.output, result.output
     assert f"leave {key} unset to have a free one chosen" in result.output
@@ -111,8 +138,16 @@ def test_unset_ports_are_chosen_free_and_two_runs_get_their_own(tmp_path):
 
     chosen = []
     for name in ("a", "b"):
-        cfg = load_config(RLConfig, ["@", str(write_config(tmp_path)), f"run_dir={tmp_path / name}",
-                                     "inference.num_replicas=2", "transport.trainer_ranks=2"])
+        cfg = load_config(
+            RLConfig,
+            [
+                "@",
+                str(write_config(tmp_path)),
+                f"run_dir={tmp_path / name}",
+                "inference.num_replicas=2",
+                "transport.trainer_ranks=2",
+            ],
+        )
         assert cfg.inference.port is None and cfg.transport.batch_port is None
         prepare(cfg)
         written = tomllib.loads((tmp_path / name / "configs" / "rl.toml").read_text())
@@ -129,8 +164,9 @@ def test_eval_checks_its_environments_and_ports_before_its_servers_start(tmp_pat
 
     model = tmp_path / "model"
     write_config(tmp_path)
-    result = CliRunner().invoke(main, ["eval", f"model.name={model}", f"run_dir={tmp_path / 'run'}",
-                                       'envs.eval=[{id = "reverse_text"}]'])
+    result = CliRunner().invoke(
+        main, ["eval", f"model.name={model}", f"run_dir={tmp_path / 'run'}", 'envs.eval=[{id = "reverse_text"}]']
+    )
     assert result.exit_code == EXIT_CONFIG, result.output
     assert "primerl eval: envs.eval[0]: environment 'reverse_text'" in result.output
     assert "Did you mean 'reverse-text'?" in result.output
@@ -138,12 +174,21 @@ def test_eval_checks_its_environments_and_ports_before_its_servers_start(tmp_pat
         holder.bind(("127.0.0.1", free_port_block(1)))
         holder.listen()
         port = holder.getsockname()[1]
-        result = CliRunner().invoke(main, ["eval", f"model.name={model}", f"run_dir={tmp_path / 'run'}",
-                                           f"inference.port={port}", 'envs.eval=[{id = "reverse-text"}]'])
+        result = CliRunner().invoke(
+            main,
+            [
+                "eval",
+                f"model.name={model}",
+                f"run_dir={tmp_path / 'run'}",
+                f"inference.port={port}",
+                'envs.eval=[{id = "reverse-text"}]',
+            ],
+        )
         assert result.exit_code == EXIT_CONFIG, result.output
         assert f"primerl eval: inference.port = {port}: port {port} on 127.0.0.1 is taken" in result.output
-        result = CliRunner().invoke(inference_main, [f"model.name={model}", f"run_dir={tmp_path / 'run'}",
-                                                     f"inference.port={port}"])
+        result = CliRunner().invoke(
+            inference_main, [f"model.name={model}", f"run_dir={tmp_path / 'run'}", f"inference.port={port}"]
+        )
         assert result.exit_code == EXIT_CONFIG, result.output
         assert f"primerl-inference: inference.port = {port}: port {port} on 127.0.0.1 is taken" in result.output
         assert "set inference.port to a free one" in result.output

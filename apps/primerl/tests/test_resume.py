@@ -36,9 +36,11 @@ def model_folder(path: Path) -> Path:
 
 def write_config(tmp_path: Path) -> Path:
     path = tmp_path / "rl.toml"
-    path.write_text(f'seq_len = 512\nrun_dir = "{tmp_path / "run"}"\n[model]\nname = "{model_folder(tmp_path / "model")}"\n'
-                    '[orchestrator]\nbatch_size = 16\ngroup_size = 8\n'
-                    '[[envs.train]]\nid = "reverse-text"\nargs = {num_tasks = 8}\n')
+    path.write_text(
+        f'seq_len = 512\nrun_dir = "{tmp_path / "run"}"\n[model]\nname = "{model_folder(tmp_path / "model")}"\n'
+        "[orchestrator]\nbatch_size = 16\ngroup_size = 8\n"
+        '[[envs.train]]\nid = "reverse-text"\nargs = {num_tasks = 8}\n'
+    )
     return path
 
 
@@ -71,16 +73,26 @@ def test_a_second_run_on_a_live_run_dir_is_refused_naming_it_and_a_dead_ones_loc
     run's server and steps as its own, then died. The live run here holds the lock as `primerl
     rl` does (RunLock, in a process of its own)."""
     run, before = started_run(tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from primerl.resume import RunLock; "
-                               "RunLock(os.environ['RUN']).acquire(); print('held', flush=True); time.sleep(300)"],
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "RUN": str(run)})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, time; from primerl.resume import RunLock; "
+            "RunLock(os.environ['RUN']).acquire(); print('held', flush=True); time.sleep(300)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RUN": str(run)},
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         mtime = (run / "configs" / "rl.toml").stat().st_mtime_ns
         result = rl("@", write_config(tmp_path), "trainer.optimizer.lr=1e-4")
         assert result.exit_code == EXIT_CONFIG, result.output
-        assert f"run_dir = '{run}': another `primerl rl` runs on it: pid {holder.pid} on host {socket.gethostname()}" \
-            in result.output, result.output
+        assert (
+            f"run_dir = '{run}': another `primerl rl` runs on it: pid {holder.pid} on host {socket.gethostname()}"
+            in result.output
+        ), result.output
         assert (run / "configs" / "rl.toml").read_bytes() == before  # nothing rewritten
         assert (run / "configs" / "rl.toml").stat().st_mtime_ns == mtime
         assert not (run / "configs" / "rl.prev.toml").exists() and not leftovers(run)
@@ -111,8 +123,10 @@ def test_a_lock_record_is_stale_only_when_its_process_is_gone(tmp_path):
     with RunLock(run) as lock:
         assert lock.took_over.startswith(f"pid {os.getpid()} on host")
     (run / LOCK).write_text(json.dumps({**me, "host": "elsewhere"}))
-    with pytest.raises(CheckError, match=f"names pid {os.getpid()} on host elsewhere .*another host.*if it has ended, "
-                                         f"delete {run / LOCK}"):
+    with pytest.raises(
+        CheckError,
+        match=f"names pid {os.getpid()} on host elsewhere .*another host.*if it has ended, delete {run / LOCK}",
+    ):
         RunLock(run).acquire()
 
 
@@ -122,12 +136,23 @@ def test_a_resume_that_changes_what_it_cannot_is_refused_naming_each_key(tmp_pat
     allowed change (lr) is not among them; nothing in the run directory changes."""
     run, before = started_run(tmp_path)
     other = model_folder(tmp_path / "other-model")
-    result = rl("@", write_config(tmp_path), f"model.name={other}", "orchestrator.group_size=4", "seed=1",
-                'envs.train=[{id = "reverse-text", args = {num_tasks = 16}}]', "trainer.optimizer.lr=1e-4")
+    result = rl(
+        "@",
+        write_config(tmp_path),
+        f"model.name={other}",
+        "orchestrator.group_size=4",
+        "seed=1",
+        'envs.train=[{id = "reverse-text", args = {num_tasks = 16}}]',
+        "trainer.optimizer.lr=1e-4",
+    )
     assert result.exit_code == EXIT_CONFIG, result.output
     assert f"holds a run to resume (checkpoint {run}/checkpoints/step_3, step 3)" in result.output, result.output
-    for line in [f"model.name: '{tmp_path / 'model'}' -> '{other}'", "orchestrator.group_size: 8 -> 4", "seed: 0 -> 1",
-                 "envs.train[0].args.num_tasks: 8 -> 16"]:
+    for line in [
+        f"model.name: '{tmp_path / 'model'}' -> '{other}'",
+        "orchestrator.group_size: 8 -> 4",
+        "seed: 0 -> 1",
+        "envs.train[0].args.num_tasks: 8 -> 16",
+    ]:
         assert f"\n  {line}  (" in result.output, line
     assert "trainer.optimizer.lr" not in result.output
     assert (run / "configs" / "rl.toml").read_bytes() == before
@@ -135,20 +160,38 @@ def test_a_resume_that_changes_what_it_cannot_is_refused_naming_each_key(tmp_pat
     # another environment in place of the old one, and one more
     result = rl("@", write_config(tmp_path), 'envs.train=[{id = "math"}, {id = "reverse-text"}]')
     assert result.exit_code == EXIT_CONFIG
-    assert "envs.train: '1 entries' -> '2 entries'" in result.output and "envs.train[0].id: 'reverse-text' -> 'math'" \
-        in result.output, result.output
+    assert (
+        "envs.train: '1 entries' -> '2 entries'" in result.output
+        and "envs.train[0].id: 'reverse-text' -> 'math'" in result.output
+    ), result.output
 
 
 def test_a_resume_with_allowed_changes_says_from_which_step_and_what_changed(tmp_path, capsys):
     run, before = started_run(tmp_path)
     capsys.readouterr()
-    prepare(load_config(RLConfig, ["@", str(write_config(tmp_path)), "trainer.optimizer.lr=5e-5", "max_steps=20",
-                                   "orchestrator.batch_size=32", "seq_len=1024",
-                                   'envs.train=[{id = "reverse-text", args = {num_tasks = 8}, weight = 2.0}]']))
+    prepare(
+        load_config(
+            RLConfig,
+            [
+                "@",
+                str(write_config(tmp_path)),
+                "trainer.optimizer.lr=5e-5",
+                "max_steps=20",
+                "orchestrator.batch_size=32",
+                "seq_len=1024",
+                'envs.train=[{id = "reverse-text", args = {num_tasks = 8}, weight = 2.0}]',
+            ],
+        )
+    )
     out = capsys.readouterr().out
     assert f"resuming from step 3 (checkpoint {run}/checkpoints/step_3): the trainer continues at step 4" in out, out
-    for line in ["trainer.optimizer.lr: 1e-06 -> 5e-05", "max_steps: (unset) -> 20", "orchestrator.batch_size: 16 -> 32",
-                 "seq_len: 512 -> 1024", "envs.train[0].weight: 1.0 -> 2.0"]:
+    for line in [
+        "trainer.optimizer.lr: 1e-06 -> 5e-05",
+        "max_steps: (unset) -> 20",
+        "orchestrator.batch_size: 16 -> 32",
+        "seq_len: 512 -> 1024",
+        "envs.train[0].weight: 1.0 -> 2.0",
+    ]:
         assert f"  {line}\n" in out, line
     assert "admin_token" not in out and "port" not in out  # secrets and ports chosen at launch are not settings
     assert (run / "configs" / "rl.prev.toml").read_bytes() == before  # the old run's config kept

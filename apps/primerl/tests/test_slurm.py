@@ -40,16 +40,33 @@ def bash_syntax_ok(script: Path) -> None:
 
 
 def test_a_two_node_gpu_rl_job_is_laid_out_from_the_config(tmp_path):
-    cfg = rl_config(tmp_path, "slurm.inference_nodes=1", "slurm.trainer_nodes=2", "slurm.gpus_per_node=8",
-                    "transport.trainer_ranks=16", "inference.num_replicas=4", "inference.tensor_parallel_size=2",
-                    "slurm.partition=gpu", "slurm.account=rl", "slurm.time=02:00:00",
-                    'slurm.sbatch_args=["--qos=high"]', 'slurm.setup="module load cuda/12.8"')
+    cfg = rl_config(
+        tmp_path,
+        "slurm.inference_nodes=1",
+        "slurm.trainer_nodes=2",
+        "slurm.gpus_per_node=8",
+        "transport.trainer_ranks=16",
+        "inference.num_replicas=4",
+        "inference.tensor_parallel_size=2",
+        "slurm.partition=gpu",
+        "slurm.account=rl",
+        "slurm.time=02:00:00",
+        'slurm.sbatch_args=["--qos=high"]',
+        'slurm.setup="module load cuda/12.8"',
+    )
     script = render_rl(cfg)
     text = script.read_text()
     assert script == tmp_path / "run" / "slurm" / "rl.sbatch"
-    for line in ["#SBATCH --nodes=3", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --account=rl",
-                 "#SBATCH --time=02:00:00", "#SBATCH --qos=high", "#SBATCH --exclusive",
-                 f"#SBATCH --output={tmp_path / 'run' / 'slurm'}/job-%j.out"]:
+    for line in [
+        "#SBATCH --nodes=3",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=rl",
+        "#SBATCH --time=02:00:00",
+        "#SBATCH --qos=high",
+        "#SBATCH --exclusive",
+        f"#SBATCH --output={tmp_path / 'run' / 'slurm'}/job-%j.out",
+    ]:
         assert line + "\n" in text, line
     # 4 servers of 2 GPUs on the inference node; 2 x 8 trainer ranks; the rendezvous on the first trainer node
     assert "i < 4; i++" in text and "--nnodes=2 --nproc-per-node=8" in text and "--gres=gpu:8" in text
@@ -65,7 +82,9 @@ def test_a_two_node_gpu_rl_job_is_laid_out_from_the_config(tmp_path):
     assert "trainer_ranks = 16" in (configs / "trainer.toml").read_text()
     # per-job CURVE keys: the same in the trainer's and the orchestrator's configs, new for each job
     roles = {"rl": RLConfig, "trainer": TrainerRunConfig, "orchestrator": OrchRunConfig}
-    keys = [load_config(root, ["@", str(configs / f"{name}.toml")]).transport.sockets.curve for name, root in roles.items()]
+    keys = [
+        load_config(root, ["@", str(configs / f"{name}.toml")]).transport.sockets.curve for name, root in roles.items()
+    ]
     assert keys[0] is not None and keys[0].server_secret and keys[0].client_secret and keys.count(keys[0]) == 3
     render_rl(cfg)
     assert load_config(RLConfig, ["@", str(configs / "rl.toml")]).transport.sockets.curve != keys[0]
@@ -76,9 +95,16 @@ def test_weights_in_memory_reach_the_jobs_servers_with_their_workers(tmp_path):
     """transport = "memory" under --slurm: the servers' URLs exist only in the job (their nodes'
     addresses), so the trainer gets them on its command line; each server's workers (its TP)
     are in the trainer's config; a folder job's trainer line is unchanged."""
-    cfg = rl_config(tmp_path, "slurm.inference_nodes=1", "slurm.trainer_nodes=1", "slurm.gpus_per_node=8",
-                    "transport.trainer_ranks=8", "inference.num_replicas=4", "inference.tensor_parallel_size=2",
-                    "trainer.weights.transport=memory")
+    cfg = rl_config(
+        tmp_path,
+        "slurm.inference_nodes=1",
+        "slurm.trainer_nodes=1",
+        "slurm.gpus_per_node=8",
+        "transport.trainer_ranks=8",
+        "inference.num_replicas=4",
+        "inference.tensor_parallel_size=2",
+        "trainer.weights.transport=memory",
+    )
     script = render_rl(cfg)
     text = script.read_text()
     assert 'transport.host="$ORCH_ADDR" "trainer.weights.servers=[${URL_LIST%,}]"\n' in text
@@ -103,21 +129,41 @@ def test_unset_trainer_ranks_are_the_jobs_gpus_and_reach_the_orchestrator(tmp_pa
 
 
 def test_colocated_roles_share_nodes(tmp_path):
-    cfg = rl_config(tmp_path, "colocate=true", "slurm.inference_nodes=2", "slurm.trainer_nodes=2",
-                    "slurm.gpus_per_node=8", "transport.trainer_ranks=16")
+    cfg = rl_config(
+        tmp_path,
+        "colocate=true",
+        "slurm.inference_nodes=2",
+        "slurm.trainer_nodes=2",
+        "slurm.gpus_per_node=8",
+        "transport.trainer_ranks=16",
+    )
     text = render_rl(cfg).read_text()
     assert "#SBATCH --nodes=2\n" in text and 'TRAINER_NODES=("${NODES[@]:0:2}")' in text
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["slurm.trainer_nodes=2", "slurm.gpus_per_node=8", "transport.trainer_ranks=12"],
-     "transport.trainer_ranks = 12, but slurm.trainer_nodes x slurm.gpus_per_node = 2 x 8 = 16"),
-    (["slurm.gpus_per_node=8", "transport.trainer_ranks=8", "inference.num_replicas=8",
-      "inference.tensor_parallel_size=2"], "inference.num_replicas x GPUs per replica = 8 x 2"),
-    (["slurm.gpus_per_node=0", "slurm.trainer_nodes=2", "transport.trainer_ranks=3"],
-     "transport.trainer_ranks = 3 does not split evenly over slurm.trainer_nodes = 2"),
-    (["slurm.inference_nodes=0"], "slurm.inference_nodes must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["slurm.trainer_nodes=2", "slurm.gpus_per_node=8", "transport.trainer_ranks=12"],
+            "transport.trainer_ranks = 12, but slurm.trainer_nodes x slurm.gpus_per_node = 2 x 8 = 16",
+        ),
+        (
+            [
+                "slurm.gpus_per_node=8",
+                "transport.trainer_ranks=8",
+                "inference.num_replicas=8",
+                "inference.tensor_parallel_size=2",
+            ],
+            "inference.num_replicas x GPUs per replica = 8 x 2",
+        ),
+        (
+            ["slurm.gpus_per_node=0", "slurm.trainer_nodes=2", "transport.trainer_ranks=3"],
+            "transport.trainer_ranks = 3 does not split evenly over slurm.trainer_nodes = 2",
+        ),
+        (["slurm.inference_nodes=0"], "slurm.inference_nodes must be at least 1"),
+    ],
+)
 def test_layouts_that_do_not_fit_are_named(tmp_path, overrides, message):
     with pytest.raises(SlurmError, match=re.escape(message)):
         render_rl(rl_config(tmp_path, *overrides))
@@ -125,13 +171,30 @@ def test_layouts_that_do_not_fit_are_named(tmp_path, overrides, message):
 
 def test_sft_and_eval_jobs(tmp_path):
     (tmp_path / "d.jsonl").write_text("")
-    sft = load_config(SFTConfig, ["data.path=d.jsonl", "model.name=m", f"run_dir={tmp_path / 'sft'}",
-                                  "slurm.trainer_nodes=4", "slurm.gpus_per_node=8", "transport.trainer_ranks=32"])
+    sft = load_config(
+        SFTConfig,
+        [
+            "data.path=d.jsonl",
+            "model.name=m",
+            f"run_dir={tmp_path / 'sft'}",
+            "slurm.trainer_nodes=4",
+            "slurm.gpus_per_node=8",
+            "transport.trainer_ranks=32",
+        ],
+    )
     text = render_sft(sft).read_text()
     assert "#SBATCH --nodes=4\n" in text and "--nnodes=4 --nproc-per-node=8" in text and "primerl.sft_entry" in text
     bash_syntax_ok(tmp_path / "sft" / "slurm" / "sft.sbatch")
-    ev = load_config(EvalConfig, ["model.name=m", f"run_dir={tmp_path / 'ev'}", "slurm.inference_nodes=2",
-                                  "inference.num_replicas=8", 'envs.eval=[{id = "reverse-text"}]'])
+    ev = load_config(
+        EvalConfig,
+        [
+            "model.name=m",
+            f"run_dir={tmp_path / 'ev'}",
+            "slurm.inference_nodes=2",
+            "inference.num_replicas=8",
+            'envs.eval=[{id = "reverse-text"}]',
+        ],
+    )
     text = render_eval(ev).read_text()
     assert "#SBATCH --nodes=2\n" in text and "i < 8; i++" in text and "primerl eval @" in text
     bash_syntax_ok(tmp_path / "ev" / "slurm" / "eval.sbatch")
@@ -143,6 +206,7 @@ def test_a_placeholder_without_a_value_is_an_error():
 
 
 # --- on a real Slurm -----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
@@ -159,17 +223,40 @@ def slurm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", alphabet=string.ascii_lowercase,
-                            hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model"),
+        "qwen3",
+        alphabet=string.ascii_lowercase,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+    )
 
 
 def render_tiny_rl_job(model: Path, run_dir: Path, env: dict, submit: bool, *extra: str) -> subprocess.CompletedProcess:
     port = free_port_block(3)
-    args = [PRIMERL, "rl", "@", str(ROOT / "examples" / "reverse_text" / "rl.toml"), f"model.name={model}",
-            f"run_dir={run_dir}", "max_steps=3", "orchestrator.batch_size=32", "slurm.gpus_per_node=0",
-            "slurm.exclusive=false", "slurm.time=00:20:00", f"inference.port={free_port_block(1)}",
-            f"transport.policy_port={port}", f"transport.batch_port={port + 1}", f"slurm.rendezvous_port={port + 2}",
-            *extra, "--slurm", *(["--submit"] if submit else [])]
+    args = [
+        PRIMERL,
+        "rl",
+        "@",
+        str(ROOT / "examples" / "reverse_text" / "rl.toml"),
+        f"model.name={model}",
+        f"run_dir={run_dir}",
+        "max_steps=3",
+        "orchestrator.batch_size=32",
+        "slurm.gpus_per_node=0",
+        "slurm.exclusive=false",
+        "slurm.time=00:20:00",
+        f"inference.port={free_port_block(1)}",
+        f"transport.policy_port={port}",
+        f"transport.batch_port={port + 1}",
+        f"slurm.rendezvous_port={port + 2}",
+        *extra,
+        "--slurm",
+        *(["--submit"] if submit else []),
+    ]
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     return out
@@ -226,8 +313,13 @@ def test_a_failing_role_fails_the_job_naming_it_and_leaves_nothing_running(slurm
     # the trainer alone gets a model that does not exist: it fails once the servers are up
     trainer_cfg = run_dir / "configs" / "trainer.toml"
     trainer_cfg.write_text(trainer_cfg.read_text().replace(f'name = "{model}"', f'name = "{tmp_path / "gone"}"'))
-    job = subprocess.run(["sbatch", "--parsable", str(run_dir / "slurm" / "rl.sbatch")], capture_output=True,
-                         text=True, env=slurm, check=True).stdout.strip()
+    job = subprocess.run(
+        ["sbatch", "--parsable", str(run_dir / "slurm" / "rl.sbatch")],
+        capture_output=True,
+        text=True,
+        env=slurm,
+        check=True,
+    ).stdout.strip()
     state, code = wait_for_job(job, slurm)
     output = (run_dir / "slurm" / f"job-{job}.out").read_text()
     assert (state, code) == ("FAILED", "1:0"), output
@@ -241,15 +333,38 @@ def test_a_failing_role_fails_the_job_naming_it_and_leaves_nothing_running(slurm
 def test_the_sft_job_trains_over_two_nodes(slurm, model, tmp_path):
     """torchrun's c10d rendezvous across the two nodes: one gloo rank on each."""
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": w, "completion": w[::-1]}) + "\n"
-                            for w in ["abc", "hello", "slurm", "primerl", "zyx", "queue"] * 8))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": w, "completion": w[::-1]}) + "\n"
+            for w in ["abc", "hello", "slurm", "primerl", "zyx", "queue"] * 8
+        )
+    )
     run_dir = tmp_path / "sft"
     out = subprocess.run(
-        [PRIMERL, "sft", "@", str(ROOT / "examples" / "reverse_text" / "sft.toml"), f"model.name={model}",
-         f"run_dir={run_dir}", f"data.path={data}", "max_steps=3", "data.batch_size=16", "transport.trainer_ranks=2",
-         "slurm.trainer_nodes=2", "slurm.gpus_per_node=0", "slurm.exclusive=false", "slurm.time=00:10:00",
-         f"slurm.rendezvous_port={free_port_block(1)}", "--slurm", "--submit"],
-        capture_output=True, text=True, env=slurm, timeout=300)
+        [
+            PRIMERL,
+            "sft",
+            "@",
+            str(ROOT / "examples" / "reverse_text" / "sft.toml"),
+            f"model.name={model}",
+            f"run_dir={run_dir}",
+            f"data.path={data}",
+            "max_steps=3",
+            "data.batch_size=16",
+            "transport.trainer_ranks=2",
+            "slurm.trainer_nodes=2",
+            "slurm.gpus_per_node=0",
+            "slurm.exclusive=false",
+            "slurm.time=00:10:00",
+            f"slurm.rendezvous_port={free_port_block(1)}",
+            "--slurm",
+            "--submit",
+        ],
+        capture_output=True,
+        text=True,
+        env=slurm,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     job = re.search(r"submitted job (\d+)", out.stdout).group(1)
     state, code = wait_for_job(job, slurm, timeout_s=600)

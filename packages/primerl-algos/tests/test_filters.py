@@ -23,21 +23,31 @@ def test_each_rollout_filter_counts_its_reason():
     kept, report = filter_rollouts(rollouts, cfg)
     assert [r.sample_id for r in kept] == [0]
     assert dict(report.dropped) == {
-        "errored": 1, "empty": 1, "truncated": 1, "too_short": 1, "too_long": 1, "reward_out_of_range": 1,
+        "errored": 1,
+        "empty": 1,
+        "truncated": 1,
+        "too_short": 1,
+        "too_long": 1,
+        "reward_out_of_range": 1,
     }
     assert report.kept == 1 and report.total == 7
 
 
 def test_filters_can_be_turned_off():
-    kept, report = filter_rollouts([rollout(0, 0, 1.0, tokens=0), rollout(1, 0, 1.0, truncated=True)],
-                                   FilterConfig(empty=False, truncated=False))
+    kept, report = filter_rollouts(
+        [rollout(0, 0, 1.0, tokens=0), rollout(1, 0, 1.0, truncated=True)], FilterConfig(empty=False, truncated=False)
+    )
     assert len(kept) == 2 and not report.dropped
 
 
 def test_zero_advantage_groups_are_dropped_and_errored_rollouts_leave_the_baseline():
     rollouts = [
-        rollout(0, 0, 1.0), rollout(1, 0, 1.0), rollout(2, 0, 1.0),  # all equal: no signal
-        rollout(3, 1, 1.0), rollout(4, 1, 0.0), rollout(5, 1, 0.0, error="timeout"),
+        rollout(0, 0, 1.0),
+        rollout(1, 0, 1.0),
+        rollout(2, 0, 1.0),  # all equal: no signal
+        rollout(3, 1, 1.0),
+        rollout(4, 1, 0.0),
+        rollout(5, 1, 0.0, error="timeout"),
     ]
     out, report = select(rollouts, FilterConfig(), AdvantageConfig(type="drgrpo"), max_tokens=10)
     # group 1 without the errored rollout: rewards [1, 0], mean 0.5
@@ -47,9 +57,13 @@ def test_zero_advantage_groups_are_dropped_and_errored_rollouts_leave_the_baseli
 
 
 def test_plugin_filter(tmp_path, monkeypatch):
-    (tmp_path / "my_filters.py").write_text("def odd_only(rollouts):\n    return [r.sample_id % 2 == 1 for r in rollouts]\n")
+    (tmp_path / "my_filters.py").write_text(
+        "def odd_only(rollouts):\n    return [r.sample_id % 2 == 1 for r in rollouts]\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    kept, report = filter_rollouts([rollout(i, 0, 1.0) for i in range(5)], FilterConfig(plugins=["my_filters:odd_only"]))
+    kept, report = filter_rollouts(
+        [rollout(i, 0, 1.0) for i in range(5)], FilterConfig(plugins=["my_filters:odd_only"])
+    )
     assert [r.sample_id for r in kept] == [1, 3]
     assert report.dropped["my_filters:odd_only"] == 3
 
@@ -57,7 +71,11 @@ def test_plugin_filter(tmp_path, monkeypatch):
 def test_non_finite_rewards_never_train_even_with_the_errored_filter_off():
     nan, inf = float("nan"), float("inf")
     rollouts = [
-        rollout(0, 0, 1.0), rollout(1, 0, 0.0), rollout(2, 0, nan), rollout(3, 0, inf), rollout(4, 0, -inf),
+        rollout(0, 0, 1.0),
+        rollout(1, 0, 0.0),
+        rollout(2, 0, nan),
+        rollout(3, 0, inf),
+        rollout(4, 0, -inf),
         rollout(5, 0, 0.0, error="BadScore: environment 'e': reward 'r' returned '1.0' (str), not a number"),
     ]
     out, report = select(rollouts, FilterConfig(errored=False), AdvantageConfig(type="drgrpo"), max_tokens=10)

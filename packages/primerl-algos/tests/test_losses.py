@@ -232,8 +232,9 @@ def test_a_masked_out_tokens_logprobs_change_nothing(kind, normalization):
 
     def result(pi, mu):
         x = inputs(pi, mu, adv, mask=mask, seq_lens=[3, 4])
-        loss, grad, m = run(x, scale=LossScale(tokens=5, sequences=2), type=kind, kl_coef=0.1,
-                            normalization=normalization)
+        loss, grad, m = run(
+            x, scale=LossScale(tokens=5, sequences=2), type=kind, kl_coef=0.1, normalization=normalization
+        )
         return loss, grad, {k: v.item() for k, v in m.items()}
 
     loss, grad, metrics = result(pi, mu)
@@ -254,8 +255,14 @@ def test_a_masked_out_tokens_logprobs_change_nothing(kind, normalization):
 #   aipo  w = min(r, 2):             d = +-19.9 -> 2, e^-19.9;  d = +-20.1 -> 2, e^-20 (value clamped)
 #   cispo w = clip(r, 0.8, 1.28):    d > 0 -> 1.28;  d < 0 -> 0.8
 EDGE_WEIGHTS = [
-    ("aipo", 19.9, 2.0), ("aipo", 20.1, 2.0), ("aipo", -19.9, math.exp(-19.9)), ("aipo", -20.1, math.exp(-20.0)),
-    ("cispo", 19.9, 1.28), ("cispo", 20.1, 1.28), ("cispo", -19.9, 0.8), ("cispo", -20.1, 0.8),
+    ("aipo", 19.9, 2.0),
+    ("aipo", 20.1, 2.0),
+    ("aipo", -19.9, math.exp(-19.9)),
+    ("aipo", -20.1, math.exp(-20.0)),
+    ("cispo", 19.9, 1.28),
+    ("cispo", 20.1, 1.28),
+    ("cispo", -19.9, 0.8),
+    ("cispo", -20.1, 0.8),
 ]
 
 

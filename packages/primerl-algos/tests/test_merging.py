@@ -9,7 +9,11 @@ THINK, ANSWER = [70, 71], [80, 81]
 
 
 def test_single_turn():
-    r = Rollout(sample_id=9, group_id=0, turns=[Turn(prompt_ids=[1, 2, 3], completion_ids=[4, 5], completion_logprobs=[-0.5, -0.25])])
+    r = Rollout(
+        sample_id=9,
+        group_id=0,
+        turns=[Turn(prompt_ids=[1, 2, 3], completion_ids=[4, 5], completion_logprobs=[-0.5, -0.25])],
+    )
     (s,) = merge_turns(r, advantage=1.5)
     assert s.token_ids == [1, 2, 3, 4, 5]
     assert s.loss_mask == [False, False, False, True, True]

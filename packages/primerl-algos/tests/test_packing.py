@@ -70,8 +70,16 @@ def samples_of(lengths, seed=0):
     out = []
     for i, n in enumerate(lengths):
         mask = [bool(b) for b in rng.random(n) < 0.5]
-        out.append(Sample(sample_id=i, token_ids=rng.integers(0, 100, n).tolist(), loss_mask=mask,
-                          inference_logprobs=[-0.5 if m else 0.0 for m in mask], advantage=float(i), temperature=0.7))
+        out.append(
+            Sample(
+                sample_id=i,
+                token_ids=rng.integers(0, 100, n).tolist(),
+                loss_mask=mask,
+                inference_logprobs=[-0.5 if m else 0.0 for m in mask],
+                advantage=float(i),
+                temperature=0.7,
+            )
+        )
     return out
 
 
@@ -93,10 +101,10 @@ def test_built_batches_hold_every_token_once_and_never_split_a_sample():
                     assert not mb.loss_mask.any()
                     continue
                 s = samples[sid]
-                assert mb.input_ids[start:start + n].tolist() == s.token_ids  # whole, in order
-                assert mb.loss_mask[start:start + n].tolist() == s.loss_mask
-                assert np.all(mb.advantages[start:start + n] == s.advantage)
-                assert np.allclose(mb.temperatures[start:start + n], 0.7)
+                assert mb.input_ids[start : start + n].tolist() == s.token_ids  # whole, in order
+                assert mb.loss_mask[start : start + n].tolist() == s.loss_mask
+                assert np.all(mb.advantages[start : start + n] == s.advantage)
+                assert np.allclose(mb.temperatures[start : start + n], 0.7)
                 seen[sid] += 1
                 start += n
     assert seen == Counter(range(len(samples)))
@@ -114,11 +122,17 @@ def test_a_rows_images_are_its_samples_images_in_order():
     def image(value, h, w):
         return Image(height=h, width=w, rgb=bytes([value]) * (h * w * 3))
 
-    with_two = Sample(sample_id=1, token_ids=[5, 6, 7], loss_mask=[False, False, True], inference_logprobs=[0.0] * 3,
-                      images=[image(1, 2, 3), image(2, 1, 1)])
+    with_two = Sample(
+        sample_id=1,
+        token_ids=[5, 6, 7],
+        loss_mask=[False, False, True],
+        inference_logprobs=[0.0] * 3,
+        images=[image(1, 2, 3), image(2, 1, 1)],
+    )
     plain = Sample(sample_id=2, token_ids=[8, 9], loss_mask=[False, True], inference_logprobs=[0.0] * 2)
-    with_one = Sample(sample_id=3, token_ids=[4, 4], loss_mask=[False, True], inference_logprobs=[0.0] * 2,
-                      images=[image(3, 1, 2)])
+    with_one = Sample(
+        sample_id=3, token_ids=[4, 4], loss_mask=[False, True], inference_logprobs=[0.0] * 2, images=[image(3, 1, 2)]
+    )
     mb = build_micro_batch([with_two, plain, with_one])
     assert mb.image_sizes.tolist() == [[2, 3], [1, 1], [1, 2]]
     assert [int(x[0, 0, 0]) for x in mb.images()] == [1, 2, 3]

@@ -13,14 +13,24 @@ def test_each_patch_covers_the_installed_version_of_its_package(patch):
     installed = patch.installed()
     assert patch.covers(installed), (
         f"{patch.name!r} was written for {patch.package} {patch.versions[0]} to before {patch.versions[1]}, "
-        f"{installed} is installed: check it, then widen its versions or remove it ({patch.remove_when})")
+        f"{installed} is installed: check it, then widen its versions or remove it ({patch.remove_when})"
+    )
     assert patch.remove_when
 
 
-@pytest.mark.parametrize("version, covered", [
-    ("2.13.9", False), ("2.14.0", True), ("2.14.4", True), ("2.14.10", True), ("2.15.0", False),
-    ("2.15.0rc1", False), ("2.14.5.post1", True), ("3", False),
-])
+@pytest.mark.parametrize(
+    "version, covered",
+    [
+        ("2.13.9", False),
+        ("2.14.0", True),
+        ("2.14.4", True),
+        ("2.14.10", True),
+        ("2.15.0", False),
+        ("2.15.0rc1", False),
+        ("2.14.5.post1", True),
+        ("3", False),
+    ],
+)
 def test_versions_compare_by_their_numbers_not_their_text(version, covered):
     patch = compat.Patch("p", "pydantic", ("2.14.0", "2.15.0"), "never", lambda: None)
     assert patch.covers(version) is covered

@@ -46,7 +46,9 @@ def episode(server, cfg: EnvConfig, regex=None, *, tasks: int = 1, max_tokens: i
             for i in range(tasks):
                 task = env.tasks.next()
                 traces = await env.run(task, context(task))
-                out += [(task, trace, trace_to_rollout(trace, sample_id=i, group_id=i, env=env.name)) for trace in traces]
+                out += [
+                    (task, trace, trace_to_rollout(trace, sample_id=i, group_id=i, env=env.name)) for trace in traces
+                ]
             return out
 
     return asyncio.run(go())
@@ -71,10 +73,10 @@ def forced(answer: str) -> str:
 
 def test_reverse_text_correct_wrong_and_sampled(server):
     cfg = EnvConfig(id="reverse-text", args={"num_tasks": 4})
-    (task, _, right), = episode(server, cfg, lambda t: forced(t.data.answer))
+    ((task, _, right),) = episode(server, cfg, lambda t: forced(t.data.answer))
     assert right.reward == 1.0
     check_tokens(right)
-    (task, _, wrong), = episode(server, cfg, lambda t: forced(t.data.answer[1:] + "zz"))
+    ((task, _, wrong),) = episode(server, cfg, lambda t: forced(t.data.answer[1:] + "zz"))
     assert 0.0 < wrong.reward < 1.0  # partial credit: most characters in order
     for _, _, free in episode(server, cfg, None, tasks=3):
         assert 0.0 <= free.reward <= 1.0
@@ -83,25 +85,25 @@ def test_reverse_text_correct_wrong_and_sampled(server):
 
 def test_alphabet_sort(server):
     cfg = EnvConfig(id="alphabet-sort", args={"num_tasks": 4})
-    (task, _, right), = episode(server, cfg, lambda t: forced(t.data.answer))
+    ((task, _, right),) = episode(server, cfg, lambda t: forced(t.data.answer))
     assert right.reward == 1.0
-    (task, _, wrong), = episode(server, cfg, lambda t: forced(" ".join(reversed(t.data.answer.split()))))
+    ((task, _, wrong),) = episode(server, cfg, lambda t: forced(" ".join(reversed(t.data.answer.split()))))
     assert wrong.reward < 1.0
 
 
 def test_math_boxed_answers(server):
     cfg = EnvConfig(id="math", args={"num_tasks": 4})
-    (task, trace, right), = episode(server, cfg, lambda t: forced(f"so \\boxed{{{t.data.answer}}}"))
+    ((task, trace, right),) = episode(server, cfg, lambda t: forced(f"so \\boxed{{{t.data.answer}}}"))
     assert right.reward == 1.0 and right.metrics["boxed"] == 1.0
     check_tokens(right)
-    (task, _, wrong), = episode(server, cfg, lambda t: forced(f"\\boxed{{{int(t.data.answer) + 1}}}"))
+    ((task, _, wrong),) = episode(server, cfg, lambda t: forced(f"\\boxed{{{int(t.data.answer) + 1}}}"))
     assert wrong.reward == 0.0 and wrong.metrics["boxed"] == 1.0
 
 
 def test_tool_use_runs_tools_over_turns_and_is_cut_at_max_turns(server):
     call = '<tool_call>{"name": "tools_add", "arguments": {"a": "2", "b": "3"}}</tool_call>'
     cfg = EnvConfig(id="tool-use", args={"num_tasks": 2}, max_turns=3)
-    (task, trace, rollout), = episode(server, cfg, forced(call))
+    ((task, trace, rollout),) = episode(server, cfg, forced(call))
     # three model turns, each calling the calculator, each answered by the real tool server
     assert [m.role for m in trace.messages] == ["user"] + ["assistant", "tool"] * 2 + ["assistant"]
     tool_replies = [m.content for m in trace.messages if m.role == "tool"]
@@ -111,30 +113,32 @@ def test_tool_use_runs_tools_over_turns_and_is_cut_at_max_turns(server):
     samples = check_tokens(rollout)
     # later turns' prompts hold the tool results as context, never trained on
     assert len(samples[0].token_ids) > sum(samples[0].loss_mask)
-    (task, _, right), = episode(server, cfg, lambda t: forced(f"\\boxed{{{t.data.answer}}}"))
+    ((task, _, right),) = episode(server, cfg, lambda t: forced(f"\\boxed{{{t.data.answer}}}"))
     assert right.reward == 1.0 and not right.truncated
 
 
 def test_code_hidden_tests(server):
     cfg = EnvConfig(id="code", args={"num_tasks": 30, "seed": 1})
+
     def solve(task):
         name = re.search(r"function (\w+)\(", task.data.prompt_text).group(1)
         return forced(SOLUTIONS[name])
 
-    (task, _, right), = episode(server, cfg, solve, max_tokens=200)
+    ((task, _, right),) = episode(server, cfg, solve, max_tokens=200)
     assert right.reward == 1.0 and right.metrics["all_passed"] == 1.0
-    (task, _, wrong), = episode(server, cfg, forced("def nothing():\n    pass\n"))
+    ((task, _, wrong),) = episode(server, cfg, forced("def nothing():\n    pass\n"))
     assert wrong.reward == 0.0
     escape = "import os\nsecret = open('/etc/hostname').read()\n"
-    (task, trace, bad), = episode(server, cfg, forced(escape))
+    ((task, trace, bad),) = episode(server, cfg, forced(escape))
     # /etc is not in the sandbox's file system at all
     assert bad.reward == 0.0 and "FileNotFoundError" in trace.info["sandbox"]["error"]
-    (task, trace, slow), = episode(server, EnvConfig(id="code", args={"num_tasks": 3, "task": {"time_limit_s": 1}}),
-                                   forced("while 1:\n    pass\n"))
+    ((task, trace, slow),) = episode(
+        server, EnvConfig(id="code", args={"num_tasks": 3, "task": {"time_limit_s": 1}}), forced("while 1:\n    pass\n")
+    )
     assert slow.reward == 0.0 and trace.info["sandbox"]["error"]
 
 
-RAISING_ENV = '''
+RAISING_ENV = """
 import asyncio
 import verifiers.v1 as vf
 
@@ -156,7 +160,7 @@ class S(vf.Taskset[T, vf.TasksetConfig]):
         return [T(D(prompt="p", answer=a), self.config.task) for a in ["raise", "ok", "hang", "ok"]]
 
 __all__ = ["S"]
-'''
+"""
 
 
 def test_errors_and_hangs_are_rollout_errors_and_the_run_goes_on(server, tmp_path):
@@ -196,7 +200,9 @@ def test_served_environment_gives_the_same_rollouts(server):
     for (task, _, local), (served_task, _, served) in zip(results["in_process"], results["server"]):
         assert served_task.data == task.data
         check_tokens(served)
-        assert [(t.prompt_ids, t.completion_ids) for t in served.turns] == [(t.prompt_ids, t.completion_ids) for t in local.turns]
+        assert [(t.prompt_ids, t.completion_ids) for t in served.turns] == [
+            (t.prompt_ids, t.completion_ids) for t in local.turns
+        ]
         assert (served.reward, served.metrics, served.truncated) == (local.reward, local.metrics, local.truncated)
         for a, b in zip(served.turns, local.turns):
             assert max(abs(x - y) for x, y in zip(a.completion_logprobs, b.completion_logprobs)) <= 1e-4
@@ -231,22 +237,32 @@ def both_paths(server, cfg: EnvConfig, regex, *, n: int = 3, tasks: int = 2, max
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize("env_id,answer", [
-    ("reverse-text", lambda t: t.data.answer),
-    ("reverse-text", lambda t: t.data.answer[1:] + "zz"),  # partial credit
-    ("math", lambda t: f"so \\boxed{{{t.data.answer}}}"),  # a reward and a metric
-    ("alphabet-sort", lambda t: " ".join(reversed(t.data.answer.split()))),
-])
+@pytest.mark.parametrize(
+    "env_id,answer",
+    [
+        ("reverse-text", lambda t: t.data.answer),
+        ("reverse-text", lambda t: t.data.answer[1:] + "zz"),  # partial credit
+        ("math", lambda t: f"so \\boxed{{{t.data.answer}}}"),  # a reward and a metric
+        ("alphabet-sort", lambda t: " ".join(reversed(t.data.answer.split()))),
+    ],
+)
 def test_a_group_request_gives_the_rollouts_episodes_give(vllm, env_id, answer):
     server = vllm.urls[0], str(vllm.model)  # the session's server, as `server` gives it
-    for task, episode, group in both_paths(server, EnvConfig(id=env_id, args={"num_tasks": 4}), lambda t: forced(answer(t))):
+    for task, episode, group in both_paths(
+        server, EnvConfig(id=env_id, args={"num_tasks": 4}), lambda t: forced(answer(t))
+    ):
         check_tokens(episode)
         assert [r.sample_id for r in group] == [0, 1, 2] and {r.group_id for r in group} == {episode.group_id}
         for rollout in group:
             check_tokens(rollout)
             assert [(t.prompt_ids, t.completion_ids) for t in rollout.turns] == [
-                (t.prompt_ids, t.completion_ids) for t in episode.turns]
-            assert (rollout.reward, rollout.metrics, rollout.truncated) == (episode.reward, episode.metrics, episode.truncated)
+                (t.prompt_ids, t.completion_ids) for t in episode.turns
+            ]
+            assert (rollout.reward, rollout.metrics, rollout.truncated) == (
+                episode.reward,
+                episode.metrics,
+                episode.truncated,
+            )
             for a, b in zip(rollout.turns[0].completion_logprobs, episode.turns[0].completion_logprobs):
                 assert math.isclose(a, b, abs_tol=1e-4)
 
@@ -257,8 +273,14 @@ def test_a_free_group_is_n_different_samples_and_long_replies_are_truncated(vllm
     async def go():
         async with Environment(EnvConfig(id="reverse-text", args={"num_tasks": 2})) as env:
             task = env.tasks.next()
-            return await env.group_rollouts(task, model_context(url, model, model, max_tokens=5), n=8,
-                                            sample_ids=list(range(0, 64, 8)), group_id=7, policy_step=3)
+            return await env.group_rollouts(
+                task,
+                model_context(url, model, model, max_tokens=5),
+                n=8,
+                sample_ids=list(range(0, 64, 8)),
+                group_id=7,
+                policy_step=3,
+            )
 
     group = asyncio.run(go())
     assert [r.sample_id for r in group] == list(range(0, 64, 8)) and all(r.policy_step == 3 for r in group)
@@ -279,7 +301,9 @@ def test_failing_and_hanging_rewards_in_a_group_are_rollout_errors(vllm, tmp_pat
         env.tasks.shuffle = False
         async with env:
             ctx = model_context(url, model, model, max_tokens=4)
-            return [await env.group_rollouts(env.tasks._tasks[i], ctx, n=2, sample_ids=[0, 1], group_id=i) for i in range(3)]
+            return [
+                await env.group_rollouts(env.tasks._tasks[i], ctx, n=2, sample_ids=[0, 1], group_id=i) for i in range(3)
+            ]
 
     raised, ok, hung = asyncio.run(go())
     assert all("reward function exploded" in r.error for r in raised)

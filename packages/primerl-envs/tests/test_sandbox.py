@@ -33,8 +33,10 @@ def run(code, tests=TESTS, **kw):
 def guarded(attack: str) -> str:
     """A submission that runs `attack` and solves the task only if the attack set no `escaped`."""
     body = textwrap.indent(textwrap.dedent(attack).strip(), "    ")
-    return (f"escaped = False\ntry:\n{body}\nexcept Exception:\n    pass\n"
-            "def add(a, b):\n    return None if escaped else a + b\n")
+    return (
+        f"escaped = False\ntry:\n{body}\nexcept Exception:\n    pass\n"
+        "def add(a, b):\n    return None if escaped else a + b\n"
+    )
 
 
 def processes_with(marker: str) -> list[int]:
@@ -65,10 +67,15 @@ def test_correct_and_wrong_solutions():
 
 
 def test_the_scratch_folder_is_writable_and_bounded():
-    assert run(guarded("""
+    assert (
+        run(
+            guarded("""
         open('note', 'w').write('hi')
         escaped = open('note').read() != 'hi'
-    """)).passed == 3
+    """)
+        ).passed
+        == 3
+    )
     big = run("open('big', 'wb').write(b'x' * (8 << 20))\n" + ADD, file_mb=4)
     assert big.passed == 0 and "File too large" in big.error
     # many files under the per-file limit still fill only the folder's tmpfs
@@ -83,10 +90,27 @@ def test_reading_outside_the_sandbox_finds_nothing(tmp_path):
     assert r.passed == 0 and "FileNotFoundError" in r.error
     # (8) nothing private of the host's is there, by path, by symlink or by '..': the host paths
     # below exist here (the test checks), and the sandbox's / holds only what python needs
-    private = [str(p) for p in [secret, tmp_path, PROJECT, Path.home() / ".bashrc", Path.home() / ".cache",
-                                "/etc/passwd", "/tmp", "/home", "/var", "/usr/bin", "/usr/local"] if Path(p).exists()]
+    private = [
+        str(p)
+        for p in [
+            secret,
+            tmp_path,
+            PROJECT,
+            Path.home() / ".bashrc",
+            Path.home() / ".cache",
+            "/etc/passwd",
+            "/tmp",
+            "/home",
+            "/var",
+            "/usr/bin",
+            "/usr/local",
+        ]
+        if Path(p).exists()
+    ]
     assert len(private) >= 5
-    assert run(guarded(f"""
+    assert (
+        run(
+            guarded(f"""
         import os
         os.symlink('/root', 'root')
         os.symlink({str(tmp_path)!r}, 'outside')
@@ -94,22 +118,28 @@ def test_reading_outside_the_sandbox_finds_nothing(tmp_path):
         escaped = any(os.path.exists(p) for p in {private!r} + ['outside/secret.txt', 'up', 'root/.bashrc'])
         escaped = escaped or not set(os.listdir('/')) <= {{'box', 'dev', 'proc', 'usr', 'lib', 'lib64', 'root'}}
         escaped = escaped or not set(os.listdir('/usr')) <= {{'lib', 'lib64', 'bin'}}
-    """)).passed == 3
+    """)
+        ).passed
+        == 3
+    )
 
 
-@pytest.mark.parametrize("attack", [
-    "open({target!r}, 'w').write('x')",
-    "import os\nos.system('touch {target}')",
-    "import subprocess\nsubprocess.run(['/bin/sh', '-c', 'touch {target}'])",
-    "import os\nos.posix_spawn('/bin/sh', ['sh', '-c', 'touch {target}'], {{}})",
-    "import ctypes\nctypes.CDLL('libc.so.6').system(b'touch {target}')",
-    "import shutil\nshutil.copyfile('/proc/self/cmdline', {target!r})",
-    "import os\nos.rename('.', {target!r})",
-    # (9) through directory descriptors: of the root, and of '..' from the scratch folder
-    "import os\nfd = os.open('/', os.O_RDONLY)\nos.close(os.open('pwned', os.O_CREAT | os.O_WRONLY, dir_fd=fd))",
-    "import os\nfd = os.open('..', os.O_RDONLY)\nos.mkdir('tmp', dir_fd=fd)\nopen('/tmp/pwned', 'w')",
-    "import os\nfd = os.open({folder!r}, os.O_RDONLY)\nos.close(os.open('pwned', os.O_CREAT | os.O_WRONLY, dir_fd=fd))",
-])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "open({target!r}, 'w').write('x')",
+        "import os\nos.system('touch {target}')",
+        "import subprocess\nsubprocess.run(['/bin/sh', '-c', 'touch {target}'])",
+        "import os\nos.posix_spawn('/bin/sh', ['sh', '-c', 'touch {target}'], {{}})",
+        "import ctypes\nctypes.CDLL('libc.so.6').system(b'touch {target}')",
+        "import shutil\nshutil.copyfile('/proc/self/cmdline', {target!r})",
+        "import os\nos.rename('.', {target!r})",
+        # (9) through directory descriptors: of the root, and of '..' from the scratch folder
+        "import os\nfd = os.open('/', os.O_RDONLY)\nos.close(os.open('pwned', os.O_CREAT | os.O_WRONLY, dir_fd=fd))",
+        "import os\nfd = os.open('..', os.O_RDONLY)\nos.mkdir('tmp', dir_fd=fd)\nopen('/tmp/pwned', 'w')",
+        "import os\nfd = os.open({folder!r}, os.O_RDONLY)\nos.close(os.open('pwned', os.O_CREAT | os.O_WRONLY, dir_fd=fd))",
+    ],
+)
 def test_writing_outside_the_sandbox_creates_nothing(tmp_path, attack):
     target = tmp_path / "pwned"
     run(attack.format(target=str(target), folder=str(tmp_path)) + "\n" + ADD)
@@ -181,9 +211,15 @@ def test_forged_result_lines_do_not_raise_the_score():
     # (3) lines in the old format, "passed" claims, out-of-range and ill-typed indices: ignored
     junk = [
         '__PRIMERL_SANDBOX_RESULT__{"passed": 500, "total": 2, "error": null}',
-        '{"passed": 3, "total": 3, "error": null}', '{"v": 5}', "[1, 2, 3]", '{"i": 0, "v": 5',
+        '{"passed": 3, "total": 3, "error": null}',
+        '{"v": 5}',
+        "[1, 2, 3]",
+        '{"i": 0, "v": 5',
         *[f'{{"i": {i}, "v": 5, "ok": true, "passed": true}}' for i in [-3, -1, 3, 4, 500]],
-        '{"i": true, "v": 5}', '{"i": 0.0, "v": 5}', '{"i": "0", "v": 5}', '{"i": null, "v": 5}',
+        '{"i": true, "v": 5}',
+        '{"i": 0.0, "v": 5}',
+        '{"i": "0", "v": 5}',
+        '{"i": null, "v": 5}',
     ]
     r = run(forging(junk))
     assert (r.passed, r.total) == (1, 3)
@@ -229,28 +265,40 @@ def test_fork_and_thread_bombs_are_bounded():
     start = time.monotonic()
     r = run("import os, time\nfor _ in range(12):\n    os.fork()\ntime.sleep(30)\n", time_limit_s=1.0)
     assert r.passed == 0 and "PermissionError" in r.error
-    threads = run("import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(30,)).start()\n",
-                  time_limit_s=1.0)
+    threads = run(
+        "import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(30,)).start()\n",
+        time_limit_s=1.0,
+    )
     assert threads.passed == 0 and "can't start new thread" in threads.error
     assert time.monotonic() - start < 1.0 + 1.0 + 4
     assert no_runner_left()
     # nor make a user namespace of its own (where it would hold capabilities), nor SysV shared
     # memory (whose pages no rlimit counts)
-    assert run(guarded("""
+    assert (
+        run(
+            guarded("""
         import ctypes
         libc = ctypes.CDLL('libc.so.6')
         escaped = libc.unshare(0x10000000) == 0  # CLONE_NEWUSER
         escaped = escaped or libc.shmget(0, 1 << 20, 0o1600) != -1  # IPC_PRIVATE, IPC_CREAT | 0600
-    """)).passed == 3
+    """)
+        ).passed
+        == 3
+    )
     # threads as such still work
-    assert run(guarded("""
+    assert (
+        run(
+            guarded("""
         import threading
         out = []
         t = threading.Thread(target=out.append, args=(1,))
         t.start()
         t.join()
         escaped = out != [1]
-    """)).passed == 3
+    """)
+        ).passed
+        == 3
+    )
 
 
 def test_the_hosts_processes_and_environment_are_invisible(monkeypatch):
@@ -258,7 +306,9 @@ def test_the_hosts_processes_and_environment_are_invisible(monkeypatch):
     secret = f"primerl-secret-{time.time_ns()}"
     monkeypatch.setenv("PRIMERL_TEST_SECRET", secret)
     host_init = Path("/proc/1/cmdline").read_bytes()
-    assert run(guarded(f"""
+    assert (
+        run(
+            guarded(f"""
         import os
         secret = {secret!r}
         escaped = secret in repr(dict(os.environ))
@@ -272,7 +322,10 @@ def test_the_hosts_processes_and_environment_are_invisible(monkeypatch):
                     pass
         escaped = escaped or open('/proc/1/cmdline', 'rb').read() == {host_init!r}
         escaped = escaped or os.path.exists('/proc/{os.getpid()}/cwd/conftest.py')
-    """)).passed == 3
+    """)
+        ).passed
+        == 3
+    )
 
 
 READ_EVERYTHING = r"""
@@ -377,12 +430,16 @@ def test_no_expected_value_reaches_the_sandbox():
 def test_huge_output_is_bounded():
     # (10) a gigabyte printed: the submission's prints go to /dev/null, so it still scores
     start = time.monotonic()
-    flood = "import os, sys\nfor _ in range(1024):\n    os.write(1, b'x' * (1 << 20))\n    os.write(2, b'x' * (1 << 20))\n"
+    flood = (
+        "import os, sys\nfor _ in range(1024):\n    os.write(1, b'x' * (1 << 20))\n    os.write(2, b'x' * (1 << 20))\n"
+    )
     assert run(flood + "print('y' * (64 << 20))\n" + ADD, time_limit_s=5.0).passed == 3
     # a gigabyte on every descriptor, the result channel too: read up to the limit, then killed
-    r = run("import os\nfor _ in range(1024):\n    for fd in range(3, 16):\n        try:\n"
-            "            os.write(fd, b'\\n' * (1 << 20))\n        except OSError:\n            pass\n" + ADD,
-            time_limit_s=5.0)
+    r = run(
+        "import os\nfor _ in range(1024):\n    for fd in range(3, 16):\n        try:\n"
+        "            os.write(fd, b'\\n' * (1 << 20))\n        except OSError:\n            pass\n" + ADD,
+        time_limit_s=5.0,
+    )
     assert r.passed == 0 and "output limit" in r.error
     assert time.monotonic() - start < 4  # also: a megabyte of junk lines is not parsed line by line
     assert no_runner_left()
@@ -399,7 +456,9 @@ def test_the_network_is_unreachable():
     unix.listen()
     unix.setblocking(False)
     try:
-        assert run(guarded(f"""
+        assert (
+            run(
+                guarded(f"""
             import socket
             for family, address in [(socket.AF_INET, ('127.0.0.1', {port})), (socket.AF_UNIX, {name!r})]:
                 s = socket.socket(family)
@@ -414,7 +473,10 @@ def test_the_network_is_unreachable():
                 escaped = True
             except OSError:
                 pass
-        """)).passed == 3
+        """)
+            ).passed
+            == 3
+        )
         for listener in (server, unix):
             with pytest.raises(BlockingIOError):
                 listener.accept()

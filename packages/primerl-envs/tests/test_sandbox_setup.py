@@ -93,8 +93,14 @@ def test_a_rollout_cancelled_while_bwrap_starts_leaves_nothing_running(tmp_path,
     """Cancelled while waiting for bwrap to say its child's pid (a bwrap slow to start: this
     one sleeps 2 s first), run_tests leaves no bwrap behind."""
     pids = tmp_path / "pids"
-    monkeypatch.setenv("PRIMERL_BWRAP", fake_bwrap(tmp_path, "bwrap", (
-        f'[ -e {tmp_path}/probed ] && echo $$ >> {pids} && sleep 2\nexec {isolation.bwrap_path()} "$@"\n')))
+    monkeypatch.setenv(
+        "PRIMERL_BWRAP",
+        fake_bwrap(
+            tmp_path,
+            "bwrap",
+            (f'[ -e {tmp_path}/probed ] && echo $$ >> {pids} && sleep 2\nexec {isolation.bwrap_path()} "$@"\n'),
+        ),
+    )
     require_sandbox()  # the probe, once, without the delay
     (tmp_path / "probed").touch()
 
@@ -130,14 +136,25 @@ def test_old_style_assert_tests_are_refused():
 
 
 def test_scoring_counts_each_index_once_by_its_first_line():
-    lines = b"\n".join([
-        b"garbage", b"", b'{"error": "the solution failed to run: X"}', b'["i", 0]',
-        b'{"i": 0, "v": 5}', b'{"i": 0, "v": 5}',  # a duplicate counts once
-        b'{"i": 1, "v": 7}', b'{"i": 1, "v": 0}',  # the first line for an index decides
-        b'{"i": 2, "error": "TypeError: no"}', b'{"i": 2, "v": 0}',
-        b'{"i": 3, "v": 0}', b'{"i": -1, "v": 0}', b'{"i": true, "v": 0}', b'{"i": 1.0, "v": 0}',
-        b'{"error": "a second error"}',
-    ])
+    lines = b"\n".join(
+        [
+            b"garbage",
+            b"",
+            b'{"error": "the solution failed to run: X"}',
+            b'["i", 0]',
+            b'{"i": 0, "v": 5}',
+            b'{"i": 0, "v": 5}',  # a duplicate counts once
+            b'{"i": 1, "v": 7}',
+            b'{"i": 1, "v": 0}',  # the first line for an index decides
+            b'{"i": 2, "error": "TypeError: no"}',
+            b'{"i": 2, "v": 0}',
+            b'{"i": 3, "v": 0}',
+            b'{"i": -1, "v": 0}',
+            b'{"i": true, "v": 0}',
+            b'{"i": 1.0, "v": 0}',
+            b'{"error": "a second error"}',
+        ]
+    )
     assert score(lines, TESTS) == (1, 3, "the solution failed to run: X")
     assert score(b'{"i": 0, "v": 5}\n' * 1000, TESTS) == (1, 1, None)
     assert score(b"[" * 100_000 + b"\n" + b'{"i": 0, "v": ' + b"[" * 100_000 + b"\n", TESTS) == (0, 0, None)

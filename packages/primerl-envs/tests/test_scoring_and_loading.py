@@ -81,7 +81,9 @@ def test_task_stream_epochs_and_resume():
     assert sorted(first[:5]) == sorted(first[5:10]) == sorted(f"reverse-{i}" for i in range(5))
     assert first[:5] != first[5:10]
     # a stream built at position 7 continues exactly where this one was at 7
-    resumed = TaskStream(__import__("verifiers.v1", fromlist=["x"]).load_taskset(env.vf_config.taskset), seed=0, position=7)
+    resumed = TaskStream(
+        __import__("verifiers.v1", fromlist=["x"]).load_taskset(env.vf_config.taskset), seed=0, position=7
+    )
     assert [resumed.next().data.id for _ in range(5)] == first[7:12]
 
 
@@ -89,8 +91,12 @@ def test_mix_follows_the_weights_exactly_and_resumes():
     from primerl_envs.environment import EnvMix
 
     def mix():
-        return EnvMix([Environment(EnvConfig(id="reverse-text", weight=3, args={"num_tasks": 4})),
-                       Environment(EnvConfig(id="math", weight=1, args={"num_tasks": 4}))])
+        return EnvMix(
+            [
+                Environment(EnvConfig(id="reverse-text", weight=3, args={"num_tasks": 4})),
+                Environment(EnvConfig(id="math", weight=1, args={"num_tasks": 4})),
+            ]
+        )
 
     m = mix()
     draws = []
@@ -117,6 +123,7 @@ def test_mix_follows_the_weights_exactly_and_resumes():
 
 def test_mix_needs_distinct_names():
     from primerl_envs.environment import EnvMix
+
     with pytest.raises(EnvLoadError, match="distinct names"):
         EnvMix([Environment(EnvConfig(id="math")), Environment(EnvConfig(id="math"))])
 

@@ -75,12 +75,15 @@ def test_the_reward_is_the_exact_answer_whatever_the_case_spaces_or_full_stop():
     assert reward("purple") == reward("") == reward(None) == reward(f"{answer} shape") == 0.0
 
 
-@pytest.mark.parametrize("args, message", [
-    ({"size": 100}, "multiple of 32"),
-    ({"max_shapes": 1}, "max_shapes"),
-    ({"questions": ["colour"]}, "questions"),
-    ({"size": 32, "max_shapes": 40}, "could not place"),  # before: an endless loop
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"size": 100}, "multiple of 32"),
+        ({"max_shapes": 1}, "max_shapes"),
+        ({"questions": ["colour"]}, "questions"),
+        ({"size": 32, "max_shapes": 40}, "could not place"),  # before: an endless loop
+    ],
+)
 def test_bad_settings_are_refused_naming_them(args, message):
     with pytest.raises((EnvLoadError, ValueError), match=message):
         Environment(EnvConfig(id="shapes", args={"num_tasks": 2, **args})).tasks.next()

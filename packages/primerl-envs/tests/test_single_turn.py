@@ -10,7 +10,7 @@ from aiohttp import web
 from primerl_envs.config import EnvConfig
 from primerl_envs.environment import Environment, model_context
 
-STOPPING_ENV = '''
+STOPPING_ENV = """
 import verifiers.v1 as vf
 
 class T(vf.Task[vf.TaskData, vf.State, vf.TaskConfig]):
@@ -27,7 +27,7 @@ class S(vf.Taskset[T, vf.TasksetConfig]):
         return [T(vf.TaskData(prompt="p"), self.config.task)]
 
 __all__ = ["S"]
-'''
+"""
 
 
 def plan_of(cfg: EnvConfig):
@@ -59,6 +59,7 @@ def test_which_environments_send_a_group_as_one_request(tmp_path):
 
 def stand_in(answer):
     """An HTTP server whose /inference/v1/generate answers `answer(body)` -> (status, json text)."""
+
     async def generate(request):
         status, text = answer(await request.json())
         return web.Response(status=status, text=text, content_type="application/json")
@@ -70,8 +71,11 @@ def stand_in(answer):
 
 def choice(ids, lps=None):
     lps = lps if lps is not None else [-0.5] * len(ids)
-    return {"token_ids": ids, "finish_reason": "stop",
-            "logprobs": {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(ids, lps)]}}
+    return {
+        "token_ids": ids,
+        "finish_reason": "stop",
+        "logprobs": {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(ids, lps)]},
+    }
 
 
 def run_against(tmp_path, answer, n=2):
@@ -79,8 +83,18 @@ def run_against(tmp_path, answer, n=2):
 
     from primerl_models.tiny import build_tiny_model
 
-    model = str(build_tiny_model(tmp_path / "m", "qwen3", alphabet="abcdefgh", hidden_size=32, num_layers=1,
-                                 num_heads=2, num_kv_heads=1, head_dim=16))
+    model = str(
+        build_tiny_model(
+            tmp_path / "m",
+            "qwen3",
+            alphabet="abcdefgh",
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+        )
+    )
 
     async def go():
         runner = web.AppRunner(stand_in(lambda body: answer(body, json)))
@@ -103,15 +117,37 @@ def test_bad_server_answers_are_errored_rollouts_stood_in(tmp_path):
     cases = {
         "HTTP 500": (lambda body, json: (500, '{"error": "engine died"}'), r"^ProviderError: .*HTTP 500"),
         "not JSON": (lambda body, json: (200, "<html>"), r"^ServerAnswerError: .*not JSON"),
-        "too few replies": (lambda body, json: (200, json.dumps({"choices": [choice([5, eos])]})),
-                            r"^ServerAnswerError: asked for 2 replies, the answer holds 1"),
-        "logprob of another token": (lambda body, json: (200, json.dumps({"choices": [choice([5, eos]), {
-            **choice([5, eos]), "logprobs": {"content": [{"token_id": 6, "logprob": -1.0}, {"token_id": eos, "logprob": -1.0}]}}]})),
-            r"^ServerAnswerError: logprob 0 belongs to token 6"),
-        "NaN logprob": (lambda body, json: (200, json.dumps({"choices": [choice([5, eos], [float("nan"), -1.0])] * 2})),
-                        r"^ServerAnswerError: logprob 0 is nan"),
-        "negative token id": (lambda body, json: (200, json.dumps({"choices": [choice([-5, eos])] * 2})),
-                              r"^ServerAnswerError: a reply's token_ids"),
+        "too few replies": (
+            lambda body, json: (200, json.dumps({"choices": [choice([5, eos])]})),
+            r"^ServerAnswerError: asked for 2 replies, the answer holds 1",
+        ),
+        "logprob of another token": (
+            lambda body, json: (
+                200,
+                json.dumps(
+                    {
+                        "choices": [
+                            choice([5, eos]),
+                            {
+                                **choice([5, eos]),
+                                "logprobs": {
+                                    "content": [{"token_id": 6, "logprob": -1.0}, {"token_id": eos, "logprob": -1.0}]
+                                },
+                            },
+                        ]
+                    }
+                ),
+            ),
+            r"^ServerAnswerError: logprob 0 belongs to token 6",
+        ),
+        "NaN logprob": (
+            lambda body, json: (200, json.dumps({"choices": [choice([5, eos], [float("nan"), -1.0])] * 2})),
+            r"^ServerAnswerError: logprob 0 is nan",
+        ),
+        "negative token id": (
+            lambda body, json: (200, json.dumps({"choices": [choice([-5, eos])] * 2})),
+            r"^ServerAnswerError: a reply's token_ids",
+        ),
     }
     for name, (answer, pattern) in cases.items():
         rollouts = run_against(tmp_path / name.replace(" ", "_"), answer)
@@ -125,8 +161,11 @@ def test_the_request_asks_for_n_replies_of_the_rendered_prompt_stood_in(tmp_path
     """What goes to the server: the prompt's tokens once, n, logprobs, the renderer's stop tokens;
     both logprob shapes vLLM uses (tokens mode and text mode) are read."""
     seen = []
-    text_mode = {"token_ids": [6, 7, 2], "finish_reason": "stop",
-                 "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": -0.25} for t in (6, 7, 2)]}}
+    text_mode = {
+        "token_ids": [6, 7, 2],
+        "finish_reason": "stop",
+        "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": -0.25} for t in (6, 7, 2)]},
+    }
 
     def answer(body, json):
         seen.append(body)

@@ -88,18 +88,33 @@ class Server:
         self.state = SimpleNamespace(state=SimpleNamespace(engine_client=self.engine))
         self.mw = AdminMiddleware(self.app)
 
-    async def request(self, method: str, path: str, body: dict | None = None, token: str | None = None,
-                      authorization: bytes | None = None):
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        token: str | None = None,
+        authorization: bytes | None = None,
+    ):
         headers = [(b"content-type", b"application/json")]
         if token is not None:
             headers.append((b"authorization", f"Bearer {token}".encode()))
         if authorization is not None:
             headers.append((b"authorization", authorization))
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-                 "path": path, "raw_path": path.encode(), "query_string": b"", "headers": headers,
-                 "app": self.state}
-        chunks = [{"type": "http.request", "body": json.dumps(body).encode() if body is not None else b"",
-                   "more_body": False}]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": method,
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "headers": headers,
+            "app": self.state,
+        }
+        chunks = [
+            {"type": "http.request", "body": json.dumps(body).encode() if body is not None else b"", "more_body": False}
+        ]
 
         async def receive():
             if chunks:
@@ -189,18 +204,23 @@ def weights(tmp_path):
 # -- the token ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("configured, authorization", [
-    (TOKEN, None),  # no Authorization header
-    (TOKEN, b"Bearer wrong-token"),
-    (TOKEN, TOKEN.encode()),  # the token without "Bearer "
-    (TOKEN, b"Bearer " + TOKEN.encode() + b"x"),
-    (None, None),  # no token configured: nobody gets in, whatever they send
-    (None, b"Bearer "),
-    (None, b"Bearer None"),
-], ids=["none-sent", "wrong", "no-bearer", "longer", "unset-none-sent", "unset-empty", "unset-None"])
+@pytest.mark.parametrize(
+    "configured, authorization",
+    [
+        (TOKEN, None),  # no Authorization header
+        (TOKEN, b"Bearer wrong-token"),
+        (TOKEN, TOKEN.encode()),  # the token without "Bearer "
+        (TOKEN, b"Bearer " + TOKEN.encode() + b"x"),
+        (None, None),  # no token configured: nobody gets in, whatever they send
+        (None, b"Bearer "),
+        (None, b"Bearer None"),
+    ],
+    ids=["none-sent", "wrong", "no-bearer", "longer", "unset-none-sent", "unset-empty", "unset-None"],
+)
 @pytest.mark.parametrize("method, path", ADMIN_ROUTES + LORA_ROUTES, ids=lambda v: v)
 def test_admin_and_lora_routes_refuse_a_missing_or_wrong_token_engine_stood_in(
-        monkeypatch, weights, configured, authorization, method, path):
+    monkeypatch, weights, configured, authorization, method, path
+):
     if configured is None:
         monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
     else:
@@ -223,8 +243,13 @@ def test_the_right_token_opens_the_admin_and_lora_routes_engine_stood_in(token):
     async def main():
         server = Server()
         status, _, health = await server.admin("GET", serving.HEALTH_ROUTE)
-        assert status == 200 and health == {"ready": True, "paused": False, "step": serving.BASE_STEP,
-                                            "in_flight": 0, "held": 0}
+        assert status == 200 and health == {
+            "ready": True,
+            "paused": False,
+            "step": serving.BASE_STEP,
+            "in_flight": 0,
+            "held": 0,
+        }
         for route in sorted(VLLM_LORA_ROUTES):  # passed through to vLLM's own route
             status, _, answer = await server.admin("POST", route, {"id": route})
             assert status == 200 and answer == {"id": route}
@@ -574,7 +599,8 @@ def adapters(tmp_path):
 
 
 def test_a_published_adapter_becomes_the_policy_and_each_request_carries_its_adapters_step_engine_stood_in(
-        token, weights, adapters):
+    token, weights, adapters
+):
     """A LoraLoad with a step: the checksum verified, the adapter loaded under its name and
     reported as the policy, no gate closed. A request naming an adapter carries that adapter's
     step (an older one's too: requests in flight on it keep it), one naming the base model the
@@ -592,11 +618,17 @@ def test_a_published_adapter_becomes_the_policy_and_each_request_carries_its_ada
             return step_of(headers)
 
         path3, digest3 = adapters(3)
-        status, _, answer = await server.admin("POST", serving.LORA_LOAD_ROUTE,
-                                               {"name": "policy-3", "path": path3, "step": 3, "checksum": digest3})
+        status, _, answer = await server.admin(
+            "POST", serving.LORA_LOAD_ROUTE, {"name": "policy-3", "path": path3, "step": 3, "checksum": digest3}
+        )
         assert status == 200 and (answer["name"], answer["step"]) == ("policy-3", 3)
         _, _, policy = await server.admin("GET", serving.POLICY_ROUTE)
-        assert (policy["step"], policy["adapter"], policy["checksum"], policy["path"]) == (3, "policy-3", digest3, path3)
+        assert (policy["step"], policy["adapter"], policy["checksum"], policy["path"]) == (
+            3,
+            "policy-3",
+            digest3,
+            path3,
+        )
         assert server.closed() == 0 and server.engine.calls == []  # no gate closed, no weights reloaded
         assert await step_for("policy-3") == 3 and await step_for("base") == serving.BASE_STEP
         assert server.app.served[-2:] == ["policy-3", "base"]  # the body read for the step reached the app whole
@@ -607,16 +639,20 @@ def test_a_published_adapter_becomes_the_policy_and_each_request_carries_its_ada
 
         # refused before anything changed: a checksum that does not match, a full-weights folder
         path5, _ = adapters(5)
-        status, _, answer = await server.admin("POST", serving.LORA_LOAD_ROUTE,
-                                               {"name": "policy-5", "path": path5, "step": 5, "checksum": "0" * 32})
+        status, _, answer = await server.admin(
+            "POST", serving.LORA_LOAD_ROUTE, {"name": "policy-5", "path": path5, "step": 5, "checksum": "0" * 32}
+        )
         assert status == 409 and "refused LoRA adapter 'policy-5' for step 5" in answer["error"]
         assert "is not the expected" in answer["error"]
-        status, _, answer = await server.admin("POST", serving.LORA_LOAD_ROUTE,
-                                               {"name": "policy-6", "path": weights(6), "step": 6})
+        status, _, answer = await server.admin(
+            "POST", serving.LORA_LOAD_ROUTE, {"name": "policy-6", "path": weights(6), "step": 6}
+        )
         assert status == 409 and "holds 'hf-safetensors' weights, not an adapter" in answer["error"]
         _, _, policy = await server.admin("GET", serving.POLICY_ROUTE)
-        assert (policy["step"], policy["adapter"]) == (4, "policy-4") and sorted(models.lora_requests) == \
-            ["policy-3", "policy-4"]
+        assert (policy["step"], policy["adapter"]) == (4, "policy-4") and sorted(models.lora_requests) == [
+            "policy-3",
+            "policy-4",
+        ]
 
         # the same name again (the same policy and content) is reloaded in place
         await server.admin("POST", serving.LORA_LOAD_ROUTE, {"name": "policy-4", "path": path4, "step": 4})
@@ -630,8 +666,9 @@ def test_a_published_adapter_becomes_the_policy_and_each_request_carries_its_ada
         _, _, policy = await server.admin("GET", serving.POLICY_ROUTE)
         assert (policy["step"], policy["adapter"]) == (7, None)
         # an adapter applies to the base weights: on a published full-weights policy it is refused
-        status, _, answer = await server.admin("POST", serving.LORA_LOAD_ROUTE,
-                                               {"name": "policy-8", "path": adapters(8)[0], "step": 8})
+        status, _, answer = await server.admin(
+            "POST", serving.LORA_LOAD_ROUTE, {"name": "policy-8", "path": adapters(8)[0], "step": 8}
+        )
         assert status == 409 and "serves the full weights of policy 7" in answer["error"]
 
     asyncio.run(main())

@@ -54,9 +54,12 @@ def test_another_runs_server_on_the_port_is_not_taken_for_ours(loading):
     port, servers = loading
     other = serve(port, token="another run's")
     try:
-        with pytest.raises(LaunchError, match=rf"inference replica 0 \(http://127.0.0.1:{port}\) cannot serve: another "
-                                              rf"server answers at .* refuses this launch's admin token .* port {port} "
-                                              "is taken"):
+        with pytest.raises(
+            LaunchError,
+            match=rf"inference replica 0 \(http://127.0.0.1:{port}\) cannot serve: another "
+            rf"server answers at .* refuses this launch's admin token .* port {port} "
+            "is taken",
+        ):
             servers.wait_healthy(poll_s=0.1)
     finally:
         other.shutdown()

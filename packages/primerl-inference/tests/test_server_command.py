@@ -44,8 +44,14 @@ def test_replicas_get_their_own_ports_and_gpus():
 
 def test_gpu_only_options():
     cfg = InferenceConfig(
-        quantization="fp8", kv_cache_dtype="fp8", enable_expert_parallel=True, data_parallel_size=2,
-        kv_offload_gib=16, disaggregation=DisaggregationConfig(role="prefill"), enable_lora=True, max_lora_rank=32,
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+        enable_expert_parallel=True,
+        data_parallel_size=2,
+        kv_offload_gib=16,
+        disaggregation=DisaggregationConfig(role="prefill"),
+        enable_lora=True,
+        max_lora_rank=32,
         extra_args=["--seed", "3"],
     )
     a = args_of(server_command(cfg, "m", 4096, 0, "/r", device="cuda").argv)
@@ -74,14 +80,33 @@ print(json.dumps({k: getattr(ns, k) for k in json.loads(sys.argv[2])}, default=s
 def test_vllm_parses_the_gpu_command_line():
     """vLLM's own parser accepts every flag we generate and reads the values we meant."""
     cfg = InferenceConfig(
-        quantization="fp8", kv_cache_dtype="fp8", enable_expert_parallel=True, data_parallel_size=2,
-        kv_offload_gib=16, disaggregation=DisaggregationConfig(role="decode"), tensor_parallel_size=4, gpu_memory_utilization=0.5,
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+        enable_expert_parallel=True,
+        data_parallel_size=2,
+        kv_offload_gib=16,
+        disaggregation=DisaggregationConfig(role="decode"),
+        tensor_parallel_size=4,
+        gpu_memory_utilization=0.5,
     )
     a = args_of(server_command(cfg, "m", 4096, 0, "/r", device="cuda").argv)
-    keys = ["quantization", "kv_cache_dtype", "enable_expert_parallel", "data_parallel_size", "kv_offloading_size",
-            "kv_offloading_backend", "kv_transfer_config", "tensor_parallel_size", "gpu_memory_utilization",
-            "max_model_len", "middleware", "enable_prefix_caching"]
-    out = subprocess.run([sys.executable, "-c", PARSE, json.dumps(a), json.dumps(keys)], capture_output=True, text=True, timeout=300)
+    keys = [
+        "quantization",
+        "kv_cache_dtype",
+        "enable_expert_parallel",
+        "data_parallel_size",
+        "kv_offloading_size",
+        "kv_offloading_backend",
+        "kv_transfer_config",
+        "tensor_parallel_size",
+        "gpu_memory_utilization",
+        "max_model_len",
+        "middleware",
+        "enable_prefix_caching",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", PARSE, json.dumps(a), json.dumps(keys)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     ns = json.loads(out.stdout.strip().splitlines()[-1])
     assert ns["quantization"] == "fp8" and ns["kv_cache_dtype"] == "fp8" and ns["enable_expert_parallel"] is True
@@ -112,8 +137,13 @@ def test_a_cpu_server_reads_the_model_class_in_process_and_learns_what_the_subpr
     """serve.py's `register_in_process`: the checkpoint's architecture becomes a class vLLM
     has imported, and vLLM's facts about it equal those its own inspection subprocess gives."""
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}))
-    out = subprocess.run([sys.executable, "-c", INSPECT, str(tmp_path)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "cache")})
+    out = subprocess.run(
+        [sys.executable, "-c", INSPECT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "cache")},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     from_subprocess, in_process = json.loads(out.stdout.strip().splitlines()[-1])
     assert from_subprocess == in_process and "is_text_generation_model=True" in in_process

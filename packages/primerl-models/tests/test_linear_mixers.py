@@ -23,49 +23,126 @@ from safetensors.torch import load_file
 
 # initializer_range 0.1 (0.2 in test_parity.py): with 3-4 layers of 0.2 the logits' own fp32
 # rounding (ours and transformers' alike, against our fp64 run) reaches 1e-4, the tolerance.
-COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16,
-              initializer_range=0.1, rms_norm_eps=1e-6)
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    head_dim=16,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
+)
 CASES = {
     # 3 DeltaNet layers to 1 full (the released ratio), 2 key heads serving 4 value heads, value
     # heads wider than key heads, half-rotary GQA attention, untied.
-    "qwen35-3to1-grouped-heads": (transformers.Qwen3_5TextConfig, dict(
-        num_hidden_layers=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
+    "qwen35-3to1-grouped-heads": (
+        transformers.Qwen3_5TextConfig,
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        ),
+    ),
     # full attention first, equal key and value heads, a kernel of 3, the default quarter RoPE, tied.
-    "qwen35-full-first-equal-heads-tied": (transformers.Qwen3_5TextConfig, dict(
-        num_hidden_layers=3, num_key_value_heads=1, linear_num_key_heads=3, linear_num_value_heads=3,
-        linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=3, tie_word_embeddings=True,
-        layer_types=["full_attention", "linear_attention", "linear_attention"])),
+    "qwen35-full-first-equal-heads-tied": (
+        transformers.Qwen3_5TextConfig,
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=1,
+            linear_num_key_heads=3,
+            linear_num_value_heads=3,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=3,
+            tie_word_embeddings=True,
+            layer_types=["full_attention", "linear_attention", "linear_attention"],
+        ),
+    ),
     # MoE: top-2 of 4 with the gated shared expert.
-    "qwen35moe-top2-shared": (transformers.Qwen3_5MoeTextConfig, dict(
-        num_hidden_layers=2, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        layer_types=["linear_attention", "full_attention"])),
+    "qwen35moe-top2-shared": (
+        transformers.Qwen3_5MoeTextConfig,
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            layer_types=["linear_attention", "full_attention"],
+        ),
+    ),
     # top-3 of 6, 3 layers, one key head for 2 value heads.
-    "qwen35moe-top3-one-key-head": (transformers.Qwen3_5MoeTextConfig, dict(
-        num_hidden_layers=3, num_key_value_heads=4, linear_num_key_heads=1, linear_num_value_heads=2,
-        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=6, num_experts_per_tok=3,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32,
-        layer_types=["linear_attention", "linear_attention", "full_attention"])),
+    "qwen35moe-top3-one-key-head": (
+        transformers.Qwen3_5MoeTextConfig,
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+        ),
+    ),
     # Nemotron-H: every block kind (Mamba2 with 2 groups of 4 heads, MoE with the shared
     # expert and a non-zero correction bias, attention without positions, a ReLU^2 MLP).
-    "nemotronh-all-kinds-groups": (transformers.NemotronHConfig, dict(
-        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], num_key_value_heads=2,
-        mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, n_routed_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=1,
-        topk_group=1)),
+    "nemotronh-all-kinds-groups": (
+        transformers.NemotronHConfig,
+        dict(
+            layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+            num_key_value_heads=2,
+            mamba_num_heads=8,
+            mamba_head_dim=8,
+            ssm_state_size=16,
+            n_groups=2,
+            conv_kernel=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            n_group=1,
+            topk_group=1,
+        ),
+    ),
     # ... one group, a kernel of 3 without bias, MHA first, 6 experts top-3 in 2 groups, scaled,
     # not renormalised, two Mamba2 layers; tie_word_embeddings set, which transformers' Nemotron-H
     # ignores (it never ties), and so must we.
-    "nemotronh-one-group-nobias-tied": (transformers.NemotronHConfig, dict(
-        layers_block_type=["full_attention", "linear_attention", "moe", "linear_attention", "mlp"],
-        num_key_value_heads=4, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, conv_kernel=3,
-        use_conv_bias=False, n_routed_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.0,
-        norm_topk_prob=False, tie_word_embeddings=True)),
+    "nemotronh-one-group-nobias-tied": (
+        transformers.NemotronHConfig,
+        dict(
+            layers_block_type=["full_attention", "linear_attention", "moe", "linear_attention", "mlp"],
+            num_key_value_heads=4,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=8,
+            n_groups=1,
+            conv_kernel=3,
+            use_conv_bias=False,
+            n_routed_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.0,
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 LENGTHS = [70, 5, 130]  # 2, 1 and 3 chunks of 64
 
@@ -102,7 +179,7 @@ def test_each_document_of_a_packed_row_matches_transformers_alone(case, tmp_path
     # The resets mattered: the row read as one document gives other logits after the first.
     with torch.no_grad():
         unpacked = ours.logits(ids, torch.arange(ids.shape[1])[None])
-    assert (unpacked[:, LENGTHS[0]:] - expected[:, LENGTHS[0]:]).abs().max() > 1e-2
+    assert (unpacked[:, LENGTHS[0] :] - expected[:, LENGTHS[0] :]).abs().max() > 1e-2
 
 
 def naive_delta_rule(q, k, v, g, beta, lengths):
@@ -146,27 +223,36 @@ def test_causal_conv_restarts_at_each_document():
     w, b = torch.randn(c, kernel, dtype=torch.float64), torch.randn(c, dtype=torch.float64)
     seqs = PackedSeqs.from_position_ids(torch.cat([torch.arange(m) for m in lengths])[None])
     got = causal_conv(x, w, doc_positions(seqs), b)
-    ref = torch.cat([F.conv1d(d.T[None], w[:, None], b, padding=kernel - 1, groups=c)[0, :, : len(d)].T
-                     for d in x.split(lengths)])
+    ref = torch.cat(
+        [F.conv1d(d.T[None], w[:, None], b, padding=kernel - 1, groups=c)[0, :, : len(d)].T for d in x.split(lengths)]
+    )
     torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
 
 
 def vlm_checkpoint(folder, moe: bool):
     """A released-layout Qwen3.5 (VLM: vision tower, `model.language_model.` names) with tiny
     sizes, saved by transformers, plus MTP tensors as the released checkpoints have them."""
-    text_cls, vlm_cls, case = ((transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeConfig, "qwen35moe-top2-shared")
-                               if moe else (transformers.Qwen3_5TextConfig, transformers.Qwen3_5Config,
-                                            "qwen35-3to1-grouped-heads"))
+    text_cls, vlm_cls, case = (
+        (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeConfig, "qwen35moe-top2-shared")
+        if moe
+        else (transformers.Qwen3_5TextConfig, transformers.Qwen3_5Config, "qwen35-3to1-grouped-heads")
+    )
     text = {**COMMON, **CASES[case][1]}
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=COMMON["hidden_size"],
-                  patch_size=4, num_position_embeddings=16)
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=COMMON["hidden_size"],
+        patch_size=4,
+        num_position_embeddings=16,
+    )
     config = vlm_cls(text_config=text, vision_config=vision)
     torch.manual_seed(0)
     hf = transformers.AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():
         realistic_draws(hf.model.language_model)
     return hf, save_with_mtp(hf, folder)
-
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
@@ -218,8 +304,9 @@ def test_ssd_scan_equals_the_recurrence_with_its_gradients():
         torch.testing.assert_close(x, y, atol=1e-9, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("case", ["nemotronh-all-kinds-groups", "nemotronh-one-group-nobias-tied",
-                                  "qwen35-3to1-grouped-heads"])
+@pytest.mark.parametrize(
+    "case", ["nemotronh-all-kinds-groups", "nemotronh-one-group-nobias-tied", "qwen35-3to1-grouped-heads"]
+)
 def test_round_trip_is_exact(case, tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     hf_checkpoint(case, src, shard="40KB")
@@ -234,15 +321,22 @@ def test_round_trip_is_exact(case, tmp_path):
 def test_nemotron_h_pattern_string_and_unsupported_options():
     family = FAMILIES["nemotron_h"]
     cfg = family.tiny_config(TinyShape(vocab_size=32, num_layers=2)) | {
-        "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]}
+        "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]
+    }
     listed = family.args_from_hf(cfg)
     pattern = {k: v for k, v in cfg.items() if k != "layers_block_type"} | {"hybrid_override_pattern": "ME*-"}
     assert family.args_from_hf(pattern).layers == listed.layers
     assert [type(layer.mixer).__name__ if layer.mixer else type(layer.mlp).__name__ for layer in listed.layers] == [
-        "Mamba2", "MoEMLP", "Attention", "DenseMLP"]
-    for key, value, message in [("hybrid_override_pattern", "M*X", "characters of"),
-                                ("moe_latent_size", 16, "latent expert projections"),
-                                ("mlp_hidden_act", "silu", "'relu2' only")]:
+        "Mamba2",
+        "MoEMLP",
+        "Attention",
+        "DenseMLP",
+    ]
+    for key, value, message in [
+        ("hybrid_override_pattern", "M*X", "characters of"),
+        ("moe_latent_size", 16, "latent expert projections"),
+        ("mlp_hidden_act", "silu", "'relu2' only"),
+    ]:
         bad = (pattern if key == "hybrid_override_pattern" else cfg) | {key: value}
         with pytest.raises(ValueError, match=f"nemotron_h: `{key}` = .*{message}"):
             family.args_from_hf(bad)

@@ -54,7 +54,9 @@ def test_scalar_temperature_and_entropy_bounds(data):
     lp, ent = chunked_logprobs(hidden, weight, targets, 0.7, chunk_size=5)
     ref_lp, ref_ent = reference(hidden, weight, targets, torch.full((len(targets),), 0.7, dtype=torch.float64))
     torch.testing.assert_close(lp, ref_lp, atol=1e-10, rtol=1e-10)
-    assert bool((lp <= 0).all()) and bool((ent >= 0).all()) and bool((ent <= torch.log(torch.tensor(50.0)) + 1e-5).all())
+    assert (
+        bool((lp <= 0).all()) and bool((ent >= 0).all()) and bool((ent <= torch.log(torch.tensor(50.0)) + 1e-5).all())
+    )
 
 
 def test_gradcheck_float64(data):

@@ -7,8 +7,23 @@ from primerl_models import load_model
 from primerl_models.tiny import SPECIAL_TOKENS, build_tiny_model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "glm4", "glm4_moe", "minimax_m2", "gpt_oss", "afmoe", "laguna",
-                                    "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "llama",
+        "qwen3",
+        "qwen3_moe",
+        "glm4",
+        "glm4_moe",
+        "minimax_m2",
+        "gpt_oss",
+        "afmoe",
+        "laguna",
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
+        "nemotron_h",
+    ],
+)
 @pytest.mark.parametrize("tie", [False, True])
 def test_tiny_model_loads_in_ours_and_transformers_alike(family, tie, tmp_path):
     if family == "nemotron_h" and tie:
@@ -31,7 +46,10 @@ def test_char_tokenizer_is_one_token_per_character(tmp_path):
     # the alphabet, the characters the template writes (role names, "tools:", tool-call JSON)
     # and the two tool-call markers
     assert len(tok) == len(SPECIAL_TOKENS) + len(set("abc " + 'systemuserassistanttool:\n {}",_namearguments')) + 2
-    assert tok.apply_chat_template([{"role": "user", "content": "ab"}], tokenize=False) == "<|im_start|>user\nab<|im_end|>\n"
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "ab"}], tokenize=False)
+        == "<|im_start|>user\nab<|im_end|>\n"
+    )
     assert "<|endoftext|>" not in tok.decode(tok.apply_chat_template([{"role": "user", "content": "ab"}])["input_ids"])
     ids = tok("abc cab").input_ids
     assert len(ids) == 7 and tok.decode(ids) == "abc cab"
@@ -42,8 +60,11 @@ def test_chat_template_renders_tools_and_tool_calls(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     messages = [
         {"role": "user", "content": "a"},
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"id": "1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}],
+        },
         {"role": "tool", "tool_call_id": "1", "content": "2"},
     ]
     tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]

@@ -19,28 +19,66 @@ from safetensors.torch import load_file
 
 VOCAB, IMAGE = 96, 90  # the image token inside the tiny vocabulary
 MERGE = 2
-TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16,
-            initializer_range=0.1, rms_norm_eps=1e-6, num_key_value_heads=2, linear_num_key_heads=2,
-            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16)
-DENSE = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-             # full rotary (8 frequencies) and a section that leaves the last one to t alone
-             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0,
-                                  mrope_section=[4, 2, 2], mrope_interleaved=True))
-MOE = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_experts=4,
-           num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-           rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))  # default section
-VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=2,
-              temporal_patch_size=2, spatial_merge_size=MERGE, num_position_embeddings=16)
+TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    head_dim=16,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
+    num_key_value_heads=2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=16,
+)
+DENSE = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    # full rotary (8 frequencies) and a section that leaves the last one to t alone
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=10000.0,
+        partial_rotary_factor=1.0,
+        mrope_section=[4, 2, 2],
+        mrope_interleaved=True,
+    ),
+)
+MOE = dict(
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+)  # default section
+VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=2,
+    temporal_patch_size=2,
+    spatial_merge_size=MERGE,
+    num_position_embeddings=16,
+)
 PATCH = 3 * 2 * 2 * 2  # channels x frames x pixels
 
 
 def vlm_checkpoint(folder, moe: bool):
     """A tiny released-layout Qwen3.5(-MoE) VLM saved by transformers (with MTP tensors beside
     it, as the released checkpoints have them); returns transformers' model."""
-    text_cls, vlm_cls = ((transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeConfig) if moe
-                         else (transformers.Qwen3_5TextConfig, transformers.Qwen3_5Config))
-    config = vlm_cls(text_config=text_cls(**TEXT, **(MOE if moe else DENSE)), vision_config=VISION,
-                     image_token_id=IMAGE)
+    text_cls, vlm_cls = (
+        (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeConfig)
+        if moe
+        else (transformers.Qwen3_5TextConfig, transformers.Qwen3_5Config)
+    )
+    config = vlm_cls(
+        text_config=text_cls(**TEXT, **(MOE if moe else DENSE)), vision_config=VISION, image_token_id=IMAGE
+    )
     torch.manual_seed(0)
     hf = transformers.AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():
@@ -74,8 +112,9 @@ def document(pieces, seed):
 
 def transformers_logits(hf, ids, pixels, grid):
     with torch.no_grad():
-        return hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
-                  mm_token_type_ids=(ids == IMAGE).int()).logits
+        return hf(
+            input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int()
+        ).logits
 
 
 def ours_logits(model, ids, pixels, grid, position_ids=None):
@@ -101,14 +140,22 @@ def test_logits_with_images_match_transformers(models, pieces):
     other = ours_logits(ours, ids, torch.randn_like(pixels), grid)
     assert (other - expected).abs().max() > 1e-2
     with torch.no_grad():
-        flat = ours.logits(ids, torch.arange(ids.shape[1])[None], pixel_values=pixels, image_grid_thw=grid,
-                           mrope_positions=torch.arange(ids.shape[1]).expand(3, 1, -1))
+        flat = ours.logits(
+            ids,
+            torch.arange(ids.shape[1])[None],
+            pixel_values=pixels,
+            image_grid_thw=grid,
+            mrope_positions=torch.arange(ids.shape[1]).expand(3, 1, -1),
+        )
     assert (flat - expected).abs().max() > 1e-3
 
 
 def test_each_document_of_a_packed_row_with_its_images_matches_transformers_alone(models):
     hf, ours, _ = models
-    docs = [document([4, (1, 4, 4), 6], seed=2), document([(1, 2, 4), 3, (1, 6, 2), 5], seed=3)]  # the second starts with an image
+    docs = [
+        document([4, (1, 4, 4), 6], seed=2),
+        document([(1, 2, 4), 3, (1, 6, 2), 5], seed=3),
+    ]  # the second starts with an image
     ids = torch.cat([d[0] for d in docs], dim=1)
     pixels, grid = torch.cat([d[1] for d in docs]), torch.cat([d[2] for d in docs])
     position_ids = torch.cat([torch.arange(d[0].shape[1]) for d in docs])[None]
@@ -161,6 +208,7 @@ def test_checkpoint_round_trip_is_exact_with_the_tower(models, tmp_path):
     back = to_ours(to_hf(state, ours.args), ours.args)
     assert sorted(back) == sorted(state) and all(torch.equal(back[n], state[n]) for n in state)
     from primerl_models import carried_tensors
+
     save_hf(state, cfg, tmp_path, max_shard_bytes=40_000, carried=carried_tensors(src, cfg, torch.float32))
     before, after = ({k: v for f in d.glob("*.safetensors") for k, v in load_file(f).items()} for d in (src, tmp_path))
     assert sorted(before) == sorted(after) and any(n.startswith("model.visual.") for n in after)
@@ -189,8 +237,10 @@ def test_malformed_images_are_refused_naming_what_is_wrong(models):
     cases = [
         (dict(pixel_values=pixels[:-4], image_grid_thw=grid), "image_grid_thw accounts for 16 patches"),
         (dict(pixel_values=pixels[:, :-1], image_grid_thw=grid), "expected \\[patches, 24\\]"),
-        (dict(pixel_values=torch.cat([pixels, pixels]), image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 4]])),
-         "4 image tokens \\(id 90\\), but the images give 8 features"),
+        (
+            dict(pixel_values=torch.cat([pixels, pixels]), image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 4]])),
+            "4 image tokens \\(id 90\\), but the images give 8 features",
+        ),
         (dict(pixel_values=pixels, image_grid_thw=torch.tensor([1, 4, 4])), "must be integers \\[images, 3\\]"),
         (dict(pixel_values=pixels, image_grid_thw=torch.tensor([[1, 3, 4]])), "multiples of the merge size 2"),
         (dict(pixel_values=pixels), "pixel_values and image_grid_thw come together"),
@@ -209,6 +259,7 @@ def test_text_model_without_a_tower_refuses_images():
     family = FAMILIES["qwen3_5_text"]
     args = family.args_from_hf(transformers.Qwen3_5TextConfig(**TEXT, **DENSE).to_dict())
     from primerl_models import build_model
+
     model = build_model(args)
     ids, pixels, grid = document(ONE, seed=10)
     with pytest.raises(ValueError, match="no vision tower"):

@@ -13,11 +13,16 @@ def test_a_group_with_an_exact_zero_advantage_trains_whole_that_member_included(
     # the batch's loss tokens (the normalisation of the step's loss).
     cfg = OrchestratorConfig(batch_size=3, group_size=3, advantage=AdvantageConfig(type="drgrpo"))
     turn = Turn(prompt_ids=[1, 2, 3], completion_ids=[4, 5], completion_logprobs=[-0.5, -0.5])
-    rollouts = [Rollout(sample_id=i, group_id=0, turns=[turn], reward=r, env="toy")
-                for i, r in enumerate([0.0, 0.5, 1.0])]
+    rollouts = [
+        Rollout(sample_id=i, group_id=0, turns=[turn], reward=r, env="toy") for i, r in enumerate([0.0, 0.5, 1.0])
+    ]
     (batch,), m = build_step(0, [Group(0, "toy", 0, rollouts)], cfg, seq_len=32, num_ranks=1)
-    trained = {int(i): float(mb.advantages[start]) for mb in batch.micro_batches
-               for i, start in zip(mb.sample_ids, mb.cu_seqlens()[:-1]) if i >= 0}
+    trained = {
+        int(i): float(mb.advantages[start])
+        for mb in batch.micro_batches
+        for i, start in zip(mb.sample_ids, mb.cu_seqlens()[:-1])
+        if i >= 0
+    }
     assert trained == {0: -0.5, 1: 0.0, 2: 0.5}
     assert batch.num_loss_tokens == 3 * 2 and m["batch/samples"] == 3
     assert not any(k.startswith("filter/") and v for k, v in m.items())
@@ -30,8 +35,9 @@ def test_each_named_reward_and_metric_is_logged_as_its_mean_over_the_rollouts_th
 
     def rollout(i, env, exact, fmt, length, error=None):
         scores = {"reward/exact": exact, "reward/format": fmt, "reply_length": length}
-        return Rollout(sample_id=i, group_id=i // 2, turns=[turn], reward=exact + 0.5 * fmt, env=env,
-                       metrics=scores, error=error)
+        return Rollout(
+            sample_id=i, group_id=i // 2, turns=[turn], reward=exact + 0.5 * fmt, env=env, metrics=scores, error=error
+        )
 
     groups = [
         Group(0, "a", 0, [rollout(0, "a", 1.0, 1.0, 4.0), rollout(1, "a", 0.0, 1.0, 6.0)]),
@@ -51,7 +57,8 @@ def test_each_named_reward_and_metric_is_logged_as_its_mean_over_the_rollouts_th
     assert m["rollouts/trained"] == 2 and m["rollouts/filtered"] == 2 and m["rollouts/count"] == 4
     # a rollout that passes every filter but is longer than a row (seq_len 32) does not train either
     long = Turn(prompt_ids=[1] * 30, completion_ids=[4] * 10, completion_logprobs=[-0.5] * 10)
-    group = Group(0, "a", 0, [rollout(0, "a", 1.0, 0.0, 1.0),
-                              Rollout(sample_id=1, group_id=0, turns=[long], reward=0.0, env="a")])
+    group = Group(
+        0, "a", 0, [rollout(0, "a", 1.0, 0.0, 1.0), Rollout(sample_id=1, group_id=0, turns=[long], reward=0.0, env="a")]
+    )
     _, m = build_step(1, [group], OrchestratorConfig(batch_size=2, group_size=2), seq_len=32, num_ranks=1)
     assert m["filter/longer_than_row"] == 1 and m["rollouts/trained"] == 1 and m["rollouts/filtered"] == 1

@@ -19,8 +19,10 @@ from primerl_protocol.config import ModelConfig
 from primerl_protocol.rollouts import Rollout
 from primerl_protocol.weights import FULL, write_marker
 
-REFUSED = ("ProviderError: Error code: 400 - {'error': {'message': 'n must be 1 when using greedy sampling, got 4', "
-           "'type': 'BadRequestError'}}")
+REFUSED = (
+    "ProviderError: Error code: 400 - {'error': {'message': 'n must be 1 when using greedy sampling, got 4', "
+    "'type': 'BadRequestError'}}"
+)
 
 
 class Tasks:
@@ -61,8 +63,9 @@ class Generator:
         out = []
         for i, sample_id in enumerate(sample_ids):
             error = self.error(env.name, task, i)
-            out.append(Rollout(sample_id=sample_id, group_id=group_id, turns=[], error=error,
-                               reward=0.0 if error else 1.0))
+            out.append(
+                Rollout(sample_id=sample_id, group_id=group_id, turns=[], error=error, reward=0.0 if error else 1.0)
+            )
         return out
 
 
@@ -76,7 +79,9 @@ def test_rollouts_that_error_are_logged_with_the_first_error(caplog):
     are still returned (error_rate among them)."""
     gen = Generator(lambda env, task, i: REFUSED if env == "broken" or (task, i) == (1, 0) else None)
     with caplog.at_level(logging.WARNING, logger="primerl.orchestrator"):
-        metrics = asyncio.run(evals.evaluate([Env("some"), Env("broken")], gen, settings(), max_tokens=8, concurrency=4))
+        metrics = asyncio.run(
+            evals.evaluate([Env("some"), Env("broken")], gen, settings(), max_tokens=8, concurrency=4)
+        )
     assert metrics["eval/some/error_rate"] == pytest.approx(1 / 6) and metrics["eval/broken/error_rate"] == 1.0
     records = {r.getMessage().split(":")[0]: r for r in caplog.records}
     assert records["eval of some"].levelno == logging.WARNING
@@ -127,8 +132,13 @@ def published_run(root: Path, steps: int) -> Path:
 
 
 def eval_config(tmp_path: Path, **kw) -> EvalRunConfig:
-    return EvalRunConfig(model=ModelConfig(name="tiny"), run_dir=str(tmp_path / "evals"), eval=settings(),
-                         envs=EnvsConfig(eval=[EnvConfig(id="reverse-text")]), **kw)
+    return EvalRunConfig(
+        model=ModelConfig(name="tiny"),
+        run_dir=str(tmp_path / "evals"),
+        eval=settings(),
+        envs=EnvsConfig(eval=[EnvConfig(id="reverse-text")]),
+        **kw,
+    )
 
 
 def test_a_policy_where_every_rollout_errored_stops_the_eval_and_records_nothing(tmp_path, scripted):
@@ -136,9 +146,12 @@ def test_a_policy_where_every_rollout_errored_stops_the_eval_and_records_nothing
     (so that rerunning once the cause is fixed evaluates it)."""
     run = published_run(tmp_path / "run", 3)
     scripted.error = lambda env, task, i: REFUSED if len(scripted.pool.loaded) == 2 else None
-    with pytest.raises(evals.EvalError, match=r"every rollout of eval environment 'reverse-text' errored on "
-                                             r"weights/step_1 \(policy 2\), so nothing was recorded for it; the "
-                                             r"first error: ProviderError: .*n must be 1 when using greedy"):
+    with pytest.raises(
+        evals.EvalError,
+        match=r"every rollout of eval environment 'reverse-text' errored on "
+        r"weights/step_1 \(policy 2\), so nothing was recorded for it; the "
+        r"first error: ProviderError: .*n must be 1 when using greedy",
+    ):
         asyncio.run(evals.eval_run(eval_config(tmp_path, run=str(run)), ["http://unused"], None))
     records = [json.loads(line) for line in (tmp_path / "evals" / "evals.jsonl").read_text().splitlines()]
     assert [(r["policy"], r["step"]) for r in records] == [(1, 0)]
@@ -150,10 +163,16 @@ def test_each_published_step_is_labelled_by_its_folder_and_policy(tmp_path, scri
     run = published_run(tmp_path / "run", 3)
     records = asyncio.run(evals.eval_run(eval_config(tmp_path, run=str(run)), ["http://unused"], None))
     assert scripted.pool.loaded == [("step_0", 1), ("step_1", 2), ("step_2", 3)]
-    assert [(r["policy"], r["step"], Path(r["model"]).name) for r in records] == [(1, 0, "step_0"), (2, 1, "step_1"),
-                                                                                 (3, 2, "step_2")]
+    assert [(r["policy"], r["step"], Path(r["model"]).name) for r in records] == [
+        (1, 0, "step_0"),
+        (2, 1, "step_1"),
+        (3, 2, "step_2"),
+    ]
     assert [evals.policy_label(r) for r in records] == [
-        "weights/step_0 (policy 1)", "weights/step_1 (policy 2)", "weights/step_2 (policy 3)"]
+        "weights/step_0 (policy 1)",
+        "weights/step_1 (policy 2)",
+        "weights/step_2 (policy 3)",
+    ]
     base = asyncio.run(evals.eval_run(eval_config(tmp_path / "base"), ["http://unused"], None))
     assert evals.policy_label(base[0]) == "tiny (policy 0)" and base[0]["step"] is None
 
@@ -169,8 +188,16 @@ ENVS = '[[envs.eval]]\nid = "reverse-text"'
 
 def test_primerl_eval_exits_1_with_the_first_error_when_every_rollout_errored(tmp_path, scripted):
     scripted.error = lambda env, task, i: REFUSED
-    config = write_eval_toml(tmp_path, 'inference.urls = ["http://127.0.0.1:9"]', "[model]", 'name = "tiny"',
-                             "[eval]", "num_samples = 2", "temperature = 1.0", ENVS)
+    config = write_eval_toml(
+        tmp_path,
+        'inference.urls = ["http://127.0.0.1:9"]',
+        "[model]",
+        'name = "tiny"',
+        "[eval]",
+        "num_samples = 2",
+        "temperature = 1.0",
+        ENVS,
+    )
     result = CliRunner().invoke(main, ["eval", "@", str(config)])
     assert result.exit_code == 1, result.output
     assert "primerl eval: every rollout of eval environment 'reverse-text' errored on tiny (policy 0)" in result.output
@@ -180,21 +207,33 @@ def test_primerl_eval_exits_1_with_the_first_error_when_every_rollout_errored(tm
 
 def test_primerl_eval_prints_each_step_by_its_folder(tmp_path, scripted):
     run = published_run(tmp_path / "run", 2)
-    config = write_eval_toml(tmp_path, 'inference.urls = ["http://127.0.0.1:9"]', f'run = "{run}"', "[model]",
-                             'name = "tiny"', "[eval]", "num_samples = 2", "temperature = 1.0", ENVS)
+    config = write_eval_toml(
+        tmp_path,
+        'inference.urls = ["http://127.0.0.1:9"]',
+        f'run = "{run}"',
+        "[model]",
+        'name = "tiny"',
+        "[eval]",
+        "num_samples = 2",
+        "temperature = 1.0",
+        ENVS,
+    )
     result = CliRunner().invoke(main, ["eval", "@", str(config)])
     assert result.exit_code == 0, result.output
     assert "weights/step_0 (policy 1): reverse-text/avg@2 1.000" in result.output
     assert "weights/step_1 (policy 2): reverse-text/avg@2 1.000" in result.output
 
 
-@pytest.mark.parametrize("case, message", [
-    ("greedy-samples", "config key `eval`: num_samples = 4 with temperature = 0 (greedy)"),
-    ("no-envs", "envs.eval: no eval environments: add at least one [[envs.eval]] entry"),
-    ("no-model", "model.name: no model to evaluate: set model.name, or run = RUN_DIR"),
-    ("run-without-config", "has no run config with a [model] (rl.toml, trainer.toml, sft.toml in"),
-    ("run-without-weights", "nothing to evaluate, no complete published weights"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("greedy-samples", "config key `eval`: num_samples = 4 with temperature = 0 (greedy)"),
+        ("no-envs", "envs.eval: no eval environments: add at least one [[envs.eval]] entry"),
+        ("no-model", "model.name: no model to evaluate: set model.name, or run = RUN_DIR"),
+        ("run-without-config", "has no run config with a [model] (rl.toml, trainer.toml, sft.toml in"),
+        ("run-without-weights", "nothing to evaluate, no complete published weights"),
+    ],
+)
 def test_primerl_eval_refuses_what_cannot_work_before_any_server_starts(tmp_path, monkeypatch, case, message):
     """Each exits 2 (the user's input is wrong) in a moment, no server started: `inference.urls`
     is empty, so `primerl eval` would start its own (85 s and more) after these checks."""
@@ -207,7 +246,7 @@ def test_primerl_eval_refuses_what_cannot_work_before_any_server_starts(tmp_path
     run = tmp_path / "run"
     (run / rundir.WEIGHTS).mkdir(parents=True)
     (run / rundir.CONFIGS).mkdir()
-    model = "[model]\nname = \"tiny\""
+    model = '[model]\nname = "tiny"'
     lines = {
         "greedy-samples": [model, "[eval]", "num_samples = 4", ENVS],
         "no-envs": [model],
@@ -227,14 +266,18 @@ def test_primerl_eval_of_a_run_takes_the_runs_model(tmp_path):
     """`run = DIR` without [model]: the model of DIR/configs/rl.toml (what `primerl rl` wrote)."""
     run = tmp_path / "run"
     (run / rundir.CONFIGS).mkdir(parents=True)
-    (run / rundir.CONFIGS / "rl.toml").write_text('seq_len = 2048\n[model]\nname = "org/the-runs-model"\n'
-                                                   'revision = "abc"\n[trainer]\n')
-    result = CliRunner().invoke(main, ["eval", "@", str(write_eval_toml(tmp_path, f'run = "{run}"', ENVS)), "--dry-run"])
+    (run / rundir.CONFIGS / "rl.toml").write_text(
+        'seq_len = 2048\n[model]\nname = "org/the-runs-model"\nrevision = "abc"\n[trainer]\n'
+    )
+    result = CliRunner().invoke(
+        main, ["eval", "@", str(write_eval_toml(tmp_path, f'run = "{run}"', ENVS)), "--dry-run"]
+    )
     assert result.exit_code == 0, result.output
     assert 'name = "org/the-runs-model"' in result.output and 'revision = "abc"' in result.output
     # a model given wins
-    result = CliRunner().invoke(main, ["eval", "@", str(write_eval_toml(tmp_path, f'run = "{run}"', ENVS)),
-                                       "model.name=mine", "--dry-run"])
+    result = CliRunner().invoke(
+        main, ["eval", "@", str(write_eval_toml(tmp_path, f'run = "{run}"', ENVS)), "model.name=mine", "--dry-run"]
+    )
     assert 'name = "mine"' in result.output
 
 

@@ -43,8 +43,13 @@ def clean(sample_id: int = 0, reward: float = 1.0) -> Rollout:
 def test_the_first_traceback_of_each_kind_is_logged_once_and_the_rest_counted_every_10_steps(caplog):
     health = Health(max_error_rate=1.0, patience=5)
     # each step: 3 ZeroDivisionErrors and 1 KeyError in env a, 2 ZeroDivisionErrors in env b, 2 clean
-    step_rollouts = [errored("a", "zero")] * 3 + [errored("a", "key"), errored("b", "zero"), errored("b", "zero"),
-                                                  clean(), clean()]
+    step_rollouts = [errored("a", "zero")] * 3 + [
+        errored("a", "key"),
+        errored("b", "zero"),
+        errored("b", "zero"),
+        clean(),
+        clean(),
+    ]
     new_kinds = []
     with caplog.at_level(logging.INFO, logger="primerl.orchestrator"):
         for step in range(2 * SUMMARY_STEPS):
@@ -57,11 +62,14 @@ def test_the_first_traceback_of_each_kind_is_logged_once_and_the_rest_counted_ev
     assert len(firsts) == 3
     shown = sorted(r.getMessage().splitlines()[0] for r in firsts)
     where = f"{__file__}:{divide.__code__.co_firstlineno + 1} in divide"
-    assert shown[0] == ("step 0: a rollout of environment 'a' errored: KeyError: 'missing' (raised at "
-                        f"{__file__}:{raised.__code__.co_firstlineno + 3} in raised; the first of its kind; later ones "
-                        "are counted every 10 steps)")
-    assert shown[1].startswith(f"step 0: a rollout of environment 'a' errored: ZeroDivisionError: division by zero "
-                               f"(raised at {where};")
+    assert shown[0] == (
+        "step 0: a rollout of environment 'a' errored: KeyError: 'missing' (raised at "
+        f"{__file__}:{raised.__code__.co_firstlineno + 3} in raised; the first of its kind; later ones "
+        "are counted every 10 steps)"
+    )
+    assert shown[1].startswith(
+        f"step 0: a rollout of environment 'a' errored: ZeroDivisionError: division by zero (raised at {where};"
+    )
     assert shown[2].startswith("step 0: a rollout of environment 'b' errored: ZeroDivisionError")
     assert all("Traceback (most recent call last)" in r.getMessage() for r in firsts)
     # the others: counted, one line every 10 steps (after steps 9 and 19), none between
@@ -70,14 +78,16 @@ def test_the_first_traceback_of_each_kind_is_logged_once_and_the_rest_counted_ev
     assert counts[0][0] == (
         "rollout errors seen again over the last 10 steps (first tracebacks above): "
         f"environment 'a': ZeroDivisionError at {where}: 29; environment 'b': ZeroDivisionError at {where}: 19; "
-        f"environment 'a': KeyError at {__file__}:{raised.__code__.co_firstlineno + 3} in raised: 9")
+        f"environment 'a': KeyError at {__file__}:{raised.__code__.co_firstlineno + 3} in raised: 9"
+    )
     assert f"environment 'a': ZeroDivisionError at {where}: 30;" in counts[1][0]
 
 
 def test_an_environment_with_ever_new_kinds_of_error_logs_at_most_max_kinds_tracebacks(caplog):
     health = Health(max_error_rate=1.0, patience=5)
-    rollouts = [Rollout(sample_id=i, group_id=0, turns=[], error=f"Error{i}: no", env="a")
-                for i in range(MAX_KINDS + 5)]
+    rollouts = [
+        Rollout(sample_id=i, group_id=0, turns=[], error=f"Error{i}: no", env="a") for i in range(MAX_KINDS + 5)
+    ]
     with caplog.at_level(logging.ERROR, logger="primerl.orchestrator"):
         health.observe(0, rollouts, {"batch/samples": 0.0})
     assert len(caplog.records) == MAX_KINDS + 1  # the 21st and later are one kind, "other"
@@ -104,9 +114,11 @@ def test_the_run_stops_after_patience_steps_in_a_row_strictly_above_max_error_ra
     assert verdicts[5].startswith(
         "stopping the run: more than 50% of the rollouts errored at each of steps 3-5 (60%, 60%, 75%; "
         "orchestrator.max_error_rate = 0.5 for orchestrator.error_patience = 3 steps). The most common error of "
-        f"those steps (39 of 39 errored rollouts), environment 'a': ZeroDivisionError at {where}:\n")
-    assert verdicts[5].endswith("return x / 0  # the line a traceback of \"zero\" ends at\n"
-                                "           ~~^~~\nZeroDivisionError: division by zero")
+        f"those steps (39 of 39 errored rollouts), environment 'a': ZeroDivisionError at {where}:\n"
+    )
+    assert verdicts[5].endswith(
+        'return x / 0  # the line a traceback of "zero" ends at\n           ~~^~~\nZeroDivisionError: division by zero'
+    )
     # max_error_rate = 1.0: never, even when every rollout errors
     never = Health(max_error_rate=1.0, patience=1)
     rollouts = step_of(4, 4)
@@ -119,15 +131,22 @@ def equal_group(group_id: int, reward: float = 1.0, step: int = 0) -> Group:
     """A group of 2 rollouts with equal rewards (zero advantages: the filter drops it), or with
     rewards 1 and 0 when `reward` is None."""
     rewards = [reward, reward] if reward is not None else [1.0, 0.0]
-    rollouts = [Rollout(sample_id=group_id * 2 + i, group_id=group_id, turns=[TURN], reward=r, policy_step=step,
-                        env="toy") for i, r in enumerate(rewards)]
+    rollouts = [
+        Rollout(sample_id=group_id * 2 + i, group_id=group_id, turns=[TURN], reward=r, policy_step=step, env="toy")
+        for i, r in enumerate(rewards)
+    ]
     return Group(group_id, "toy", group_id, rollouts)
 
 
 def build_steps(tmp_path, groups: list[Group]) -> list[dict]:
     """The real builder over `groups` (one a step); each step's metrics as the trainer got them."""
-    cfg = OrchRunConfig(model=ModelConfig(name="m"), seq_len=64, max_steps=len(groups), run_dir=str(tmp_path),
-                        orchestrator=OrchestratorConfig(batch_size=2, group_size=2, max_async_level=len(groups)))
+    cfg = OrchRunConfig(
+        model=ModelConfig(name="m"),
+        seq_len=64,
+        max_steps=len(groups),
+        run_dir=str(tmp_path),
+        orchestrator=OrchestratorConfig(batch_size=2, group_size=2, max_async_level=len(groups)),
+    )
     return [batch.metrics for batch in run_builder(Orchestrator(cfg), groups)]
 
 
@@ -139,12 +158,15 @@ def test_steps_that_train_nothing_are_counted_shown_and_warned_about_after_5_in_
     assert [m["batch/empty_steps"] for m in metrics] == list(range(1, n + 1)) + [0]
     assert all(m["rollouts/trained"] == 0 and m["rollouts/filtered"] == 2 for m in metrics[:-1])
     assert metrics[-1]["rollouts/trained"] == 2 and metrics[-1]["rollouts/filtered"] == 0
-    warnings = [r.getMessage() for r in caplog.records
-                if r.levelno == logging.WARNING and r.name == "primerl.orchestrator"]
+    warnings = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "primerl.orchestrator"
+    ]
     assert warnings == [
         f"{k} steps in a row trained nothing (step {k - 1}: 2 rollouts, dropped by filter: zero_advantage 2); every "
         "group's rewards were equal, so its advantages were 0 (filters.zero_advantage drops such groups): the tasks "
-        "may be too hard or too easy for the model, or the reward constant" for k in (5, 10)]
+        "may be too hard or too easy for the model, or the reward constant"
+        for k in (5, 10)
+    ]
     # each step's line says what trained
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert len(lines) == n + 1
@@ -157,14 +179,26 @@ def test_group_size_1_is_refused_at_config_load_and_2_is_accepted(advantage, zer
     from primerl_protocol.config import ConfigError, validate
 
     def load(group_size):
-        return validate(OrchestratorConfig, {"batch_size": 8, "group_size": group_size,
-                                             "advantage": {"type": advantage},
-                                             "filters": {"zero_advantage": zero_advantage}})
+        return validate(
+            OrchestratorConfig,
+            {
+                "batch_size": 8,
+                "group_size": group_size,
+                "advantage": {"type": advantage},
+                "filters": {"zero_advantage": zero_advantage},
+            },
+        )
 
-    why = ("every group is dropped: every step would be empty" if zero_advantage
-           else "every sample trains with advantage 0: no gradient")
-    with pytest.raises(ConfigError, match=rf'group_size = 1 with advantage.type = "{advantage}" can never train: .*'
-                                          rf"filters.zero_advantage = {str(zero_advantage).lower()} {why}; "
-                                          r"use group_size >= 2"):
+    why = (
+        "every group is dropped: every step would be empty"
+        if zero_advantage
+        else "every sample trains with advantage 0: no gradient"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=rf'group_size = 1 with advantage.type = "{advantage}" can never train: .*'
+        rf"filters.zero_advantage = {str(zero_advantage).lower()} {why}; "
+        r"use group_size >= 2",
+    ):
         load(1)
     assert load(2).group_size == 2

@@ -30,7 +30,7 @@ from primerl_orchestrator.testing import TrainerDouble
 from primerl_protocol import SocketSettings
 from primerl_protocol.config import ModelConfig, TransportConfig, WandbConfig
 
-USER_ENV = '''
+USER_ENV = """
 import verifiers.v1 as vf
 from primerl_envs.tasks import AnswerData
 from primerl_reverse_text import ReverseTextConfig, ReverseTextTaskset
@@ -53,7 +53,7 @@ class BrokenTaskset(vf.Taskset[BrokenTask, ReverseTextConfig]):
 
 
 __all__ = ["BrokenTaskset"]
-'''
+"""
 RAISING_LINE = 8
 """The line of USER_ENV that raises (`return len(reply) / ...`)."""
 EOS = 2
@@ -64,10 +64,14 @@ GROUP = 2
 @contextlib.asynccontextmanager
 async def stand_in_server():
     """An HTTP server whose /inference/v1/generate answers n valid replies ("ab" then end)."""
+
     async def generate(request):
         n = (await request.json())["sampling_params"]["n"]
-        reply = {"token_ids": [5, 6, EOS], "finish_reason": "stop",
-                 "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in (5, 6, EOS)]}}
+        reply = {
+            "token_ids": [5, 6, EOS],
+            "finish_reason": "stop",
+            "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in (5, 6, EOS)]},
+        }
         return web.json_response({"choices": [dict(reply, index=i) for i in range(n)]})
 
     app = web.Application()
@@ -114,12 +118,21 @@ class StandInPool:
 def model(tmp_path_factory):
     from primerl_models.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("m"), "qwen3", alphabet="abcdefgh", hidden_size=32, num_layers=1,
-                            num_heads=2, num_kv_heads=1, head_dim=16)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("m"),
+        "qwen3",
+        alphabet="abcdefgh",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+    )
 
 
 def test_a_reward_function_that_raises_is_logged_once_shown_and_stops_the_run_naming_its_traceback(
-        model, tmp_path, monkeypatch, caplog):
+    model, tmp_path, monkeypatch, caplog
+):
     from primerl_trainer.testing import free_port_block
 
     user_env = tmp_path / "broken_reward.py"
@@ -127,12 +140,19 @@ def test_a_reward_function_that_raises_is_logged_once_shown_and_stops_the_run_na
     port = free_port_block(2)
     patience = 3
     cfg = OrchRunConfig(
-        model=ModelConfig(name=str(model)), seq_len=256, max_steps=20, run_dir=str(tmp_path / "run"),
+        model=ModelConfig(name=str(model)),
+        seq_len=256,
+        max_steps=20,
+        run_dir=str(tmp_path / "run"),
         wandb=WandbConfig(mode="disabled"),
-        transport=TransportConfig(batch_port=port + 1, policy_port=port,
-                                  sockets=SocketSettings(linger_ms=0, send_timeout_s=30, recv_timeout_s=30)),
-        orchestrator=OrchestratorConfig(batch_size=2 * GROUP, group_size=GROUP, sampling=SamplingConfig(max_tokens=4),
-                                        error_patience=patience),
+        transport=TransportConfig(
+            batch_port=port + 1,
+            policy_port=port,
+            sockets=SocketSettings(linger_ms=0, send_timeout_s=30, recv_timeout_s=30),
+        ),
+        orchestrator=OrchestratorConfig(
+            batch_size=2 * GROUP, group_size=GROUP, sampling=SamplingConfig(max_tokens=4), error_patience=patience
+        ),
         inference=InferenceConfig(urls=["http://unused"], admin_token="t"),
         envs=EnvsConfig(train=[EnvConfig(id=str(user_env), name="mine", args={"num_tasks": 8})]),
     )
@@ -155,14 +175,18 @@ def test_a_reward_function_that_raises_is_logged_once_shown_and_stops_the_run_na
     # the stop: every rollout errored (100% > 50%) at steps 0, 1, 2: it names the steps, the
     # settings, and the traceback down to the user's line
     message = str(stop.value)
-    assert message.startswith("stopping the run: more than 50% of the rollouts errored at each of steps 0-2 "
-                              "(100%, 100%, 100%; orchestrator.max_error_rate = 0.5 for "
-                              "orchestrator.error_patience = 3 steps)"), message
+    assert message.startswith(
+        "stopping the run: more than 50% of the rollouts errored at each of steps 0-2 "
+        "(100%, 100%, 100%; orchestrator.max_error_rate = 0.5 for "
+        "orchestrator.error_patience = 3 steps)"
+    ), message
     assert f"environment 'mine': ZeroDivisionError at {user_env}:{RAISING_LINE} in score:" in message
     assert "return len(reply) / (len(reply) - len(reply))" in message
-    assert message.rstrip().endswith("ZeroDivisionError: division by zero\nwhich was raised as: "
-                                     "verifiers.v1.errors.TaskError: task BrokenTask scoring: ZeroDivisionError: "
-                                     "division by zero")
+    assert message.rstrip().endswith(
+        "ZeroDivisionError: division by zero\nwhich was raised as: "
+        "verifiers.v1.errors.TaskError: task BrokenTask scoring: ZeroDivisionError: "
+        "division by zero"
+    )
     # the trainer trained the three steps, then was told to stop, and why
     assert [s.step for s in trainer.steps] == [0, 1, 2]
     assert trainer.stopped == f"the orchestrator stopped: {message.splitlines()[0]}"
@@ -171,9 +195,11 @@ def test_a_reward_function_that_raises_is_logged_once_shown_and_stops_the_run_na
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1, [r.getMessage()[:200] for r in errors]
     logged = errors[0].getMessage()
-    assert logged.startswith("step 0: a rollout of environment 'mine' errored: TaskError: task BrokenTask scoring: "
-                             f"ZeroDivisionError: division by zero (raised at {user_env}:{RAISING_LINE} in score; "
-                             "the first of its kind")
+    assert logged.startswith(
+        "step 0: a rollout of environment 'mine' errored: TaskError: task BrokenTask scoring: "
+        f"ZeroDivisionError: division by zero (raised at {user_env}:{RAISING_LINE} in score; "
+        "the first of its kind"
+    )
     assert f'File "{user_env}", line {RAISING_LINE}, in score' in logged and "Traceback" in logged
     # each step's console line shows the error rate and what trained
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ") and " | " in r.getMessage()]

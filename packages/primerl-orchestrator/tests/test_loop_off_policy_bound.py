@@ -30,16 +30,30 @@ def group(group_id: int, policy_step: int) -> Group:
     """A finished group of G rollouts started on `policy_step`, rewards 1 and 0 (so its
     advantages are not zero and the zero-advantage filter keeps it)."""
     turn = Turn(prompt_ids=[1, 2, 3], completion_ids=[4, 5], completion_logprobs=[-0.5, -0.5])
-    rollouts = [Rollout(sample_id=group_id * G + i, group_id=group_id, turns=[turn], reward=float(i == 0),
-                        policy_step=policy_step, env="toy") for i in range(G)]
+    rollouts = [
+        Rollout(
+            sample_id=group_id * G + i,
+            group_id=group_id,
+            turns=[turn],
+            reward=float(i == 0),
+            policy_step=policy_step,
+            env="toy",
+        )
+        for i in range(G)
+    ]
     return Group(group_id, "toy", group_id, rollouts)
 
 
 def build_one_step(tmp_path, k: int, step: int, groups: list[Group]) -> tuple[Orchestrator, TrainBatch]:
     """Run the builder for `step` alone (max_steps = step + 1) over `groups`, finished in that
     order; the orchestrator after it and the TrainBatch the trainer received."""
-    cfg = OrchRunConfig(model=ModelConfig(name="m"), seq_len=64, max_steps=step + 1, run_dir=str(tmp_path),
-                        orchestrator=OrchestratorConfig(batch_size=G, group_size=G, max_async_level=k))
+    cfg = OrchRunConfig(
+        model=ModelConfig(name="m"),
+        seq_len=64,
+        max_steps=step + 1,
+        run_dir=str(tmp_path),
+        orchestrator=OrchestratorConfig(batch_size=G, group_size=G, max_async_level=k),
+    )
     orch = Orchestrator(cfg)
     orch.step = orch.version = step
     orch.out_dir.mkdir(parents=True)

@@ -25,13 +25,17 @@ def orchestrator(run_dir, max_steps: int) -> Orchestrator:
     up as `Orchestrator.run` does before it starts the servers (resumed if `run_dir` holds a
     checkpoint)."""
     cfg = SimpleNamespace(
-        orchestrator=OrchestratorConfig(batch_size=2 * GROUPS_PER_STEP, group_size=2, max_async_level=100,
-                                        max_in_flight=10**6),
-        run_dir=str(run_dir), max_steps=max_steps,
+        orchestrator=OrchestratorConfig(
+            batch_size=2 * GROUPS_PER_STEP, group_size=2, max_async_level=100, max_in_flight=10**6
+        ),
+        run_dir=str(run_dir),
+        max_steps=max_steps,
     )
     o = Orchestrator(cfg)
-    o.envs = [Environment(EnvConfig(id="reverse-text", weight=2, args={"num_tasks": 5}), seed=SEED),
-              Environment(EnvConfig(id="math", weight=1, args={"num_tasks": 3}), seed=SEED)]
+    o.envs = [
+        Environment(EnvConfig(id="reverse-text", weight=2, args={"num_tasks": 5}), seed=SEED),
+        Environment(EnvConfig(id="math", weight=1, args={"num_tasks": 3}), seed=SEED),
+    ]
     o.by_name = {e.name: e for e in o.envs}
     o.mix = EnvMix(o.envs)
     o._resume()

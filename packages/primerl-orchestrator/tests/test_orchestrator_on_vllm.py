@@ -49,16 +49,28 @@ def servers(vllm):
 def make_cfg(run_dir, model, urls, *, k, max_steps, eval_interval=0, max_tokens=24, **orch):
     port = free_port_block(2)
     return OrchRunConfig(
-        model=ModelConfig(name=str(model)), seq_len=1024, max_steps=max_steps, run_dir=str(run_dir),
-        transport=TransportConfig(batch_port=port + 1, policy_port=port,
-                                  sockets=SocketSettings(linger_ms=0, send_timeout_s=120, recv_timeout_s=120)),
+        model=ModelConfig(name=str(model)),
+        seq_len=1024,
+        max_steps=max_steps,
+        run_dir=str(run_dir),
+        transport=TransportConfig(
+            batch_port=port + 1,
+            policy_port=port,
+            sockets=SocketSettings(linger_ms=0, send_timeout_s=120, recv_timeout_s=120),
+        ),
         orchestrator=OrchestratorConfig(
-            batch_size=2 * GROUP, group_size=GROUP, max_async_level=k, sampling=SamplingConfig(max_tokens=max_tokens),
-            eval=EvalSettings(interval=eval_interval, num_samples=2, max_tasks=3, temperature=1.0), **orch,
+            batch_size=2 * GROUP,
+            group_size=GROUP,
+            max_async_level=k,
+            sampling=SamplingConfig(max_tokens=max_tokens),
+            eval=EvalSettings(interval=eval_interval, num_samples=2, max_tasks=3, temperature=1.0),
+            **orch,
         ),
         inference=InferenceConfig(urls=urls, admin_token=TOKEN),
-        envs=EnvsConfig(train=[EnvConfig(id="reverse-text", args={"num_tasks": 64})],
-                        eval=[EnvConfig(id="reverse-text", name="reverse-eval", args={"num_tasks": 8})]),
+        envs=EnvsConfig(
+            train=[EnvConfig(id="reverse-text", args={"num_tasks": 64})],
+            eval=[EnvConfig(id="reverse-text", name="reverse-eval", args={"num_tasks": 8})],
+        ),
     )
 
 
@@ -120,13 +132,13 @@ def sample_logprobs(model, mb):
     out = []
     start = 0
     for n in mb.seq_lens.tolist():
-        ids = torch.tensor(mb.input_ids[start:start + n], dtype=torch.long)
-        mask, temps = mb.loss_mask[start:start + n], torch.tensor(mb.temperatures[start:start + n])
+        ids = torch.tensor(mb.input_ids[start : start + n], dtype=torch.long)
+        mask, temps = mb.loss_mask[start : start + n], torch.tensor(mb.temperatures[start : start + n])
         with torch.no_grad():
             logits = model(input_ids=ids[None]).logits[0, :-1].float()
         mine = torch.log_softmax(logits / temps[1:, None], -1).gather(1, ids[1:, None])[:, 0]
         keep = torch.from_numpy(mask[1:].copy())
-        out.append((torch.from_numpy(mb.inference_logprobs[start + 1:start + n].copy())[keep], mine[keep]))
+        out.append((torch.from_numpy(mb.inference_logprobs[start + 1 : start + n].copy())[keep], mine[keep]))
         start += n
     return out
 
@@ -159,8 +171,9 @@ def test_adapter_policies_are_served_under_their_names_and_unloaded_when_done(se
     for s in trainer.steps:
         for mb in s.rows:
             by_base, by_merged = sample_logprobs(base, mb), sample_logprobs(merged, mb)
-            for sample, policy, (theirs, mine), (_, if_base) in zip(mb.sample_ids.tolist(), mb.policy_steps.tolist(),
-                                                                     by_merged, by_base):
+            for sample, policy, (theirs, mine), (_, if_base) in zip(
+                mb.sample_ids.tolist(), mb.policy_steps.tolist(), by_merged, by_base
+            ):
                 if sample < 0 or not len(theirs):  # padding
                     continue
                 kind = int(policy > 0)
@@ -257,13 +270,24 @@ def test_a_trainer_that_stops_publishing_stops_the_orchestrator_with_a_clear_err
     sockets = msgspec.structs.replace(cfg.transport.sockets, recv_timeout_s=5.0)
     cfg = msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport, sockets=sockets))
     trainer = double(cfg, model, crash_after=0)  # takes step 0's batch, then never publishes
-    with pytest.raises(OrchestratorError, match=r"waited 5s .* for the trainer to publish the policy after 0 \(step 1 needs it\)"):
+    with pytest.raises(
+        OrchestratorError, match=r"waited 5s .* for the trainer to publish the policy after 0 \(step 1 needs it\)"
+    ):
         asyncio.run(asyncio.wait_for(Orchestrator(cfg).run(), 300))
     trainer.join(30)
 
 
-def real_trainer_run(servers, tmp_path, *, ranks: int, max_steps: int, temperature: float, k: int = 1,
-                     env: EnvConfig | None = None, on_group=None) -> tuple[list[dict], str]:
+def real_trainer_run(
+    servers,
+    tmp_path,
+    *,
+    ranks: int,
+    max_steps: int,
+    temperature: float,
+    k: int = 1,
+    env: EnvConfig | None = None,
+    on_group=None,
+) -> tuple[list[dict], str]:
     """The RL trainer under torchrun (gloo, fp32) against one server, orchestrator at `k`
     (reverse-text unless `env` says otherwise); the rows of the run's metrics.jsonl, and the
     server's URL."""
@@ -271,15 +295,26 @@ def real_trainer_run(servers, tmp_path, *, ranks: int, max_steps: int, temperatu
     url = next(u for u in running.urls if is_up(u))
     cfg = make_cfg(tmp_path / "run", model, [url], k=k, max_steps=max_steps)
     sampling = SamplingConfig(max_tokens=24, temperature=temperature)
-    cfg = msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport, trainer_ranks=ranks),
-                                  orchestrator=msgspec.structs.replace(cfg.orchestrator, sampling=sampling))
+    cfg = msgspec.structs.replace(
+        cfg,
+        transport=msgspec.structs.replace(cfg.transport, trainer_ranks=ranks),
+        orchestrator=msgspec.structs.replace(cfg.orchestrator, sampling=sampling),
+    )
     if env is not None:
         cfg = msgspec.structs.replace(cfg, envs=EnvsConfig(train=[env]))
     trainer_cfg = TrainerRunConfig(
-        model=cfg.model, seq_len=cfg.seq_len, max_steps=cfg.max_steps, run_dir=cfg.run_dir, transport=cfg.transport,
+        model=cfg.model,
+        seq_len=cfg.seq_len,
+        max_steps=cfg.max_steps,
+        run_dir=cfg.run_dir,
+        transport=cfg.transport,
         wandb=WandbConfig(mode="disabled"),
-        trainer=TrainerConfig(dtype="float32", optimizer=OptimizerConfig(lr=1e-4), checkpoint=CheckpointConfig(interval=2),
-                              weights=WeightsConfig(dtype="float32")),
+        trainer=TrainerConfig(
+            dtype="float32",
+            optimizer=OptimizerConfig(lr=1e-4),
+            checkpoint=CheckpointConfig(interval=2),
+            weights=WeightsConfig(dtype="float32"),
+        ),
     )
     config = tmp_path / "trainer.toml"
     config.write_text(to_toml(trainer_cfg))
@@ -324,21 +359,38 @@ def test_rewards_that_are_not_finite_numbers_never_reach_the_weights(servers, tm
     and the value, counted, never trained on, and the weights stay finite."""
     seen = []
     env = EnvConfig(id=str(Path(__file__).parent / "flaky_rewards.py"), name="flaky", args={"num_tasks": 64})
-    rows, _ = real_trainer_run(servers, tmp_path, ranks=1, max_steps=3, temperature=1.0, k=0, env=env,
-                               on_group=lambda g: seen.extend(g.rollouts))
+    rows, _ = real_trainer_run(
+        servers,
+        tmp_path,
+        ranks=1,
+        max_steps=3,
+        temperature=1.0,
+        k=0,
+        env=env,
+        on_group=lambda g: seen.extend(g.rollouts),
+    )
     import flaky_rewards  # the module the environment ran (its folder is on sys.path now)
+
     # k = 0: exactly 3 steps x 8 rollouts were scored, two cycles of the 12 values
     assert len(seen) == 24
     bad = [r for r in seen if r.bad_score]
     assert len(bad) == 2 * flaky_rewards.BAD
     assert sum(r["filter/bad_score"] for r in rows) == len(bad)
     reasons = " | ".join(r.error for r in bad)
-    for shown in ["'flaky' is nan", "'flaky' is inf", "'flaky' is -inf", "returned '1.0' (str), not a number",
-                  "returned None (NoneType), not a number"]:
+    for shown in [
+        "'flaky' is nan",
+        "'flaky' is inf",
+        "'flaky' is -inf",
+        "returned '1.0' (str), not a number",
+        "returned None (NoneType), not a number",
+    ]:
         assert shown in reasons
     assert all(r.error.startswith("BadScore: environment 'flaky': reward 'flaky'") for r in bad)
     for r in rows:
-        assert all(math.isfinite(r[key]) for key in ("trainer/loss", "trainer/grad_norm", "reward/mean")) and r["trainer/step_skipped"] == 0
+        assert (
+            all(math.isfinite(r[key]) for key in ("trainer/loss", "trainer/grad_norm", "reward/mean"))
+            and r["trainer/step_skipped"] == 0
+        )
     final = load_model(tmp_path / "run" / "weights" / "step_2")
     assert all(bool(torch.isfinite(t).all()) for t in final.state_dict().values())
 
@@ -351,8 +403,7 @@ def test_resume_neither_repeats_nor_skips(servers, tmp_path):
     running, model = servers
     # Every group finished must reach the trainer for the count below: a group whose rewards
     # are all equal would be dropped by the zero-advantage filter and look skipped.
-    cfg = make_cfg(tmp_path / "run", model, running.urls, k=2, max_steps=8,
-                   filters=FilterConfig(zero_advantage=False))
+    cfg = make_cfg(tmp_path / "run", model, running.urls, k=2, max_steps=8, filters=FilterConfig(zero_advantage=False))
     # first run: checkpoints after steps 1 and 3, the trainer dies after training step 4
     first = double(cfg, model, step_time_s=0.3, checkpoint_interval=2, crash_after=4)
     orch = Orchestrator(cfg)
@@ -483,7 +534,7 @@ def test_primerl_eval_on_a_model_and_on_each_published_step(servers, tmp_path):
     config = tmp_path / "eval.toml"
     config.write_text(f"""
 seq_len = 1024
-run_dir = "{tmp_path / 'evals'}"
+run_dir = "{tmp_path / "evals"}"
 [model]
 name = "{model}"
 [inference]
@@ -528,9 +579,13 @@ def test_an_eval_whose_rollouts_all_errored_says_why_and_records_nothing(servers
     url = next(u for u in running.urls if is_up(u))
     greedy = EvalSettings(num_samples=4, max_tasks=2, max_tokens=8, temperature=1.0)
     greedy.temperature = 0.0  # past the settings' own check
-    cfg = EvalRunConfig(model=ModelConfig(name=str(model)), run_dir=str(tmp_path / "forced"), eval=greedy,
-                        inference=InferenceConfig(urls=[url], admin_token=TOKEN),
-                        envs=EnvsConfig(eval=[EnvConfig(id="reverse-text", args={"num_tasks": 4})]))
+    cfg = EvalRunConfig(
+        model=ModelConfig(name=str(model)),
+        run_dir=str(tmp_path / "forced"),
+        eval=greedy,
+        inference=InferenceConfig(urls=[url], admin_token=TOKEN),
+        envs=EnvsConfig(eval=[EnvConfig(id="reverse-text", args={"num_tasks": 4})]),
+    )
     with pytest.raises(EvalError) as err:
         asyncio.run(eval_run(cfg, [url], TOKEN))
     message = str(err.value)
@@ -541,7 +596,7 @@ def test_an_eval_whose_rollouts_all_errored_says_why_and_records_nothing(servers
     config = tmp_path / "eval.toml"
     config.write_text(f"""
 seq_len = 1024
-run_dir = "{tmp_path / 'evals'}"
+run_dir = "{tmp_path / "evals"}"
 [model]
 name = "{model}"
 [inference]
@@ -551,13 +606,14 @@ admin_token = "{TOKEN}"
 max_tasks = 2
 max_tokens = 8
 [[envs.eval]]
-id = "{Path(__file__).parent / 'raising_rewards.py'}"
+id = "{Path(__file__).parent / "raising_rewards.py"}"
 name = "raising"
 args = {{num_tasks = 4}}
 """)
     result = CliRunner().invoke(main, ["eval", "@", str(config)])
     assert result.exit_code == 1, result.output
     assert f"primerl eval: every rollout of eval environment 'raising' errored on {model} (policy 0)" in result.output
-    assert "the first error: " in result.output and "the user's reward function is broken" in result.output, \
+    assert "the first error: " in result.output and "the user's reward function is broken" in result.output, (
         result.output
+    )
     assert not (tmp_path / "evals" / "evals.jsonl").exists()

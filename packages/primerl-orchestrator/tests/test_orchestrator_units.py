@@ -48,9 +48,18 @@ def test_model_errors_are_told_from_environment_errors():
 
 
 def rollout(sample_id, group_id, reward, policy_step=0, error=None, prompt=(1, 2, 3), completion=(4, 5)):
-    turns = [Turn(prompt_ids=list(prompt), completion_ids=list(completion), completion_logprobs=[-0.5] * len(completion))]
-    return Rollout(sample_id=sample_id, group_id=group_id, turns=turns, reward=reward, policy_step=policy_step,
-                   error=error, env="toy")
+    turns = [
+        Turn(prompt_ids=list(prompt), completion_ids=list(completion), completion_logprobs=[-0.5] * len(completion))
+    ]
+    return Rollout(
+        sample_id=sample_id,
+        group_id=group_id,
+        turns=turns,
+        reward=reward,
+        policy_step=policy_step,
+        error=error,
+        env="toy",
+    )
 
 
 def test_build_step_advantages_filters_and_metrics():
@@ -61,8 +70,13 @@ def test_build_step_advantages_filters_and_metrics():
     ]
     batches, m = build_step(5, groups, cfg, seq_len=16, num_ranks=2)
     assert [b.rank for b in batches] == [0, 1] and all(b.step == 5 for b in batches)
-    trained = {int(i): float(mb.advantages[start]) for b in batches for mb in b.micro_batches
-               for i, start in zip(mb.sample_ids, mb.cu_seqlens()[:-1]) if i >= 0}
+    trained = {
+        int(i): float(mb.advantages[start])
+        for b in batches
+        for mb in b.micro_batches
+        for i, start in zip(mb.sample_ids, mb.cu_seqlens()[:-1])
+        if i >= 0
+    }
     # group 0 without the errored rollout: rewards 1, 0 -> grpo advantages +1, -1
     assert trained == pytest.approx({0: 1.0, 1: -1.0}, abs=1e-4)
     assert m["filter/errored"] == 1 and m["filter/zero_advantage"] == 3
@@ -74,7 +88,9 @@ def test_build_step_advantages_filters_and_metrics():
 
 def test_a_step_with_nothing_to_train_still_gets_padding_batches():
     cfg = OrchestratorConfig(batch_size=2, group_size=2)
-    batches, m = build_step(0, [Group(0, "toy", 0, [rollout(0, 0, 1.0), rollout(1, 0, 1.0)])], cfg, seq_len=16, num_ranks=2)
+    batches, m = build_step(
+        0, [Group(0, "toy", 0, [rollout(0, 0, 1.0), rollout(1, 0, 1.0)])], cfg, seq_len=16, num_ranks=2
+    )
     assert len(batches) == 2 and m["batch/samples"] == 0
     for b in batches:
         (mb,) = b.micro_batches
@@ -90,9 +106,11 @@ def test_samples_longer_than_a_row_are_dropped_and_counted():
 
 def orchestrator(k, batch_size=8, group_size=4, max_steps=None, max_in_flight=512):
     cfg = SimpleNamespace(
-        orchestrator=OrchestratorConfig(batch_size=batch_size, group_size=group_size, max_async_level=k,
-                                        max_in_flight=max_in_flight),
-        run_dir="/nonexistent", max_steps=max_steps,
+        orchestrator=OrchestratorConfig(
+            batch_size=batch_size, group_size=group_size, max_async_level=k, max_in_flight=max_in_flight
+        ),
+        run_dir="/nonexistent",
+        max_steps=max_steps,
     )
     return Orchestrator(cfg)
 
@@ -215,18 +233,23 @@ def test_a_server_whose_logprobs_ignore_the_temperature_is_refused():
         asyncio.run(start_pool(url, None))  # evals do not check it
 
 
-@pytest.mark.parametrize("policy, shown", [
-    ({"step": "3", "logprobs_mode": "processed_logprobs"}, r"Expected `int`, got `str` - at `\$.step`"),
-    ({"logprobs_mode": "processed_logprobs"}, r"missing required field `step`"),
-    ([1, 2], r"Expected `object`, got `array`"),
-    ({"step": 0, "logprobs_mode": "processed_logprobs", "extra": {"deep": [1] * 3}}, r"unknown field `extra`"),
-])
+@pytest.mark.parametrize(
+    "policy, shown",
+    [
+        ({"step": "3", "logprobs_mode": "processed_logprobs"}, r"Expected `int`, got `str` - at `\$.step`"),
+        ({"logprobs_mode": "processed_logprobs"}, r"missing required field `step`"),
+        ([1, 2], r"Expected `object`, got `array`"),
+        ({"step": 0, "logprobs_mode": "processed_logprobs", "extra": {"deep": [1] * 3}}, r"unknown field `extra`"),
+    ],
+)
 def test_a_server_whose_policy_answer_is_malformed_is_refused_naming_the_route(policy, shown):
     """A server's answer is input from outside: one that does not decode as the admin
     contract's PolicyAnswer makes that server unhealthy, saying what was wrong, and the pool
     raises its clear NoServerError (nothing else escapes)."""
     with stand_in(type("Garbage", (_StandInServer,), {"policy": policy})) as url:
-        with pytest.raises(NoServerError, match=rf"/admin/policy answered something that is not a PolicyAnswer \(.*{shown}"):
+        with pytest.raises(
+            NoServerError, match=rf"/admin/policy answered something that is not a PolicyAnswer \(.*{shown}"
+        ):
             asyncio.run(start_pool(url, "processed_logprobs"))
 
 
@@ -243,7 +266,6 @@ def test_sampling_that_the_trainer_cannot_score_is_refused_at_config_load():
             load({key: value})
     cfg = load({"temperature": 0.7})
     assert cfg.sampling.request() == {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
-
 
 
 def _unused_port() -> int:
@@ -302,8 +324,11 @@ class _AdapterServer(BaseHTTPRequestHandler):
     policy: dict = {}
 
     def do_GET(self):
-        payload = {"/health": {}, "/v1/models": {"data": [{"id": "m"}]},
-                   "/admin/policy": {"logprobs_mode": "processed_logprobs", **self.policy}}.get(self.path)
+        payload = {
+            "/health": {},
+            "/v1/models": {"data": [{"id": "m"}]},
+            "/admin/policy": {"logprobs_mode": "processed_logprobs", **self.policy},
+        }.get(self.path)
         self._answer(payload)
 
     def do_POST(self):
@@ -343,8 +368,10 @@ def test_adapter_policies_are_loaded_named_by_rollouts_and_unloaded_once_idle():
             assert server.model == "m"  # the base weights: requests name the base model
             names = {v: adapter_name(v, f"{v:032x}") for v in (1, 2, 3)}
             await pool.load_weights("/w/step_0", 1, f"{1:032x}", ADAPTER)
-            assert handler.posts[-1] == ("/admin/lora/load", {"name": names[1], "path": "/w/step_0", "step": 1,
-                                                              "checksum": f"{1:032x}"})
+            assert handler.posts[-1] == (
+                "/admin/lora/load",
+                {"name": names[1], "path": "/w/step_0", "step": 1, "checksum": f"{1:032x}"},
+            )
             async with pool.lease() as leased:
                 assert (leased.version, leased.model) == (1, names[1])
                 assert gen.context(leased.url, 24, {"temperature": 1.0}, leased.model).model == names[1]
@@ -431,17 +458,31 @@ def test_rollouts_whose_images_cannot_train_get_an_error_naming_environment_task
     from primerl_protocol.images import Image, model_images
     from primerl_protocol.rollouts import Rollout, Turn
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "vision_config": {}, "image_token_id": 9}))
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
-        {"patch_size": 16, "merge_size": 2, "size": {"shortest_edge": 1024, "longest_edge": 1 << 20}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "qwen3_5", "vision_config": {}, "image_token_id": 9})
+    )
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({"patch_size": 16, "merge_size": 2, "size": {"shortest_edge": 1024, "longest_edge": 1 << 20}})
+    )
     vision = model_images(str(tmp_path))
     assert vision.image_token_id == 9 and vision.spec.factor == 32
 
     def rollout(sample_id, prompt, images, error=None):
-        return Rollout(sample_id=sample_id, group_id=0, reward=1.0, error=error, turns=[
-            Turn(prompt_ids=[1, 2], completion_ids=[3], completion_logprobs=[-0.1]),
-            Turn(prompt_ids=prompt, completion_ids=[3], completion_logprobs=[-0.1],
-                 images=[Image(height=h, width=w, rgb=bytes(h * w * 3)) for h, w in images])])
+        return Rollout(
+            sample_id=sample_id,
+            group_id=0,
+            reward=1.0,
+            error=error,
+            turns=[
+                Turn(prompt_ids=[1, 2], completion_ids=[3], completion_logprobs=[-0.1]),
+                Turn(
+                    prompt_ids=prompt,
+                    completion_ids=[3],
+                    completion_logprobs=[-0.1],
+                    images=[Image(height=h, width=w, rgb=bytes(h * w * 3)) for h, w in images],
+                ),
+            ],
+        )
 
     good = rollout(0, [1, 9, 9, 9, 9, 2], [(64, 64)])
     resized = rollout(1, [1, 9, 9, 9, 9, 2], [(60, 64)])
@@ -479,7 +520,9 @@ def test_a_task_whose_prompt_holds_a_picture_that_cannot_train_is_refused_before
     from primerl_orchestrator.images import refuse_task_images, task_images_problem
     from primerl_protocol.images import model_images
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "vision_config": {}, "image_token_id": 9}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "qwen3_5", "vision_config": {}, "image_token_id": 9})
+    )
     vision = model_images(str(tmp_path))  # Qwen3.5's processor defaults: factor 32, at least 65,536 pixels
 
     def task(url):
@@ -493,12 +536,16 @@ def test_a_task_whose_prompt_holds_a_picture_that_cannot_train_is_refused_before
 
     assert task_images_problem(task(png(256)), vision) is None
     assert "image 1 of the prompt: an image of 250 x 250 pixels would be resized to 256 x 256" in task_images_problem(
-        task(png(250)), vision)
+        task(png(250)), vision
+    )
     assert "image 1 of the prompt: not a readable image" in task_images_problem(
-        task("data:image/png;base64," + base64.b64encode(b"GIF89a but not").decode()), vision)
+        task("data:image/png;base64," + base64.b64encode(b"GIF89a but not").decode()), vision
+    )
     assert task_images_problem(task(png(256)), None) == "the prompt holds 1 images but the model has no vision tower"
     assert refuse_task_images(task(png(256)), vision, "shapes", "'k'", [8, 16], 3, 5) is None
     refused = refuse_task_images(task(png(250)), vision, "shapes", "'k'", [8, 16], 3, 5)
     assert [(r.sample_id, r.group_id, r.policy_step, r.turns) for r in refused] == [(8, 3, 5, []), (16, 3, 5, [])]
-    assert all(r.error.startswith("ImageError: environment 'shapes', task 'k': image 1 of the prompt: an image of 250")
-               for r in refused)
+    assert all(
+        r.error.startswith("ImageError: environment 'shapes', task 'k': image 1 of the prompt: an image of 250")
+        for r in refused
+    )

@@ -24,31 +24,61 @@ def tokenizer(tmp_path_factory):
     from primerl_models.tiny import build_tiny_model
     from transformers import AutoTokenizer
 
-    folder = build_tiny_model(tmp_path_factory.mktemp("m"), "qwen3", alphabet="abcdefgh ", hidden_size=32,
-                              num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    folder = build_tiny_model(
+        tmp_path_factory.mktemp("m"),
+        "qwen3",
+        alphabet="abcdefgh ",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+    )
     return str(folder), AutoTokenizer.from_pretrained(str(folder))
 
 
-def group(tok, group_id: int, policy_step: int, prompt: str, replies: list[str], rewards: list[float],
-          error: int | None = None) -> Group:
+def group(
+    tok,
+    group_id: int,
+    policy_step: int,
+    prompt: str,
+    replies: list[str],
+    rewards: list[float],
+    error: int | None = None,
+) -> Group:
     ids = tok.encode(prompt)
     rollouts = []
     for i, (reply, reward) in enumerate(zip(replies, rewards)):
         completion = tok.encode(reply) + [EOS]
         turn = Turn(prompt_ids=ids, completion_ids=completion, completion_logprobs=[-0.5] * len(completion))
-        rollouts.append(Rollout(
-            sample_id=group_id * 10 + i, group_id=group_id, turns=[turn], reward=reward, policy_step=policy_step,
-            env="toy", metrics={"reward/exact": reward, "reply_length": float(len(reply))},
-            error="TaskError: boom" if i == error else None))
+        rollouts.append(
+            Rollout(
+                sample_id=group_id * 10 + i,
+                group_id=group_id,
+                turns=[turn],
+                reward=reward,
+                policy_step=policy_step,
+                env="toy",
+                metrics={"reward/exact": reward, "reply_length": float(len(reply))},
+                error="TaskError: boom" if i == error else None,
+            )
+        )
     return Group(group_id, "toy", group_id, rollouts)
 
 
 def test_the_rollouts_file_holds_prompt_completion_rewards_advantage_and_policy_every_interval_steps(
-        tokenizer, tmp_path):
+    tokenizer, tmp_path
+):
     folder, tok = tokenizer
-    cfg = OrchRunConfig(model=ModelConfig(name=folder), seq_len=64, max_steps=3, run_dir=str(tmp_path),
-                        orchestrator=OrchestratorConfig(batch_size=6, group_size=3, max_async_level=3,
-                                                        samples=SamplesConfig(interval=2, num_groups=1)))
+    cfg = OrchRunConfig(
+        model=ModelConfig(name=folder),
+        seq_len=64,
+        max_steps=3,
+        run_dir=str(tmp_path),
+        orchestrator=OrchestratorConfig(
+            batch_size=6, group_size=3, max_async_level=3, samples=SamplesConfig(interval=2, num_groups=1)
+        ),
+    )
     orch = Orchestrator(cfg)
     orch.samples.tokenizer = folder  # as Orchestrator.run sets it
     groups = [  # two groups a step; the first of each step is kept (num_groups = 1)
@@ -74,21 +104,26 @@ def test_the_rollouts_file_holds_prompt_completion_rewards_advantage_and_policy_
     assert first["advantage"] == pytest.approx(1.0, abs=1e-5) and second["advantage"] == pytest.approx(-1.0, abs=1e-5)
     assert failed["advantage"] is None and failed["error"] == "TaskError: boom"
     # step 2: rewards 1, 1, 0 -> mean 2/3, std sqrt(2)/3: advantages 1/sqrt(2), 1/sqrt(2), -sqrt(2)
-    assert [r["advantage"] for r in rows[3:]] == pytest.approx([2 ** -0.5, 2 ** -0.5, -(2 ** 0.5)], abs=1e-5)
+    assert [r["advantage"] for r in rows[3:]] == pytest.approx([2**-0.5, 2**-0.5, -(2**0.5)], abs=1e-5)
     assert rows[3]["completion_tokens"] == 5 and rows[3]["truncated"] is False
     # the trainer gets the same rows with the steps' batches (for the W&B table), none with step 1's
     assert [len(b.samples) for b in batches] == [3, 0, 3]
-    assert [json.loads(json.dumps(s, default=lambda o: {f: getattr(o, f) for f in o.__struct_fields__}))
-            for b in batches for s in b.samples] == rows
+    assert [
+        json.loads(json.dumps(s, default=lambda o: {f: getattr(o, f) for f in o.__struct_fields__}))
+        for b in batches
+        for s in b.samples
+    ] == rows
 
 
 def test_the_rollouts_files_stay_within_max_mb_and_keep_the_newest(tmp_path, caplog):
     def sample(i: int, text: str = "x" * 900) -> RolloutSample:
-        return RolloutSample(step=i, policy_step=i, env="toy", group_id=i, sample_id=i, prompt=text,
-                             completion="y", reward=1.0)
+        return RolloutSample(
+            step=i, policy_step=i, env="toy", group_id=i, sample_id=i, prompt=text, completion="y", reward=1.0
+        )
 
-    row_bytes = len(json.dumps({f: getattr(sample(10), f) for f in RolloutSample.__struct_fields__},
-                               separators=(",", ":"))) + 1
+    row_bytes = (
+        len(json.dumps({f: getattr(sample(10), f) for f in RolloutSample.__struct_fields__}, separators=(",", ":"))) + 1
+    )
     max_mb = 0.01  # 10,000 bytes: each file at most 5,000, about 5 rows of ~1 KB
     samples = Samples(SamplesConfig(max_mb=max_mb), tmp_path)
     for step in range(10, 60):

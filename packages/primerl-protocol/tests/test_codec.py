@@ -104,9 +104,7 @@ def test_message_of_another_socket_is_refused_by_type(decoder):
 
 
 def test_unknown_field_is_named(decoder):
-    header = msgspec.msgpack.encode(
-        {"type": "Heartbeat", "version": PROTOCOL_VERSION, "sender": "x", "priority": 3}
-    )
+    header = msgspec.msgpack.encode({"type": "Heartbeat", "version": PROTOCOL_VERSION, "sender": "x", "priority": 3})
     with pytest.raises(ProtocolError) as err:
         decoder.decode([header])
     assert (err.value.message_type, err.value.field) == ("Heartbeat", "priority")

@@ -47,7 +47,7 @@ def mutants(frames: list, rng: random.Random, n: int):
                 target[pos] ^= 1 << rng.randrange(8)
         elif kind == 2:  # truncation of one frame
             victim = rng.choice([h, *r])
-            del victim[rng.randrange(len(victim) + 1):]
+            del victim[rng.randrange(len(victim) + 1) :]
         elif kind == 3:  # a splice: a slice of the message pasted elsewhere in the header
             a, b = sorted(rng.randrange(len(h) + 1) for _ in range(2))
             at = rng.randrange(len(h) + 1)
@@ -103,8 +103,7 @@ def test_deeply_nested_headers_are_protocol_errors(kind, levels):
     tree.pop("state", None)
     base = msgspec.msgpack.encode(tree)
     nested = deep(levels, kind)
-    for frames_ in ([with_field(base, "state", nested), payload],
-                    [with_field(base, "junk", nested), payload]):
+    for frames_ in ([with_field(base, "state", nested), payload], [with_field(base, "junk", nested), payload]):
         try:
             batches.decode(frames_)
         except ProtocolError:

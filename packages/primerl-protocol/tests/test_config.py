@@ -95,7 +95,9 @@ def test_unknown_key_without_near_match_lists_valid_keys(base):
 
 def test_unknown_key_inside_array_of_tables(tmp_path, base):
     arr = write(tmp_path, "arr.toml", "[[section.items]]\nlr = 1.0\n[[section.items]]\nlrr = 2.0\n")
-    with pytest.raises(ConfigError, match=r"unknown key `section.items\[1\].lrr`.*did you mean `section.items\[1\].lr`"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key `section.items\[1\].lrr`.*did you mean `section.items\[1\].lr`"
+    ):
         load_config(Root, ["@", str(base), "@", str(arr)])
 
 
@@ -110,7 +112,9 @@ def test_wrong_type_names_key_expected_type_and_source(base):
 
 def test_wrong_type_in_file_names_the_file(tmp_path, base):
     bad = write(tmp_path, "bad.toml", '[section.inner]\nlr = "fast"\n')
-    with pytest.raises(ConfigError, match=r"`section.inner.lr`: expected float, got str \(value 'fast' from .*bad.toml\)"):
+    with pytest.raises(
+        ConfigError, match=r"`section.inner.lr`: expected float, got str \(value 'fast' from .*bad.toml\)"
+    ):
         load_config(Root, ["@", str(base), "@", str(bad)])
 
 

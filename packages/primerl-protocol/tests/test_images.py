@@ -29,15 +29,18 @@ def test_a_png_data_url_decodes_to_its_rgb_pixels():
     assert np.frombuffer(image.rgb, np.uint8).reshape(48, 80, 3).tolist() == pixels.tolist()
 
 
-@pytest.mark.parametrize("url, message", [
-    ("https://example.com/cat.png", "must be inline"),
-    ("data:text/plain;base64,aGVsbG8=", "data:image/<format>;base64"),
-    ("data:image/png,rawbytes", "data:image/<format>;base64"),
-    ("data:image/png;base64,@@@@", "does not decode"),
-    ("data:image/png;base64," + base64.b64encode(b"not a picture").decode(), "not a readable image"),
-    (data_url(PILImage.new("RGBA", (32, 32))), "mode RGBA: give RGB"),
-    (data_url(PILImage.new("L", (32, 32))), "mode L: give RGB"),
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("https://example.com/cat.png", "must be inline"),
+        ("data:text/plain;base64,aGVsbG8=", "data:image/<format>;base64"),
+        ("data:image/png,rawbytes", "data:image/<format>;base64"),
+        ("data:image/png;base64,@@@@", "does not decode"),
+        ("data:image/png;base64," + base64.b64encode(b"not a picture").decode(), "not a readable image"),
+        (data_url(PILImage.new("RGBA", (32, 32))), "mode RGBA: give RGB"),
+        (data_url(PILImage.new("L", (32, 32))), "mode L: give RGB"),
+    ],
+)
 def test_what_cannot_be_read_alike_is_refused_saying_why(url, message):
     with pytest.raises(ImageError, match=message):
         decode_data_url(url)
@@ -58,8 +61,12 @@ def test_image_tokens_are_checked_against_each_images_size():
     ids = [1] + [PAD] * 6 + [2, 3] + [PAD] + [4]
     assert tokens_problem(ids, [(64, 96), (32, 32)], SPEC, PAD) is None
     assert "2 images but 1 runs" in tokens_problem(ids[:8], [(64, 96), (32, 32)], SPEC, PAD)
-    assert "image 2 (64 x 64 pixels) makes 4 image tokens but its run has 1" in tokens_problem(ids, [(64, 96), (64, 64)], SPEC, PAD)
-    assert "image 1: an image of 60 x 96 pixels would be resized to 64 x 96" in tokens_problem(ids, [(60, 96), (32, 32)], SPEC, PAD)
+    assert "image 2 (64 x 64 pixels) makes 4 image tokens but its run has 1" in tokens_problem(
+        ids, [(64, 96), (64, 64)], SPEC, PAD
+    )
+    assert "image 1: an image of 60 x 96 pixels would be resized to 64 x 96" in tokens_problem(
+        ids, [(60, 96), (32, 32)], SPEC, PAD
+    )
     assert "0 images but 2 runs" in tokens_problem(ids, [], SPEC, PAD)
 
 
@@ -67,13 +74,20 @@ def with_images(mb: MicroBatch, sizes, pixels) -> dict:
     return {name: getattr(mb, name) for name in mb.__struct_fields__} | {"image_sizes": sizes, "image_pixels": pixels}
 
 
-@pytest.mark.parametrize("sizes, pixels, message", [
-    (np.array([[2, 2]], np.int32), np.zeros(11, np.uint8), "need 12 bytes of pixels but `image_pixels` has 11"),
-    (np.array([2, 2], np.int32), np.zeros(12, np.uint8), "must be an int32 array \\[images, 2\\], got int32 \\[2\\]"),
-    (np.array([[2, 2]], np.int64), np.zeros(12, np.uint8), "must be an int32 array"),
-    (np.array([[0, 2]], np.int32), np.zeros(0, np.uint8), "must all be positive"),
-    (np.array([[2, 2]], np.int32), np.zeros(12, np.float32), "must be a 1-D uint8 array"),
-])
+@pytest.mark.parametrize(
+    "sizes, pixels, message",
+    [
+        (np.array([[2, 2]], np.int32), np.zeros(11, np.uint8), "need 12 bytes of pixels but `image_pixels` has 11"),
+        (
+            np.array([2, 2], np.int32),
+            np.zeros(12, np.uint8),
+            "must be an int32 array \\[images, 2\\], got int32 \\[2\\]",
+        ),
+        (np.array([[2, 2]], np.int64), np.zeros(12, np.uint8), "must be an int32 array"),
+        (np.array([[0, 2]], np.int32), np.zeros(0, np.uint8), "must all be positive"),
+        (np.array([[2, 2]], np.int32), np.zeros(12, np.float32), "must be a 1-D uint8 array"),
+    ],
+)
 def test_inconsistent_images_are_refused_naming_the_field(sizes, pixels, message):
     with pytest.raises(ValueError, match=message):
         MicroBatch(**with_images(micro_batch(), sizes, pixels))
@@ -82,8 +96,11 @@ def test_inconsistent_images_are_refused_naming_the_field(sizes, pixels, message
 def test_images_travel_as_raw_frames_and_come_back_whole():
     rng = np.random.default_rng(1)
     a, b = rng.integers(0, 256, (2, 3, 3), dtype=np.uint8), rng.integers(0, 256, (4, 1, 3), dtype=np.uint8)
-    mb = MicroBatch(**with_images(micro_batch(), np.array([[2, 3], [4, 1]], np.int32),
-                                  np.concatenate([a.reshape(-1), b.reshape(-1)])))
+    mb = MicroBatch(
+        **with_images(
+            micro_batch(), np.array([[2, 3], [4, 1]], np.int32), np.concatenate([a.reshape(-1), b.reshape(-1)])
+        )
+    )
     batch = TrainBatch(step=0, rank=0, num_ranks=1, micro_batches=[mb, micro_batch()], num_loss_tokens=1)
     got = Decoder(BatchMessage, "batches").decode(Encoder().encode(batch))
     first, plain = got.micro_batches

@@ -139,8 +139,11 @@ def test_incomplete_folders_are_not_candidates(tmp_path):
 def test_checkpoints_that_are_all_unusable_are_refused_not_ignored(tmp_path):
     for step in (1, 2):
         (make_checkpoint(tmp_path, step) / rundir.META).write_text("{")
-    with pytest.raises(CheckpointError, match=r"no checkpoint in \S*checkpoints can be resumed from \(step_2: meta.json is "
-                                              r"not JSON.*; step_1: meta.json is not JSON.*refusing to start again"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"no checkpoint in \S*checkpoints can be resumed from \(step_2: meta.json is "
+        r"not JSON.*; step_1: meta.json is not JSON.*refusing to start again",
+    ):
         latest_checkpoint(tmp_path)
 
 

@@ -35,9 +35,10 @@ def endpoint():
 
 def test_batch_crosses_the_socket_intact(endpoint):
     batch = train_batch(num_micro_batches=4)
-    with Sender(endpoint, BatchMessage, channel="batches", bind=True) as tx, Receiver(
-        endpoint, BatchMessage, channel="batches"
-    ) as rx:
+    with (
+        Sender(endpoint, BatchMessage, channel="batches", bind=True) as tx,
+        Receiver(endpoint, BatchMessage, channel="batches") as rx,
+    ):
         tx.send(batch)
         tx.send(Heartbeat(sender="orchestrator", seq=1))
         assert_same_batch(rx.recv(timeout_s=5), batch)
@@ -86,9 +87,10 @@ def test_slow_receiver_blocks_the_sender_and_nothing_is_dropped(endpoint):
     # so the queue is what ZeroMQ holds: the sender's and the receiver's pipes of hwm = 1
     # message each, plus at most one message part-way through each side's encoder and decoder.
     settings = SocketSettings(hwm=1, send_timeout_s=0.3, linger_ms=0, buffer_bytes=64 << 10)
-    with Sender(endpoint, BatchMessage, channel="batches", bind=True, settings=settings) as tx, Receiver(
-        endpoint, BatchMessage, channel="batches", settings=settings
-    ) as rx:
+    with (
+        Sender(endpoint, BatchMessage, channel="batches", bind=True, settings=settings) as tx,
+        Receiver(endpoint, BatchMessage, channel="batches", settings=settings) as rx,
+    ):
         sent = []
         with pytest.raises(TransportTimeout, match="it was not sent"):
             for step in range(50):
@@ -160,9 +162,10 @@ def test_async_sender_times_out_when_nobody_receives(endpoint):
 
 def test_decoded_arrays_survive_after_the_next_receive(endpoint):
     """Zero-copy views keep their frame alive: earlier batches stay valid."""
-    with Sender(endpoint, BatchMessage, channel="batches", bind=True) as tx, Receiver(
-        endpoint, BatchMessage, channel="batches"
-    ) as rx:
+    with (
+        Sender(endpoint, BatchMessage, channel="batches", bind=True) as tx,
+        Receiver(endpoint, BatchMessage, channel="batches") as rx,
+    ):
         a, b = train_batch(step=1), train_batch(step=2)
         tx.send(a)
         tx.send(b)

@@ -61,10 +61,12 @@ STRANGERS = ["plain", "own client key", "wrong server key"]
 def test_the_runs_sockets_carry_messages_both_ways():
     batches, policy = free_tcp_endpoint(), free_tcp_endpoint()
     batch = train_batch(num_micro_batches=3)
-    with Sender(batches, BatchMessage, channel="batches/rank0", bind=True, settings=RUN) as tx, \
-            Receiver(batches, BatchMessage, channel="batches/rank0", settings=RUN) as rx, \
-            Receiver(policy, PolicyMessage, channel="policy", bind=True, settings=RUN) as policy_rx, \
-            Sender(policy, PolicyMessage, channel="policy", settings=RUN) as policy_tx:
+    with (
+        Sender(batches, BatchMessage, channel="batches/rank0", bind=True, settings=RUN) as tx,
+        Receiver(batches, BatchMessage, channel="batches/rank0", settings=RUN) as rx,
+        Receiver(policy, PolicyMessage, channel="policy", bind=True, settings=RUN) as policy_rx,
+        Sender(policy, PolicyMessage, channel="policy", settings=RUN) as policy_tx,
+    ):
         tx.send(batch)
         tx.send(Heartbeat(sender="orchestrator", seq=1))
         assert_same_batch(rx.recv(timeout_s=5), batch)
@@ -82,15 +84,19 @@ def test_the_orchestrators_asyncio_sockets_authenticate_the_trainer():
     lingering = msgspec.structs.replace(RUN, linger_ms=5000)
 
     def trainer() -> int:
-        with Receiver(batches, BatchMessage, channel="batches/rank0", settings=RUN) as rx, \
-                Sender(policy, PolicyMessage, channel="policy", settings=lingering) as tx:
+        with (
+            Receiver(batches, BatchMessage, channel="batches/rank0", settings=RUN) as rx,
+            Sender(policy, PolicyMessage, channel="policy", settings=lingering) as tx,
+        ):
             step = rx.recv(timeout_s=5).step
             tx.send(PolicyReady(step=step, location="/w", checksum="c"))
             return step
 
     async def orchestrator():
-        with AsyncSender(batches, BatchMessage, channel="batches/rank0", bind=True, settings=RUN) as tx, \
-                AsyncReceiver(policy, PolicyMessage, channel="policy", bind=True, settings=RUN) as rx:
+        with (
+            AsyncSender(batches, BatchMessage, channel="batches/rank0", bind=True, settings=RUN) as tx,
+            AsyncReceiver(policy, PolicyMessage, channel="policy", bind=True, settings=RUN) as rx,
+        ):
             trained = asyncio.create_task(asyncio.to_thread(trainer))
             await tx.send(train_batch(step=7, num_micro_batches=1))
             ready = await rx.recv(timeout_s=5)
@@ -122,8 +128,10 @@ def test_a_stranger_cannot_deliver_a_message(how, caplog):
     with Receiver(endpoint, PolicyMessage, channel="policy", bind=True, settings=RUN) as rx:
         intruder = stranger_socket(zmq.PUSH, how)
         intruder.connect(endpoint)
-        for frames in (Encoder().encode(Shutdown(sender="trainer", reason="bye")),
-                       Encoder().encode(PolicyReady(step=99, location="/theirs", checksum="x"))):
+        for frames in (
+            Encoder().encode(Shutdown(sender="trainer", reason="bye")),
+            Encoder().encode(PolicyReady(step=99, location="/theirs", checksum="x")),
+        ):
             try:
                 intruder.send_multipart(frames, flags=zmq.NOBLOCK)  # queued, never delivered
             except zmq.Again:
@@ -144,8 +152,10 @@ def test_a_stranger_cannot_deliver_a_message(how, caplog):
 def test_refusals_are_counted_per_socket_and_logged_sparingly(caplog):
     endpoint = free_tcp_endpoint()
     caplog.set_level(logging.WARNING, logger="primerl.protocol")
-    with Sender(endpoint, BatchMessage, channel="batches/rank3", bind=True, settings=RUN) as tx, \
-            Receiver(free_tcp_endpoint(), PolicyMessage, channel="policy", bind=True, settings=RUN) as other:
+    with (
+        Sender(endpoint, BatchMessage, channel="batches/rank3", bind=True, settings=RUN) as tx,
+        Receiver(free_tcp_endpoint(), PolicyMessage, channel="policy", bind=True, settings=RUN) as other,
+    ):
         strangers = [stranger_socket(zmq.PULL, "own client key") for _ in range(3)]
         for s in strangers:
             s.connect(endpoint)
@@ -184,9 +194,16 @@ def test_without_keys_sockets_open_on_loopback_only(monkeypatch):
 
 def test_keys_come_from_the_config_or_the_environment(monkeypatch):
     keys = CurveKeys.generate()
-    table = {"host": "10.1.2.3", "sockets": {"curve": {"server_public": keys.server_public,
-                                                       "client_public": keys.client_public,
-                                                       "client_secret": keys.client_secret}}}
+    table = {
+        "host": "10.1.2.3",
+        "sockets": {
+            "curve": {
+                "server_public": keys.server_public,
+                "client_public": keys.client_public,
+                "client_secret": keys.client_secret,
+            }
+        },
+    }
     assert validate(TransportConfig, table).sockets.resolved_curve().client_secret == keys.client_secret
     monkeypatch.setenv("PRIMERL_TRANSPORT_KEYS", keys.env_value())
     cfg = validate(TransportConfig, {"host": "10.1.2.3"})
@@ -199,17 +216,24 @@ def test_keys_come_from_the_config_or_the_environment(monkeypatch):
 
 def test_bad_keys_are_config_errors():
     keys, other = CurveKeys.generate(), CurveKeys.generate()
-    curve = {"server_public": keys.server_public, "server_secret": other.server_secret,
-             "client_public": keys.client_public}
+    curve = {
+        "server_public": keys.server_public,
+        "server_secret": other.server_secret,
+        "client_public": keys.client_public,
+    }
     with pytest.raises(ConfigError, match="server_secret does not belong to server_public"):
         validate(TransportConfig, {"sockets": {"curve": curve}})
     with pytest.raises(ConfigError, match="40 Z85 characters"):
-        validate(TransportConfig, {"sockets": {"curve": {"server_public": "short", "client_public": keys.client_public}}})
+        validate(
+            TransportConfig, {"sockets": {"curve": {"server_public": "short", "client_public": keys.client_public}}}
+        )
 
 
 def test_each_side_needs_its_own_secret():
     public_only = CurveKeys(server_public=KEYS.server_public, client_public=KEYS.client_public)
     with pytest.raises(ValueError, match="server_secret"):
-        Sender(free_tcp_endpoint(), BatchMessage, channel="batches", bind=True, settings=SocketSettings(curve=public_only))
+        Sender(
+            free_tcp_endpoint(), BatchMessage, channel="batches", bind=True, settings=SocketSettings(curve=public_only)
+        )
     with pytest.raises(ValueError, match="client_secret"):
         Receiver(free_tcp_endpoint(), BatchMessage, channel="batches", settings=SocketSettings(curve=public_only))

@@ -60,7 +60,7 @@ def test_durable_rename_syncs_every_file_before_the_rename(tmp_path, monkeypatch
     cut = events.index("rename")
     synced = {os.path.relpath(p, tmp) for p in events[:cut]}
     assert synced == {"a.safetensors", "primerl.json", "sub/rank0.pt", "sub", "."}
-    assert events[cut + 1:] == [str(tmp_path)]  # the parent, after the rename
+    assert events[cut + 1 :] == [str(tmp_path)]  # the parent, after the rename
     assert (tmp_path / "step_3" / "sub" / "rank0.pt").read_bytes() == b"x" * 10
 
 

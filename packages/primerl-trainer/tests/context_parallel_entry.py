@@ -19,8 +19,17 @@ from primerl_trainer.context_parallel import UlyssesAttention, chunk_of, ulysses
 def whole_model(family: str) -> dict:
     """logprobs and gradients of a tiny model on one packed row of 16 tokens (documents of 5, 7
     and 4: the second crosses the split), whole and over the ranks' chunks."""
-    cfg = FAMILIES[family].tiny_config(TinyShape(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4,
-                                                 num_kv_heads=2, head_dim=8, moe_intermediate_size=16))
+    cfg = FAMILIES[family].tiny_config(
+        TinyShape(
+            vocab_size=40,
+            hidden_size=32,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            moe_intermediate_size=16,
+        )
+    )
     model = Transformer(FAMILIES[family].args_from_hf(cfg))
     model.init_weights(std=0.3, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
@@ -39,8 +48,12 @@ def whole_model(family: str) -> dict:
         grad = param.grad.clone()
         dist.all_reduce(grad)  # what data-parallel reduction over the CP group sums
         grads[name] = grad
-    return {"logprobs": lp.detach(), "ref_logprobs": chunk_of(lp_whole.detach()), "grads": grads,
-            "ref_grads": {n: p.grad for n, p in model.named_parameters()}}
+    return {
+        "logprobs": lp.detach(),
+        "ref_logprobs": chunk_of(lp_whole.detach()),
+        "grads": grads,
+        "ref_grads": {n: p.grad for n, p in model.named_parameters()},
+    }
 
 
 def main(out_dir: str) -> None:
@@ -50,7 +63,11 @@ def main(out_dir: str) -> None:
     pos = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
     seqs = PackedSeqs.from_position_ids(pos)
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 12, 4, 8, generator=g), torch.randn(2, 12, 2, 8, generator=g), torch.randn(2, 12, 2, 8, generator=g)
+    q, k, v = (
+        torch.randn(2, 12, 4, 8, generator=g),
+        torch.randn(2, 12, 2, 8, generator=g),
+        torch.randn(2, 12, 2, 8, generator=g),
+    )
     w = torch.randn(2, 12, 4, 8, generator=g)
     c = 12 // p
     mine = slice(rank * c, (rank + 1) * c)
@@ -67,8 +84,10 @@ def main(out_dir: str) -> None:
         (out * w[:, mine]).sum().backward()
         # the whole row's gradient of each chunk: this rank's loss reaches every rank's chunk
         results[case] = {
-            "ref": ref.detach()[:, mine], "out": out.detach(),
-            "ref_grads": [x.grad for x in full], "grads": [x.grad for x in local],
+            "ref": ref.detach()[:, mine],
+            "out": out.detach(),
+            "ref_grads": [x.grad for x in full],
+            "grads": [x.grad for x in local],
         }
         if with_sinks:  # each rank's sink gradient covers its heads; summed over ranks, the whole
             grad = s_local.grad.clone()

@@ -18,12 +18,27 @@ from torch.distributed.tensor import DTensor
 def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
+
 SPECS = {
     "qwen3_moe": MoEMLP(Routing(num_experts=4, top_k=2, scoring="softmax", norm_topk_prob=True), Experts(size=8)),
-    "glm4_moe": MoEMLP(Routing(num_experts=4, top_k=2, scoring="sigmoid", norm_topk_prob=True, correction_bias=True,
-                               n_group=2, topk_group=1, scaling=2.5), Experts(size=8), SharedExpert(size=8)),
-    "gpt_oss": MoEMLP(Routing(num_experts=4, top_k=2, scoring="softmax_topk", bias=True),
-                      Experts(size=8, bias=True, activation="clamped", limit=0.5)),
+    "glm4_moe": MoEMLP(
+        Routing(
+            num_experts=4,
+            top_k=2,
+            scoring="sigmoid",
+            norm_topk_prob=True,
+            correction_bias=True,
+            n_group=2,
+            topk_group=1,
+            scaling=2.5,
+        ),
+        Experts(size=8),
+        SharedExpert(size=8),
+    ),
+    "gpt_oss": MoEMLP(
+        Routing(num_experts=4, top_k=2, scoring="softmax_topk", bias=True),
+        Experts(size=8, bias=True, activation="clamped", limit=0.5),
+    ),
 }
 
 
@@ -51,10 +66,13 @@ def main(out_dir: str) -> None:
             xi = x.clone().requires_grad_()
             out = model(xi)
             (out * w).sum().backward()
-            row[tag] = {"out": out.detach(), "x_grad": xi.grad,
-                        "grads": {n: local(p.grad).clone() for n, p in model.named_parameters()},
-                        "shapes": {n: tuple(local(p).shape) for n, p in model.named_parameters()},
-                        "counts": model.tokens_per_expert.clone()}
+            row[tag] = {
+                "out": out.detach(),
+                "x_grad": xi.grad,
+                "grads": {n: local(p.grad).clone() for n, p in model.named_parameters()},
+                "shapes": {n: tuple(local(p).shape) for n, p in model.named_parameters()},
+                "counts": model.tokens_per_expert.clone(),
+            }
         results[name] = row
     torch.save(results, os.path.join(out_dir, f"rank_{rank}.pt"))
     dist.destroy_process_group()

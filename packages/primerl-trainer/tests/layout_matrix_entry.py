@@ -49,7 +49,9 @@ OPTIM = OptimizerConfig(lr=1e-3, max_grad_norm=1e6)  # no clipping: the gradient
 
 def layouts(world: int, spec: str) -> dict[str, tuple[int, int]]:
     """{name: (ep, cp)}: every pair dividing `world` for "all", else the named ones."""
-    every = {f"ep{ep}cp{cp}": (ep, cp) for ep in (1, 2, 4, 8) for cp in (1, 2, 4, 8) if world % ep == 0 and world % cp == 0}
+    every = {
+        f"ep{ep}cp{cp}": (ep, cp) for ep in (1, 2, 4, 8) for cp in (1, 2, 4, 8) if world % ep == 0 and world % cp == 0
+    }
     if spec == "all":
         return every
     return {name: every[name] for name in spec.split(",")}
@@ -63,16 +65,20 @@ def rl_rows(vocab: int) -> list[MicroBatch]:
     for i in range(ROWS):
         lengths = (rng.integers(4, 12, rng.integers(2, 4)) * 2 + 1).tolist()
         n, mask = sum(lengths), np.concatenate([np.r_[np.zeros(3, bool), np.ones(m - 3, bool)] for m in lengths])
-        rows.append(MicroBatch(
-            input_ids=rng.integers(3, vocab, n, dtype=np.int32),
-            loss_mask=mask,
-            inference_logprobs=np.where(mask, -np.log(vocab) + rng.normal(0, 0.1, n), 0.0).astype(np.float32),
-            advantages=np.repeat(rng.choice([-1.0, 1.0], len(lengths)), lengths).astype(np.float32),
-            temperatures=np.repeat(np.array([0.7, 1.0, 1.3])[np.arange(len(lengths)) % 3], lengths).astype(np.float32),
-            seq_lens=np.array(lengths, np.int32),
-            sample_ids=np.arange(len(lengths), dtype=np.int64) + 10 * i,
-            policy_steps=np.zeros(len(lengths), np.int32),
-        ))
+        rows.append(
+            MicroBatch(
+                input_ids=rng.integers(3, vocab, n, dtype=np.int32),
+                loss_mask=mask,
+                inference_logprobs=np.where(mask, -np.log(vocab) + rng.normal(0, 0.1, n), 0.0).astype(np.float32),
+                advantages=np.repeat(rng.choice([-1.0, 1.0], len(lengths)), lengths).astype(np.float32),
+                temperatures=np.repeat(np.array([0.7, 1.0, 1.3])[np.arange(len(lengths)) % 3], lengths).astype(
+                    np.float32
+                ),
+                seq_lens=np.array(lengths, np.int32),
+                sample_ids=np.arange(len(lengths), dtype=np.int64) + 10 * i,
+                policy_steps=np.zeros(len(lengths), np.int32),
+            )
+        )
     return rows
 
 
@@ -81,8 +87,14 @@ def sft_samples(vocab: int) -> list[Sample]:
     samples = []
     for i in range(SFT_SAMPLES):
         n = int(rng.integers(7, 24))
-        samples.append(Sample(sample_id=i, token_ids=rng.integers(3, vocab, n).tolist(),
-                              loss_mask=[False] * 3 + [True] * (n - 3), inference_logprobs=[0.0] * n))
+        samples.append(
+            Sample(
+                sample_id=i,
+                token_ids=rng.integers(3, vocab, n).tolist(),
+                loss_mask=[False] * 3 + [True] * (n - 3),
+                inference_logprobs=[0.0] * n,
+            )
+        )
     return samples
 
 
@@ -110,8 +122,11 @@ def reference(folder: Path, dtype: torch.dtype) -> dict:
             loss.backward()
             total += float(loss)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        out[job] = {"loss": total, "grad_norm": float(torch.nn.utils.get_total_norm(list(grads.values()))),
-                    "grads": grads}
+        out[job] = {
+            "loss": total,
+            "grad_norm": float(torch.nn.utils.get_total_norm(list(grads.values()))),
+            "grads": grads,
+        }
     return out
 
 
@@ -129,15 +144,26 @@ def capture_grads(s: Session, into: dict) -> None:
 
 
 def step(folder: Path, run_dir: Path, job: str, ep: int, cp: int) -> dict:
-    common = dict(model=ModelConfig(name=str(folder)), seq_len=64, max_steps=1, run_dir=str(run_dir),
-                  transport=TransportConfig(trainer_ranks=dist.get_world_size()), wandb=WandbConfig(mode="disabled"),
-                  trainer=TrainerConfig(dtype="float32", optimizer=OPTIM, loss=LOSS,
-                                        checkpoint=CheckpointConfig(interval=0), weights=WeightsConfig(dtype="float32"),
-                                        parallel=ParallelConfig(ep=ep, cp=cp)))
+    common = dict(
+        model=ModelConfig(name=str(folder)),
+        seq_len=64,
+        max_steps=1,
+        run_dir=str(run_dir),
+        transport=TransportConfig(trainer_ranks=dist.get_world_size()),
+        wandb=WandbConfig(mode="disabled"),
+        trainer=TrainerConfig(
+            dtype="float32",
+            optimizer=OPTIM,
+            loss=LOSS,
+            checkpoint=CheckpointConfig(interval=0),
+            weights=WeightsConfig(dtype="float32"),
+            parallel=ParallelConfig(ep=ep, cp=cp),
+        ),
+    )
     if job == "rl":
         s = Session(TrainerRunConfig(**common), job="rl")
         rows = rl_rows(s.args.vocab_size)
-        mine, loss_fn = rows[s.d.rank::s.d.world_size], rl_loss(LOSS, rl_scale(rows), s.d.device, s.mesh.cp_group)
+        mine, loss_fn = rows[s.d.rank :: s.d.world_size], rl_loss(LOSS, rl_scale(rows), s.d.device, s.mesh.cp_group)
     else:
         s = Session(SFTRunConfig(**common, data=SFTDataConfig(path="unused")), job="sft")
         mine, tokens = my_rows(sft_samples(s.args.vocab_size), SFT_ROW, s.d.rank, s.d.world_size)
@@ -146,8 +172,12 @@ def step(folder: Path, run_dir: Path, job: str, ep: int, cp: int) -> dict:
     capture_grads(s, grads)
     stats = s.train_step(mine, loss_fn)
     s.metrics.close()
-    return {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "grads": grads,
-            "mesh": (s.mesh.dp, s.mesh.cp, s.mesh.ep)}
+    return {
+        "loss": stats["loss"],
+        "grad_norm": stats["grad_norm"],
+        "grads": grads,
+        "mesh": (s.mesh.dp, s.mesh.cp, s.mesh.ep),
+    }
 
 
 def main(out: Path, spec: str, models: dict[str, Path]) -> None:
@@ -155,8 +185,10 @@ def main(out: Path, spec: str, models: dict[str, Path]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for family, folder in models.items():
-        row = {"ref": reference(folder, torch.float32) if rank == 0 else None,
-               "ref64": reference(folder, torch.float64) if rank == 0 else None}
+        row = {
+            "ref": reference(folder, torch.float32) if rank == 0 else None,
+            "ref64": reference(folder, torch.float64) if rank == 0 else None,
+        }
         for name, (ep, cp) in layouts(world, spec).items():
             row[name] = {job: step(folder, out / f"{family}-{name}-{job}", job, ep, cp) for job in ("rl", "sft")}
         results[family] = row

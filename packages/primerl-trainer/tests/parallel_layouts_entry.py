@@ -59,13 +59,17 @@ def micro_batch(seed: int, lengths: list[int], vocab: int) -> MicroBatch:
 def batches(vocab: int) -> list[list[MicroBatch]]:
     """2 rows per rank, each of 2-3 documents of 7-23 tokens."""
     rng = np.random.default_rng(7)
-    return [[micro_batch(10 * r + i, rng.integers(7, 24, rng.integers(2, 4)).tolist(), vocab) for i in range(2)]
-            for r in range(WORLD)]
+    return [
+        [micro_batch(10 * r + i, rng.integers(7, 24, rng.integers(2, 4)).tolist(), vocab) for i in range(2)]
+        for r in range(WORLD)
+    ]
 
 
 def scale_of(rows: list[list[MicroBatch]]) -> LossScale:
-    return LossScale(tokens=sum(int(mb.loss_mask.sum()) for r in rows for mb in r),
-                     sequences=sum(len(mb.seq_lens) for r in rows for mb in r))
+    return LossScale(
+        tokens=sum(int(mb.loss_mask.sum()) for r in rows for mb in r),
+        sequences=sum(len(mb.seq_lens) for r in rows for mb in r),
+    )
 
 
 def reference(folder: Path, rows: list[list[MicroBatch]]) -> dict:
@@ -85,16 +89,29 @@ def reference(folder: Path, rows: list[list[MicroBatch]]) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return {"losses": losses, "grad_norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
 def session(folder: Path, run_dir: Path, ep: int, cp: int) -> Session:
     cfg = TrainerRunConfig(
-        model=ModelConfig(name=str(folder)), seq_len=128, max_steps=STEPS, run_dir=str(run_dir),
-        transport=TransportConfig(trainer_ranks=WORLD), wandb=WandbConfig(mode="disabled"),
-        trainer=TrainerConfig(dtype="float32", optimizer=OPTIM, loss=LOSS, checkpoint=CheckpointConfig(interval=0),
-                              weights=WeightsConfig(dtype="float32"),
-                              parallel=ParallelConfig(ep=ep, cp=cp)),
+        model=ModelConfig(name=str(folder)),
+        seq_len=128,
+        max_steps=STEPS,
+        run_dir=str(run_dir),
+        transport=TransportConfig(trainer_ranks=WORLD),
+        wandb=WandbConfig(mode="disabled"),
+        trainer=TrainerConfig(
+            dtype="float32",
+            optimizer=OPTIM,
+            loss=LOSS,
+            checkpoint=CheckpointConfig(interval=0),
+            weights=WeightsConfig(dtype="float32"),
+            parallel=ParallelConfig(ep=ep, cp=cp),
+        ),
     )
     return Session(cfg, job="rl")
 
@@ -117,17 +134,23 @@ def main(out: Path, models: dict[str, Path]) -> None:
     results = {}
     for family, folder in models.items():
         rows = batches(load_model(folder, device="cpu").args.vocab_size)
-        row = {"ref": reference(folder, rows) if rank == 0 else None,
-               "checkpoint": load_model(folder, device="cpu").state_dict() if rank == 0 else None}
+        row = {
+            "ref": reference(folder, rows) if rank == 0 else None,
+            "checkpoint": load_model(folder, device="cpu").state_dict() if rank == 0 else None,
+        }
         for name, (ep, cp) in LAYOUTS.items():
             s = session(folder, out / f"{family}-{name}", ep, cp)
             loaded = s.publisher.gather(s.model)  # before any step: what a publish would write
             norms = []
             losses = train(s, rows, range(STEPS), norms)
             weights = s.publisher.gather(s.model)  # full tensors on rank 0 (what publishing writes)
-            row[name] = {"losses": losses, "grad_norms": norms, "weights": {k: v.float() for k, v in weights.items()},
-                         "loaded": loaded,
-                         "mesh": (s.mesh.dp, s.mesh.cp, s.mesh.ep)}
+            row[name] = {
+                "losses": losses,
+                "grad_norms": norms,
+                "weights": {k: v.float() for k, v in weights.items()},
+                "loaded": loaded,
+                "mesh": (s.mesh.dp, s.mesh.cp, s.mesh.ep),
+            }
         results[family] = row
     # Resume across layouts: 2 steps at one layout (checkpointed), the 3rd at another.
     family, folder = next(iter(models.items()))

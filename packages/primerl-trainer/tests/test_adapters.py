@@ -21,8 +21,9 @@ from primerl_trainer.lora import adapter_state_dict, apply_lora, merged_state_di
 from primerl_trainer.testing import draw_adapters
 from safetensors.torch import load_file, save_file
 
-SHAPE = TinyShape(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                  moe_intermediate_size=16)
+SHAPE = TinyShape(
+    vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, moe_intermediate_size=16
+)
 EVERY = ["*_proj", "in_proj*", "out_proj"]
 
 
@@ -52,10 +53,16 @@ def test_the_published_folder_holds_the_trainers_adapters_under_hf_names(tmp_pat
     an adapter, and each tensor is the trainer's own, bit for bit."""
     cfg = LoRAConfig(rank=4, alpha=8.0)
     model = adapted("qwen3", cfg)
-    publisher = AdapterPublisher(tmp_path / "run", model, cfg, "org/base-model", keep=2, dtype=torch.float32, d=single())
+    publisher = AdapterPublisher(
+        tmp_path / "run", model, cfg, "org/base-model", keep=2, dtype=torch.float32, d=single()
+    )
     ready = publisher.publish(model, 0)
     folder = Path(ready.location)
-    assert ready.format == ADAPTER and sorted(p.name for p in folder.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER]
+    assert ready.format == ADAPTER and sorted(p.name for p in folder.iterdir()) == [
+        ADAPTER_CONFIG,
+        ADAPTER_WEIGHTS,
+        MARKER,
+    ]
     meta = verify(folder, ready.checksum)
     assert format_of(meta) == ADAPTER and sorted(meta["files"]) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
     published = load_file(folder / ADAPTER_WEIGHTS)
@@ -64,8 +71,13 @@ def test_the_published_folder_holds_the_trainers_adapters_under_hf_names(tmp_pat
     for name, tensor in ours.items():
         assert torch.equal(published[f"base_model.model.model.{name}"], tensor), name
     config = json.loads((folder / ADAPTER_CONFIG).read_text())
-    assert {k: config[k] for k in ("peft_type", "r", "lora_alpha", "bias", "base_model_name_or_path")} == \
-        {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "bias": "none", "base_model_name_or_path": "org/base-model"}
+    assert {k: config[k] for k in ("peft_type", "r", "lora_alpha", "bias", "base_model_name_or_path")} == {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8.0,
+        "bias": "none",
+        "base_model_name_or_path": "org/base-model",
+    }
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     assert config["rank_pattern"] == {} and config["alpha_pattern"] == {}
     # the same folder contract as full weights: a later step, and the oldest pruned beyond `keep`
@@ -91,15 +103,19 @@ class SplitCheckpoint(Checkpoint):
         return out
 
 
-@pytest.mark.parametrize("family, fused", [
-    ("qwen3", {}),
-    ("glm4", {"gate_up_proj": 2}),  # HF's gate_up_proj is our gate_proj and up_proj
-    ("qwen3_5_text", {"q_proj": 2}),  # HF's q_proj holds our q_proj and the output gate, per head
-    ("qwen3_5", {"q_proj": 2}),  # the same in the released VLM layout (model.language_model.)
-    ("qwen3_moe", {}),
-    ("nemotron_h", {}),  # backbone. names, Mamba2 in_proj and out_proj
-    ("split", {}),  # one of ours is two HF tensors: B split by rows, A shared
-], ids=["qwen3", "glm4", "qwen3_5_text", "qwen3_5", "qwen3_moe", "nemotron_h", "split"])
+@pytest.mark.parametrize(
+    "family, fused",
+    [
+        ("qwen3", {}),
+        ("glm4", {"gate_up_proj": 2}),  # HF's gate_up_proj is our gate_proj and up_proj
+        ("qwen3_5_text", {"q_proj": 2}),  # HF's q_proj holds our q_proj and the output gate, per head
+        ("qwen3_5", {"q_proj": 2}),  # the same in the released VLM layout (model.language_model.)
+        ("qwen3_moe", {}),
+        ("nemotron_h", {}),  # backbone. names, Mamba2 in_proj and out_proj
+        ("split", {}),  # one of ours is two HF tensors: B split by rows, A shared
+    ],
+    ids=["qwen3", "glm4", "qwen3_5_text", "qwen3_5", "qwen3_moe", "nemotron_h", "split"],
+)
 def test_merging_the_published_adapter_onto_hf_weights_gives_the_trainers_merged_model(family, fused, tmp_path):
     cfg = LoRAConfig(rank=4, alpha=8.0, targets=EVERY)
     model = adapted("qwen3" if family == "split" else family, cfg)
@@ -134,8 +150,11 @@ def test_a_layout_other_than_rows_is_refused_naming_the_tensor():
             return out
 
     cfg = LoRAConfig(rank=4, alpha=8.0, targets=["o_proj"])
-    with pytest.raises(ValueError, match=r"stores model.layers.0.self_attn.o_proj.weight \(from our "
-                                         r"layers.0.self_attn.o_proj\) in another layout .*publish = \"merged\""):
+    with pytest.raises(
+        ValueError,
+        match=r"stores model.layers.0.self_attn.o_proj.weight \(from our "
+        r"layers.0.self_attn.o_proj\) in another layout .*publish = \"merged\"",
+    ):
         AdapterLayout.of(adapted("qwen3", cfg), Transposed().to_hf)
     # the same layer left out of the targets: nothing to refuse
     AdapterLayout.of(adapted("qwen3", LoRAConfig(rank=4, alpha=8.0, targets=["q_proj"])), Transposed().to_hf)
@@ -164,8 +183,9 @@ def test_export_merges_a_published_adapter_into_a_full_checkpoint_and_refuses_wh
     base = tmp_path / "base"
     save_hf(base_state(model), tiny_config("qwen3"), base)
     (base / "tokenizer_config.json").write_text('{"model_max_length": 64}')
-    ready = AdapterPublisher(tmp_path / "run", model, cfg, str(base), keep=2, dtype=torch.float32,
-                             d=single()).publish(model, 3)
+    ready = AdapterPublisher(tmp_path / "run", model, cfg, str(base), keep=2, dtype=torch.float32, d=single()).publish(
+        model, 3
+    )
     out = export_merged(base, ready.location, tmp_path / "merged")
     got = load_model(out).state_dict()
     for name, tensor in merged_state_dict(model).items():
@@ -176,8 +196,9 @@ def test_export_merges_a_published_adapter_into_a_full_checkpoint_and_refuses_wh
     with pytest.raises(ValueError, match="exists"):
         export_merged(base, ready.location, out)
     other = adapted("glm4", cfg)  # gate_up_proj: no such module in a Qwen3
-    other_ready = AdapterPublisher(tmp_path / "other", other, cfg, "glm", keep=2, dtype=torch.float32,
-                                   d=single()).publish(other, 0)
+    other_ready = AdapterPublisher(
+        tmp_path / "other", other, cfg, "glm", keep=2, dtype=torch.float32, d=single()
+    ).publish(other, 0)
     with pytest.raises(ValueError, match=f"was trained on 'glm' .*, not on '{base}'"):
         export_merged(base, other_ready.location, tmp_path / "wrong")
     with pytest.raises(ValueError, match="gate_up_proj has no weight in the base model"):  # whatever the names say

@@ -37,16 +37,31 @@ dist.destroy_process_group()
 def test_ranks_with_different_micro_batch_counts_both_refuse_the_step():
     port = free_port_block(1)
     cases = ["2,2", "2,1", "-1,3", "1,3"]
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, *cases], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, *cases],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={
+                **os.environ,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     for out in outs:  # both ranks decide the same
         lines = [line for line in out.splitlines() if line.startswith("step ")]
         assert lines[0] == "step 0: verdict 0.0"  # equal counts: train
-        assert lines[1].startswith("step 1: refused the batch for step 1: the ranks got different numbers of "
-                                   "micro-batches (rank 0: 2, rank 1: 1)")
+        assert lines[1].startswith(
+            "step 1: refused the batch for step 1: the ranks got different numbers of "
+            "micro-batches (rank 0: 2, rank 1: 1)"
+        )
         assert lines[2] == "step 2: verdict 1.0"  # a rank told to stop: everyone stops, nothing to refuse
         assert "(rank 0: 1, rank 1: 3)" in lines[3]

@@ -17,8 +17,9 @@ from primerl_trainer.testing import free_port_block
 @pytest.fixture
 def d(monkeypatch):
     """A one-rank gloo group in this process, torn down afterwards (environment restored)."""
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(free_port_block(1))).items():
+    for key, value in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_block(1))
+    ).items():
         monkeypatch.setenv(key, value)
     d = init_distributed(timeout_s=60)
     yield d
@@ -96,8 +97,11 @@ def test_a_chosen_checkpoint_that_fails_to_load_stops_the_trainer_naming_it(tmp_
     metadata.write_bytes(b"\0" * metadata.stat().st_size)
     ckpt = Checkpointer(tmp_path, 3, d)
     assert ckpt.latest().name == "step_7" == orchestrators_choice(tmp_path).name
-    with pytest.raises(SetupError, match=r"cannot resume from checkpoint \S*checkpoints/step_7 \(CheckpointException: "
-                                         r".*invalid load key.*move step_7 out of"):
+    with pytest.raises(
+        SetupError,
+        match=r"cannot resume from checkpoint \S*checkpoints/step_7 \(CheckpointException: "
+        r".*invalid load key.*move step_7 out of",
+    ):
         ckpt.load(ckpt.latest(), *parts())
 
 
@@ -105,7 +109,10 @@ def test_checkpoints_that_are_all_unusable_refuse_a_fresh_start(tmp_path, d):
     run_with_checkpoints(tmp_path, d)
     for step in (3, 7):
         (tmp_path / "checkpoints" / f"step_{step}" / "meta.json").write_text("not json")
-    with pytest.raises(SetupError, match=r"no checkpoint in \S*checkpoints can be resumed from \(step_7: .*step_3: .*refusing to start again from scratch"):
+    with pytest.raises(
+        SetupError,
+        match=r"no checkpoint in \S*checkpoints can be resumed from \(step_7: .*step_3: .*refusing to start again from scratch",
+    ):
         Checkpointer(tmp_path, 3, d).latest()
     assert Checkpointer(tmp_path / "fresh", 3, d).latest() is None  # no checkpoints at all: a fresh run
 

@@ -21,8 +21,9 @@ from primerl_trainer.testing import free_port_block
 @pytest.fixture
 def d(monkeypatch):
     """A one-rank gloo group in this process, torn down afterwards (environment restored)."""
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(free_port_block(1))).items():
+    for key, value in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_block(1))
+    ).items():
         monkeypatch.setenv(key, value)
     d = init_distributed(timeout_s=60)
     yield d
@@ -42,8 +43,12 @@ def parts(seed=0):
 
 def draws() -> tuple:
     """The next numbers of every RNG stream a checkpoint restores (each draw advances it)."""
-    return torch.rand(5).tolist(), np.random.rand(5).tolist(), np.random.randn(3).tolist(), \
-        [random.random() for _ in range(5)]
+    return (
+        torch.rand(5).tolist(),
+        np.random.rand(5).tolist(),
+        np.random.randn(3).tolist(),
+        [random.random() for _ in range(5)],
+    )
 
 
 def checkpoint(run_dir, d):

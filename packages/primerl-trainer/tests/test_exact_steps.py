@@ -72,6 +72,7 @@ TIMEOUT_S = 240
 
 # -- data ------------------------------------------------------------------------------------
 
+
 def make_sequences(seed: int, n: int, completion: tuple[int, int], vocab: int) -> list[dict]:
     """`n` samples with random prompt/completion lengths, tokens, advantages (one per sample),
     inference logprobs near the model's (about -log V) and a sampling temperature each."""
@@ -80,14 +81,16 @@ def make_sequences(seed: int, n: int, completion: tuple[int, int], vocab: int) -
     for _ in range(n):
         p, c = int(rng.integers(3, 7)), int(rng.integers(*completion))
         mask = np.r_[np.zeros(p, bool), np.ones(c, bool)]
-        out.append(dict(
-            input_ids=rng.integers(3, vocab, p + c).astype(np.int32),
-            loss_mask=mask,
-            inference_logprobs=np.where(mask, -rng.uniform(3.5, 5.5, p + c), 0.0).astype(np.float32),
-            advantages=np.full(p + c, rng.standard_normal(), np.float32),
-            temperatures=np.full(p + c, rng.choice([0.8, 1.0, 1.2]), np.float32),
-            sample_id=int(seed * 1000 + len(out)),
-        ))
+        out.append(
+            dict(
+                input_ids=rng.integers(3, vocab, p + c).astype(np.int32),
+                loss_mask=mask,
+                inference_logprobs=np.where(mask, -rng.uniform(3.5, 5.5, p + c), 0.0).astype(np.float32),
+                advantages=np.full(p + c, rng.standard_normal(), np.float32),
+                temperatures=np.full(p + c, rng.choice([0.8, 1.0, 1.2]), np.float32),
+                sample_id=int(seed * 1000 + len(out)),
+            )
+        )
     return out
 
 
@@ -97,8 +100,11 @@ def pack(seqs: list[dict]) -> MicroBatch:
         return build_micro_batch([])
     cat = lambda key: np.concatenate([s[key] for s in seqs])  # noqa: E731
     return MicroBatch(
-        input_ids=cat("input_ids"), loss_mask=cat("loss_mask"), inference_logprobs=cat("inference_logprobs"),
-        advantages=cat("advantages"), temperatures=cat("temperatures"),
+        input_ids=cat("input_ids"),
+        loss_mask=cat("loss_mask"),
+        inference_logprobs=cat("inference_logprobs"),
+        advantages=cat("advantages"),
+        temperatures=cat("temperatures"),
         seq_lens=np.array([len(s["input_ids"]) for s in seqs], np.int32),
         sample_ids=np.array([s["sample_id"] for s in seqs], np.int64),
         policy_steps=np.zeros(len(seqs), np.int32),
@@ -110,8 +116,14 @@ def train_batches(step: int, ranks: list[list[list[dict]]]) -> list[TrainBatch]:
     everything = [s for rank in ranks for mb in rank for s in mb]
     tokens = int(sum(s["loss_mask"].sum() for s in everything))
     return [
-        TrainBatch(step=step, rank=r, num_ranks=len(ranks), micro_batches=[pack(mb) for mb in mbs],
-                   num_loss_tokens=tokens, num_sequences=len(everything))
+        TrainBatch(
+            step=step,
+            rank=r,
+            num_ranks=len(ranks),
+            micro_batches=[pack(mb) for mb in mbs],
+            num_loss_tokens=tokens,
+            num_sequences=len(everything),
+        )
         for r, mbs in enumerate(ranks)
     ]
 
@@ -132,6 +144,7 @@ def step1_split(vocab: int) -> list[list[list[dict]]]:
 
 
 # -- the reference: one plain process --------------------------------------------------------
+
 
 def reference_logprobs(model, s: dict) -> torch.Tensor:
     """pi[t] = log p(token t | tokens < t) at token t's temperature, 0 at t = 0."""
@@ -185,8 +198,9 @@ TRAINER = TrainerConfig(
 def run(tmp: Path, name: str, model_dir: Path, run_dir: Path, ranks: int, max_steps: int, feed) -> tuple[list, str]:
     """Launch the trainer on `ranks` ranks; `feed(orch)` talks to it; returns what feed returns and the log."""
     port = free_port_block(ranks + 1)
-    cfg = write_trainer_config(tmp / f"{name}.toml", model_dir, run_dir, port, max_steps, TRAINER,
-                               recv_timeout_s=TIMEOUT_S)
+    cfg = write_trainer_config(
+        tmp / f"{name}.toml", model_dir, run_dir, port, max_steps, TRAINER, recv_timeout_s=TIMEOUT_S
+    )
     log_file = tmp / f"{name}.log"
     orch = FakeOrchestrator("127.0.0.1", port + 1, port, ranks)
     proc = launch_trainer(cfg, ranks, log_file)
@@ -238,7 +252,8 @@ def runs(tmp_path_factory):
         return [restored, restored_exists, restored_state, orch.wait_policy()]
 
     (restored, restored_exists, restored_state, ready_b), log_b = run(
-        tmp, "b", model_dir, run_dir, ranks=1, max_steps=2, feed=feed_b)
+        tmp, "b", model_dir, run_dir, ranks=1, max_steps=2, feed=feed_b
+    )
 
     # The reference: one process, both steps, all the data.
     model = load_model(model_dir)
@@ -254,10 +269,21 @@ def runs(tmp_path_factory):
     ref_weights1 = {k: v.clone() for k, v in model.state_dict().items()}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return dict(
-        run_dir=run_dir, split0=split0, rows=rows, log_a=log_a, log_b=log_b, ckpt_a=ckpt_a,
-        weights_a=weights_a, ready_a=ready_a[0], restored=restored, restored_exists=restored_exists,
-        restored_state=restored_state, ready_b=ready_b, initial=initial,
-        ref=(ref0, ref1), ref_weights=(ref_weights0, ref_weights1),
+        run_dir=run_dir,
+        split0=split0,
+        rows=rows,
+        log_a=log_a,
+        log_b=log_b,
+        ckpt_a=ckpt_a,
+        weights_a=weights_a,
+        ready_a=ready_a[0],
+        restored=restored,
+        restored_exists=restored_exists,
+        restored_state=restored_state,
+        ready_b=ready_b,
+        initial=initial,
+        ref=(ref0, ref1),
+        ref_weights=(ref_weights0, ref_weights1),
     )
 
 
@@ -273,12 +299,16 @@ def assert_weights_close(got: dict, want: dict, before: dict, denom: dict, lr: f
         i = int((diff / tol).argmax())
         if float((diff / tol).flatten()[i]) > worst:
             worst = float((diff / tol).flatten()[i])
-            where = (f"{k}[{i}]: {float(got[k].flatten()[i]):.9g} vs {float(want[k].flatten()[i]):.9g} "
-                     f"(was {float(before[k].flatten()[i]):.9g}, sqrt(v) {float(denom[k].flatten()[i]):.3g})")
+            where = (
+                f"{k}[{i}]: {float(got[k].flatten()[i]):.9g} vs {float(want[k].flatten()[i]):.9g} "
+                f"(was {float(before[k].flatten()[i]):.9g}, sqrt(v) {float(denom[k].flatten()[i]):.3g})"
+            )
         tight, total = tight + int((tol <= 1e-6).sum()), total + diff.numel()
         moved = float((want[k] - before[k]).abs().max())
         assert moved > lr / 10, f"{what}: the reference step hardly moved {k} ({moved:.3g}): the comparison is void"
-    assert worst <= 1.0, f"{what}: weights differ from the single-process reference by up to {worst:.3g}x the tolerance, at {where}"
+    assert worst <= 1.0, (
+        f"{what}: weights differ from the single-process reference by up to {worst:.3g}x the tolerance, at {where}"
+    )
     assert tight >= 0.9 * total, f"{what}: only {tight} of {total} elements are held to 1e-6 or better"
 
 
@@ -294,8 +324,9 @@ def test_unequal_token_counts_train_like_one_process_on_the_union(runs):
     assert row["step"] == 0 and row["trainer/lr"] == pytest.approx(LR / 2, rel=1e-12)
     assert row["trainer/loss"] == pytest.approx(loss, rel=RTOL, abs=1e-7), (row["trainer/loss"], loss)
     assert row["trainer/grad_norm"] == pytest.approx(norm, rel=RTOL), (row["trainer/grad_norm"], norm)
-    assert_weights_close(runs["weights_a"], runs["ref_weights"][0], runs["initial"], runs["ref"][0][2], LR / 2,
-                         "step 0 (2 ranks)")
+    assert_weights_close(
+        runs["weights_a"], runs["ref_weights"][0], runs["initial"], runs["ref"][0][2], LR / 2, "step 0 (2 ranks)"
+    )
     assert runs["ckpt_a"]["world_size"] == 2
 
 
@@ -318,8 +349,14 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint_continues_the_same_run(ru
     final = runs["ready_b"]
     assert final.step == 1 and Path(final.location).is_dir(), final
     assert verify(final.location)["checksum"] == final.checksum
-    assert_weights_close(state_of(final.location), runs["ref_weights"][1], runs["weights_a"],
-                         runs["ref"][1][2], LR, "step 1 (resumed on 1 rank)")
+    assert_weights_close(
+        state_of(final.location),
+        runs["ref_weights"][1],
+        runs["weights_a"],
+        runs["ref"][1][2],
+        LR,
+        "step 1 (resumed on 1 rank)",
+    )
     # checkpoint.keep = 1: step 1's checkpoint replaced step 0's
     assert sorted(p.name for p in (runs["run_dir"] / "checkpoints").iterdir()) == ["step_1"]
 

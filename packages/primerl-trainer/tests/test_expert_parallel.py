@@ -31,7 +31,7 @@ def test_expert_parallel_equals_one_rank_with_every_expert(ranks, family):
             if ".experts." in f".{name}":
                 # [2, ...] of the [4, ...] stacked weight: rank r keeps experts 2r, 2r + 1
                 assert ep["shapes"][name][0] == 2 and ref["shapes"][name][0] == 4
-                expected = sum(r["ref"]["grads"][name] for r in rows)[2 * rank:2 * rank + 2]
+                expected = sum(r["ref"]["grads"][name] for r in rows)[2 * rank : 2 * rank + 2]
                 torch.testing.assert_close(grad, expected, atol=1e-5, rtol=0)
             else:  # router (and shared expert): this rank's own tokens only, as on one rank
                 torch.testing.assert_close(grad, ref["grads"][name], atol=1e-5, rtol=0)

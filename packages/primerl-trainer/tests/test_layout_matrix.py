@@ -35,8 +35,14 @@ from primerl_trainer.testing import free_port_block, run_on_ranks
 ENTRY = Path(__file__).with_name("layout_matrix_entry.py")
 FAMILIES = {
     "qwen3_moe": dict(hidden_size=32, init_std=0.2, seed=1),
-    "glm4_moe": dict(hidden_size=32, num_layers=3, init_std=0.2, seed=2, router_bias_std=0.1,
-                     config_overrides={"n_group": 2, "topk_group": 1, "first_k_dense_replace": 1}),
+    "glm4_moe": dict(
+        hidden_size=32,
+        num_layers=3,
+        init_std=0.2,
+        seed=2,
+        router_bias_std=0.1,
+        config_overrides={"n_group": 2, "topk_group": 1, "first_k_dense_replace": 1},
+    ),
     "gpt_oss": dict(hidden_size=32, init_std=0.2, seed=3),
 }
 FAST = ("ep2cp1", "ep1cp2")
@@ -122,18 +128,30 @@ def _sft(models, tmp_path: Path, name: str, ranks: int | None, *overrides: str) 
     without torchrun) on GLM-4.5: its metrics.jsonl row."""
     data = tmp_path / "data.jsonl"
     if not data.exists():
-        data.write_text("\n".join(json.dumps({"prompt": "abc"[: 1 + i % 3] * (i + 1), "completion": "xyz" * (i % 4 + 1)})
-                                  for i in range(12)))
+        data.write_text(
+            "\n".join(
+                json.dumps({"prompt": "abc"[: 1 + i % 3] * (i + 1), "completion": "xyz" * (i % 4 + 1)})
+                for i in range(12)
+            )
+        )
     run_dir = tmp_path / name
     cfg = tmp_path / f"{name}.toml"
-    cfg.write_text(f"""seq_len = 64\nmax_steps = 1\nrun_dir = "{run_dir}"\n[model]\nname = "{models['glm4_moe']}"
+    cfg.write_text(f"""seq_len = 64\nmax_steps = 1\nrun_dir = "{run_dir}"\n[model]\nname = "{models["glm4_moe"]}"
 [wandb]\nmode = "disabled"\n[data]\npath = "{data}"\nbatch_size = 12\nshuffle = false
 [trainer]\ndtype = "float32"\n[trainer.weights]\ndtype = "float32"\n[trainer.optimizer]\nmax_grad_norm = 1e6\n""")
     args = ["@", str(cfg), *overrides]
-    launcher = ([] if ranks is None else
-                ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port_block(1)}"])
-    out = subprocess.run([sys.executable, *launcher, "-m", "primerl.sft_entry", *args], capture_output=True, text=True,
-                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    launcher = (
+        []
+        if ranks is None
+        else ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port_block(1)}"]
+    )
+    out = subprocess.run(
+        [sys.executable, *launcher, "-m", "primerl.sft_entry", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     return {"loss": row["trainer/loss"], "grad_norm": row["trainer/grad_norm"]}

@@ -12,8 +12,17 @@ from torch import nn
 
 
 def tiny(family="qwen3", seed=0):
-    cfg = FAMILIES[family].tiny_config(TinyShape(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4,
-                                                 num_kv_heads=2, head_dim=8, moe_intermediate_size=16))
+    cfg = FAMILIES[family].tiny_config(
+        TinyShape(
+            vocab_size=48,
+            hidden_size=32,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            moe_intermediate_size=16,
+        )
+    )
     model = Transformer(FAMILIES[family].args_from_hf(cfg))
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(seed))
     return model
@@ -103,11 +112,27 @@ def test_a_vision_tower_is_never_adapted_and_stays_frozen():
     from primerl_models import Transformer
     from primerl_models.families import family_for
 
-    text = transformers.Qwen3_5TextConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                                          head_dim=16, num_key_value_heads=2, num_hidden_layers=2,
-                                          layer_types=["linear_attention", "full_attention"])
-    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=2,
-                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+    text = transformers.Qwen3_5TextConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        head_dim=16,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=2,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        num_position_embeddings=16,
+    )
     cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=90).to_dict()
     with torch.device("meta"):
         model = Transformer(family_for(cfg).args_from_hf(cfg))
@@ -144,10 +169,13 @@ def test_adapted_experts_are_the_merged_experts_and_their_gradients_go_through_a
             if not w.startswith("w_"):
                 continue
             a, b, g_w = getattr(m, f"lora_A_{w}"), getattr(m, f"lora_B_{w}"), getattr(ref, w).grad
-            for got, want in ((a.grad, 2.0 * g_w @ b.detach().transpose(1, 2)),
-                              (b.grad, 2.0 * a.detach().transpose(1, 2) @ g_w)):
-                torch.testing.assert_close(got, want, atol=1e-5 * max(1.0, float(want.abs().max())), rtol=0,
-                                           msg=f"{name}.{w}")
+            for got, want in (
+                (a.grad, 2.0 * g_w @ b.detach().transpose(1, 2)),
+                (b.grad, 2.0 * a.detach().transpose(1, 2) @ g_w),
+            ):
+                torch.testing.assert_close(
+                    got, want, atol=1e-5 * max(1.0, float(want.abs().max())), rtol=0, msg=f"{name}.{w}"
+                )
             moved += int(not torch.equal(getattr(ref, w), getattr(m, w)))
     assert moved == sum(1 for _, m in experts for w, _ in m.named_parameters(recurse=False) if w.startswith("w_"))
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)

@@ -5,8 +5,10 @@ from primerl_protocol.config import WandbConfig
 from primerl_protocol.rundir import WANDB_ID
 from primerl_trainer.metrics import MetricsLogger
 
-OWN = {"trainer": {"optimizer": {"lr": 1e-5}},
-       "transport": {"sockets": {"curve": {"server_secret": "S3CRET-SERVER", "client_secret": "S3CRET-CLIENT"}}}}
+OWN = {
+    "trainer": {"optimizer": {"lr": 1e-5}},
+    "transport": {"sockets": {"curve": {"server_secret": "S3CRET-SERVER", "client_secret": "S3CRET-CLIENT"}}},
+}
 
 
 def open_run(run_dir, config=OWN):
@@ -22,11 +24,28 @@ def test_every_metric_is_logged_under_a_namespace(tmp_path, caplog):
 
     logger = MetricsLogger(tmp_path, WandbConfig(mode="disabled"), OWN, is_main=True)
     with caplog.at_level(logging.INFO, logger="primerl.trainer"):
-        logger.log(3, {"loss": 0.25, "grad_norm": 1.5, "mfu": None, "time/fwd_bwd": 0.5, "time/wait_rollouts": 2.0,
-                       "reward/mean": 0.75, "moe/max_load": 1.25})
+        logger.log(
+            3,
+            {
+                "loss": 0.25,
+                "grad_norm": 1.5,
+                "mfu": None,
+                "time/fwd_bwd": 0.5,
+                "time/wait_rollouts": 2.0,
+                "reward/mean": 0.75,
+                "moe/max_load": 1.25,
+            },
+        )
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
-    assert row == {"step": 3, "trainer/loss": 0.25, "trainer/grad_norm": 1.5, "time/fwd_bwd": 0.5,
-                   "time/wait_rollouts": 2.0, "reward/mean": 0.75, "moe/max_load": 1.25}
+    assert row == {
+        "step": 3,
+        "trainer/loss": 0.25,
+        "trainer/grad_norm": 1.5,
+        "time/fwd_bwd": 0.5,
+        "time/wait_rollouts": 2.0,
+        "reward/mean": 0.75,
+        "moe/max_load": 1.25,
+    }
     assert "step 3 | loss 0.2500 | grad 1.500 | fwd_bwd 0.50s" in caplog.text
 
 
@@ -48,7 +67,8 @@ def test_the_wandb_config_is_the_whole_runs_and_holds_no_secret(tmp_path):
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "rl.toml").write_text(
         '[orchestrator]\ngroup_size = 8\n[inference]\nadmin_token = "T0KEN-VALUE"\n'
-        '[transport.sockets.curve]\nserver_secret = "S3CRET-SERVER"\n')
+        '[transport.sockets.curve]\nserver_secret = "S3CRET-SERVER"\n'
+    )
     logger = open_run(tmp_path)
     config = dict(logger.run.config)
     logger.close()
@@ -67,17 +87,40 @@ def test_the_orchestrators_samples_become_the_steps_wandb_table(tmp_path):
 
     from primerl_protocol.rollouts import RolloutSample
 
-    rows = [RolloutSample(step=10, policy_step=9, env="toy", group_id=3, sample_id=24 + i, prompt="say 1",
-                          completion=reply, reward=float(i == 0), rewards={"reward/exact": float(i == 0)},
-                          advantage=[1.0, -1.0][i], completion_tokens=2) for i, reply in enumerate(["1", "2"])]
+    rows = [
+        RolloutSample(
+            step=10,
+            policy_step=9,
+            env="toy",
+            group_id=3,
+            sample_id=24 + i,
+            prompt="say 1",
+            completion=reply,
+            reward=float(i == 0),
+            rewards={"reward/exact": float(i == 0)},
+            advantage=[1.0, -1.0][i],
+            completion_tokens=2,
+        )
+        for i, reply in enumerate(["1", "2"])
+    ]
     logger = open_run(tmp_path)
     logger.log(9, {"loss": 1.0})
     logger.log(10, {"loss": 0.5}, rows)
     logger.close()
     (table,) = tmp_path.glob("wandb/offline-run-*/files/media/table/samples_*.table.json")  # step 10 alone had samples
     data = json.loads(table.read_text())
-    assert data["columns"][:8] == ["step", "policy_step", "env", "group_id", "sample_id", "prompt", "completion",
-                                   "reward"]
+    assert data["columns"][:8] == [
+        "step",
+        "policy_step",
+        "env",
+        "group_id",
+        "sample_id",
+        "prompt",
+        "completion",
+        "reward",
+    ]
     got = [dict(zip(data["columns"], row)) for row in data["data"]]
     assert [(r["sample_id"], r["completion"], r["advantage"], json.loads(r["rewards"])) for r in got] == [
-        (24, "1", 1.0, {"reward/exact": 1.0}), (25, "2", -1.0, {"reward/exact": 0.0})]
+        (24, "1", 1.0, {"reward/exact": 1.0}),
+        (25, "2", -1.0, {"reward/exact": 0.0}),
+    ]

@@ -25,9 +25,16 @@ def ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
     models = {
         "qwen3_moe": build_tiny_model(root / "qwen3_moe", "qwen3_moe", hidden_size=32, init_std=0.2, seed=1),
-        "glm4_moe": build_tiny_model(root / "glm4_moe", "glm4_moe", hidden_size=32, num_layers=3, init_std=0.2,
-                                     seed=2, router_bias_std=0.1,
-                                     config_overrides={"n_group": 2, "topk_group": 1, "first_k_dense_replace": 1}),
+        "glm4_moe": build_tiny_model(
+            root / "glm4_moe",
+            "glm4_moe",
+            hidden_size=32,
+            num_layers=3,
+            init_std=0.2,
+            seed=2,
+            router_bias_std=0.1,
+            config_overrides={"n_group": 2, "topk_group": 1, "first_k_dense_replace": 1},
+        ),
     }
     return run_on_ranks(ENTRY, root, num_ranks=4, args=tuple(f"{k}={v}" for k, v in models.items()))
 

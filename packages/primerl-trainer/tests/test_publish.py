@@ -49,8 +49,7 @@ def draw(model, g: torch.Generator) -> None:
 def test_merged_lora_published_in_bf16_rounds_each_weight_once(tmp_path):
     folder = build_tiny_model(tmp_path / "src", "qwen3_moe", hidden_size=32, num_layers=1)
     model = load_model(folder)
-    apply_lora(model, LoRAConfig(rank=RANK, alpha=ALPHA, targets=["q_proj", "o_proj"], experts=True,
-                                 publish="merged"))
+    apply_lora(model, LoRAConfig(rank=RANK, alpha=ALPHA, targets=["q_proj", "o_proj"], experts=True, publish="merged"))
     draw(model, torch.Generator().manual_seed(0))
     adapted = weights_and_deltas(model)
     assert any(".experts." in n for n in adapted) and any(n.endswith("q_proj.weight") for n in adapted)
@@ -66,9 +65,11 @@ def test_merged_lora_published_in_bf16_rounds_each_weight_once(tmp_path):
     expected, twice = {}, {}
     for name, (w, delta) in weights_and_deltas(model).items():
         expected[name] = (w + delta).to(BF16)
-        forms = [(w.to(BF16) + delta.to(BF16)).to(BF16),  # both rounded, summed in bf16
-                 (w.to(BF16).float() + delta).to(BF16),  # W rounded first
-                 (w + delta.to(BF16).float()).to(BF16)]  # delta rounded first
+        forms = [
+            (w.to(BF16) + delta.to(BF16)).to(BF16),  # both rounded, summed in bf16
+            (w.to(BF16).float() + delta).to(BF16),  # W rounded first
+            (w + delta.to(BF16).float()).to(BF16),
+        ]  # delta rounded first
         # each twice-rounded form differs from the once-rounded one somewhere: the test can tell them apart
         assert all(not torch.equal(f, expected[name]) for f in forms), name
         twice[name] = forms[0]
@@ -82,5 +83,6 @@ def test_merged_lora_published_in_bf16_rounds_each_weight_once(tmp_path):
     assert want and not any("lora" in k for k in published)
     for name, tensor in want.items():
         assert published[name].dtype == BF16, name
-        assert torch.equal(published[name], tensor), \
+        assert torch.equal(published[name], tensor), (
             f"{name}: {int((published[name] != tensor).sum())} of {tensor.numel()} elements are not bf16(W + delta)"
+        )

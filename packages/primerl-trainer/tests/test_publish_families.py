@@ -14,9 +14,22 @@ from primerl_trainer.publish import FolderPublisher
 from safetensors.torch import load_file, save_file
 
 GLM_MOE = transformers.Glm4MoeConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
-    n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, num_nextn_predict_layers=1, pad_token_id=0,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    num_nextn_predict_layers=1,
+    pad_token_id=0,
 )
 
 
@@ -36,9 +49,16 @@ def test_published_bf16_weights_keep_fp32_biases_and_carry_the_mtp_layer(tmp_pat
     hf.save_pretrained(src)
     mtp = {"model.layers.2.eh_proj.weight": torch.randn(32, 64), "model.layers.2.enorm.weight": torch.randn(32)}
     save_file(mtp, src / "model-mtp.safetensors")
-    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        **{name: "model.safetensors" for name in load_file(src / "model.safetensors")},
-        **{name: "model-mtp.safetensors" for name in mtp}}}))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    **{name: "model.safetensors" for name in load_file(src / "model.safetensors")},
+                    **{name: "model-mtp.safetensors" for name in mtp},
+                }
+            }
+        )
+    )
     source = tensors(src)
     d = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     publisher = FolderPublisher(tmp_path / "run", src, read_config(src), 2, torch.bfloat16, d)

@@ -15,8 +15,9 @@ from primerl_trainer.testing import free_port_block
 
 @pytest.fixture
 def d(monkeypatch):
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(free_port_block(1))).items():
+    for key, value in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_block(1))
+    ).items():
         monkeypatch.setenv(key, value)
     d = init_distributed(timeout_s=60)
     yield d

@@ -37,13 +37,26 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", hidden_size=64, num_layers=2, init_std=0.05)
 
 
-TRAINER = TrainerConfig(dtype="float32", optimizer=OptimizerConfig(lr=3e-3), checkpoint=CheckpointConfig(interval=3, keep=5),
-                        weights=WeightsConfig(dtype="float32", keep=2))
+TRAINER = TrainerConfig(
+    dtype="float32",
+    optimizer=OptimizerConfig(lr=3e-3),
+    checkpoint=CheckpointConfig(interval=3, keep=5),
+    weights=WeightsConfig(dtype="float32", keep=2),
+)
 
 
 @contextlib.contextmanager
-def trainer_running(tmp_path, model_dir, run_dir, max_steps, name="trainer", entry=("-m", "primerl.trainer_entry"),
-                    env=None, trainer=TRAINER, **extra):
+def trainer_running(
+    tmp_path,
+    model_dir,
+    run_dir,
+    max_steps,
+    name="trainer",
+    entry=("-m", "primerl.trainer_entry"),
+    env=None,
+    trainer=TRAINER,
+    **extra,
+):
     """The trainer under torchrun (output in `tmp_path/name.log`) and the fake orchestrator it
     talks to; killed if it still runs at the end."""
     port = free_port_block(RANKS + 1)
@@ -138,15 +151,27 @@ def test_published_weights_load_in_transformers_with_the_trainer_logits(straight
     ids = torch.randint(0, 98, (1, 20))
     with torch.no_grad():
         ours.load_state_dict(trainer_state)
-        torch.testing.assert_close(hf(input_ids=ids).logits, ours.logits(ids, torch.arange(20)[None]), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            hf(input_ids=ids).logits, ours.logits(ids, torch.arange(20)[None]), atol=1e-4, rtol=0
+        )
 
 
 @pytest.mark.slow
 def test_metrics_go_to_jsonl_and_offline_wandb(straight_run):
     run_dir, _, log = straight_run
     first = metrics(run_dir)[0]
-    for key in ("trainer/loss", "trainer/mismatch_kl", "trainer/entropy", "trainer/grad_norm", "trainer/lr",
-                "trainer/tokens_per_s", "time/fwd_bwd", "time/publish", "time/data", "time/optimizer"):
+    for key in (
+        "trainer/loss",
+        "trainer/mismatch_kl",
+        "trainer/entropy",
+        "trainer/grad_norm",
+        "trainer/lr",
+        "trainer/tokens_per_s",
+        "time/fwd_bwd",
+        "time/publish",
+        "time/data",
+        "time/optimizer",
+    ):
         assert key in first, key
     # one scheme (docs/metrics.md): every key has a namespace of the documented list
     assert {k.split("/")[0] for k in first if k != "step"} <= set(NAMESPACES), sorted(first)
@@ -169,15 +194,20 @@ def test_validate_batch_names_the_problem_and_the_sample():
     assert problem(step=2) == "got a batch for step 2 while expecting step 0: a step was skipped"
     assert problem(rank=0) == "batch for rank 0 of 2 arrived at rank 1 of 2"
     assert problem(change=lambda mb: mb.input_ids.__setitem__(3, 5000)) == (
-        "micro-batch 1, sample 1100: token id 5000 is outside the vocabulary [0, 98)")
+        "micro-batch 1, sample 1100: token id 5000 is outside the vocabulary [0, 98)"
+    )
     assert problem(change=lambda mb: mb.advantages.__setitem__(17, np.nan)) == (
-        "micro-batch 1, sample 1101: advantages holds nan at token 17, not a finite number")
+        "micro-batch 1, sample 1101: advantages holds nan at token 17, not a finite number"
+    )
     assert problem(change=lambda mb: mb.inference_logprobs.__setitem__(8, -np.inf)) == (
-        "micro-batch 1, sample 1100: inference_logprobs holds -inf at token 8, not a finite number")
+        "micro-batch 1, sample 1100: inference_logprobs holds -inf at token 8, not a finite number"
+    )
     assert problem(change=lambda mb: mb.temperatures.__setitem__(20, 0.0)) == (
-        "micro-batch 1, sample 1101: temperatures holds 0.0 at token 20, not a positive finite number")
+        "micro-batch 1, sample 1101: temperatures holds 0.0 at token 20, not a positive finite number"
+    )
     assert problem(change=lambda mb: mb.loss_mask.__setitem__(16, True)) == (
-        "micro-batch 1, sample 1101: its first token is marked for training but has no context")
+        "micro-batch 1, sample 1101: its first token is marked for training but has no context"
+    )
     empty = synthetic_batches(0, RANKS, 98)[1]
     empty.micro_batches = []
     assert validate_batch(empty, 0, d, 98, 64) == "batch for step 0 has no micro-batches"
@@ -198,24 +228,35 @@ def test_validate_batch_checks_each_samples_images_against_its_image_tokens():
         ids = np.concatenate([np.array(x, np.int32) for x in ids_of_samples])
         fields = {name: getattr(mb, name) for name in mb.__struct_fields__}
         n, lens = len(ids), np.array([len(x) for x in ids_of_samples], np.int32)
-        fields |= dict(input_ids=ids, loss_mask=np.zeros(n, bool), inference_logprobs=np.zeros(n, np.float32),
-                       advantages=np.zeros(n, np.float32), temperatures=np.ones(n, np.float32), seq_lens=lens,
-                       sample_ids=np.arange(len(lens), dtype=np.int64) + 10, policy_steps=np.zeros(len(lens), np.int32),
-                       image_sizes=np.array(sizes, np.int32).reshape(-1, 2),
-                       image_pixels=np.zeros(sum(h * w * 3 for h, w in sizes), np.uint8))
+        fields |= dict(
+            input_ids=ids,
+            loss_mask=np.zeros(n, bool),
+            inference_logprobs=np.zeros(n, np.float32),
+            advantages=np.zeros(n, np.float32),
+            temperatures=np.ones(n, np.float32),
+            seq_lens=lens,
+            sample_ids=np.arange(len(lens), dtype=np.int64) + 10,
+            policy_steps=np.zeros(len(lens), np.int32),
+            image_sizes=np.array(sizes, np.int32).reshape(-1, 2),
+            image_pixels=np.zeros(sum(h * w * 3 for h, w in sizes), np.uint8),
+        )
         batch.micro_batches = [type(mb)(**fields)]
         return validate_batch(batch, 0, d, 98, 64, vision, cp)
 
     assert problem([[1, 97, 97, 2], [3, 97, 97, 4, 97, 97]], [(32, 64), (32, 64), (64, 32)]) is None
     assert problem([[1, 97, 97, 2]], [(32, 64)], vision=None) == (
-        "micro-batch 0, the row holds 1 images but the model has no vision tower")
+        "micro-batch 0, the row holds 1 images but the model has no vision tower"
+    )
     assert problem([[1, 97, 97, 2], [3, 4]], [(32, 64), (32, 64)]) == (
-        "micro-batch 0, the row holds 2 images but its samples have 1 runs of image tokens")
+        "micro-batch 0, the row holds 2 images but its samples have 1 runs of image tokens"
+    )
     assert problem([[1, 97, 2], [3, 97, 97]], [(32, 64), (32, 64)]) == (
-        "micro-batch 0, sample 10: image 1 (32 x 64 pixels) makes 2 image tokens but its run has 1")
+        "micro-batch 0, sample 10: image 1 (32 x 64 pixels) makes 2 image tokens but its run has 1"
+    )
     assert problem([[1, 97, 97, 2]], [(32, 64)], cp=2) == (
         "micro-batch 0 holds images, and rows with images are not split over context-parallel ranks yet: "
-        "set trainer.parallel.cp = 1 (it is 2)")
+        "set trainer.parallel.cp = 1 (it is 2)"
+    )
 
 
 @pytest.mark.slow
@@ -254,8 +295,15 @@ def test_a_full_disk_on_rank_0_stops_every_rank_and_tells_the_orchestrator(tmp_p
     both must stop (not wait in a barrier, or for a batch, for half an hour)."""
     run_dir = tmp_path / "run"
     entry = (str(Path(__file__).with_name("faulty_trainer_entry.py")),)
-    with trainer_running(tmp_path, model_dir, run_dir, max_steps=10, entry=entry, recv_timeout_s=600,
-                         env={"PRIMERL_TEST_FULL_DISK_AT_WRITE": "2"}) as (proc, orch):
+    with trainer_running(
+        tmp_path,
+        model_dir,
+        run_dir,
+        max_steps=10,
+        entry=entry,
+        recv_timeout_s=600,
+        env={"PRIMERL_TEST_FULL_DISK_AT_WRITE": "2"},
+    ) as (proc, orch):
         for step in range(2):
             orch.send(synthetic_batches(step, RANKS, 98))
         assert orch.wait_policy().step == 0
@@ -290,6 +338,7 @@ def test_non_finite_and_empty_steps_move_no_weights_and_publish_nothing_new(tmp_
     and momentum would still move the weights). Neither may take an optimizer step or publish
     new weights; step 3 trains as if they never happened (the batch is the same every step, so
     its loss equals the straight run's step 1)."""
+
     def feed(step, orch):
         batches = synthetic_batches(step, RANKS, 98)
         for b in batches:
@@ -307,13 +356,21 @@ def test_non_finite_and_empty_steps_move_no_weights_and_publish_nothing_new(tmp_
     assert [r.step for r in ready] == [0, 1, 2, 3]
     for r in ready[1:3]:  # announced again
         assert (r.location, r.checksum) == (ready[0].location, ready[0].checksum)
-    assert not (tmp_path / "run" / "weights" / "step_1").exists() and not (tmp_path / "run" / "weights" / "step_2").exists()
+    assert (
+        not (tmp_path / "run" / "weights" / "step_1").exists()
+        and not (tmp_path / "run" / "weights" / "step_2").exists()
+    )
     rows = metrics(tmp_path / "run")
     assert not math.isfinite(rows[1]["trainer/loss"]) and "step skipped: the loss is not finite" in log
     assert [m["trainer/step_skipped"] for m in rows] == [0, 1, 0, 0] and rows[-1]["trainer/steps_skipped"] == 1
     assert [m["trainer/step_empty"] for m in rows] == [0, 0, 1, 0]
     straight = metrics(straight_run[0])
-    np.testing.assert_allclose([rows[0]["trainer/loss"], rows[3]["trainer/loss"]], [straight[0]["trainer/loss"], straight[1]["trainer/loss"]], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(
+        [rows[0]["trainer/loss"], rows[3]["trainer/loss"]],
+        [straight[0]["trainer/loss"], straight[1]["trainer/loss"]],
+        atol=1e-6,
+        rtol=0,
+    )
     assert rows[3]["trainer/lr"] == straight[1]["trainer/lr"]  # the schedule did not move either
     final = load_model(ready[3].location)
     assert all(bool(torch.isfinite(t).all()) for t in final.state_dict().values())

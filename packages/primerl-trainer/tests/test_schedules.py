@@ -72,6 +72,7 @@ def test_every_step_follows_the_formula(kind, warmup, max_steps, floor):
 
 def test_the_boundaries_by_hand():
     """W = 4, max_steps = 10, floor 0.1; values worked out by hand, not from the formula above."""
+
     def run(kind):
         opt = optimizer()
         cfg = SchedulerConfig(type=kind, warmup_steps=4, min_lr_ratio=0.1)

@@ -19,8 +19,9 @@ from primerl_trainer.testing import free_port_block
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", hidden_size=64, num_layers=2,
-                            alphabet="abcdefghij :", init_std=0.05)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model"), "qwen3", hidden_size=64, num_layers=2, alphabet="abcdefghij :", init_std=0.05
+    )
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,12 @@ def tokenizer(model_dir):
 
 
 def test_only_the_assistants_tokens_are_trained(tokenizer):
-    msgs = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"},
-            {"role": "user", "content": "e"}, {"role": "assistant", "content": "fg"}]
+    msgs = [
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "cd"},
+        {"role": "user", "content": "e"},
+        {"role": "assistant", "content": "fg"},
+    ]
     ids, mask = tokenize(tokenizer, msgs, "test")
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(msgs, tokenize=False)
     trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
@@ -38,7 +43,10 @@ def test_only_the_assistants_tokens_are_trained(tokenizer):
 
 
 def test_rows_from_jsonl_parquet_and_folders(tmp_path):
-    rows = [{"prompt": "ab", "completion": "ba"}, {"messages": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "c"}]}]
+    rows = [
+        {"prompt": "ab", "completion": "ba"},
+        {"messages": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "c"}]},
+    ]
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:1]) + "\n")
     pq.write_table(pa.Table.from_pylist([rows[0]]), tmp_path / "d" / "b.parquet")
@@ -52,7 +60,9 @@ def test_bad_data_is_named(tmp_path, tokenizer):
     with pytest.raises(DataError, match="bad.jsonl, line 2: not JSON"):
         read_rows(str(bad))
     bad.write_text('{"question": "a"}\n')
-    with pytest.raises(DataError, match=r"row 0: a row needs `messages`, or `prompt` and `completion`; it has \['question'\]"):
+    with pytest.raises(
+        DataError, match=r"row 0: a row needs `messages`, or `prompt` and `completion`; it has \['question'\]"
+    ):
         load_samples(str(bad), tokenizer, 64)
     # file paths that do not exist are named as such, whether or not `datasets` is installed
     # (it would otherwise try them as Hub dataset names and answer about the Hub)
@@ -66,7 +76,12 @@ def test_bad_data_is_named(tmp_path, tokenizer):
 
 def test_samples_longer_than_a_row_are_dropped_and_counted(tmp_path, tokenizer):
     data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "a" * 80, "completion": "b"}) + "\n")
+    data.write_text(
+        json.dumps({"prompt": "a", "completion": "b"})
+        + "\n"
+        + json.dumps({"prompt": "a" * 80, "completion": "b"})
+        + "\n"
+    )
     samples, dropped = load_samples(str(data), tokenizer, 64)
     assert len(samples) == 1 and dropped["longer_than_seq_len"] == 1
 
@@ -91,8 +106,8 @@ name = "{model_dir}"
 [wandb]
 mode = "disabled"
 [data]
-path = "{tmp_path / 'train.jsonl'}"
-eval_path = "{tmp_path / 'eval.jsonl'}"
+path = "{tmp_path / "train.jsonl"}"
+eval_path = "{tmp_path / "eval.jsonl"}"
 batch_size = 16
 eval_interval = 6
 [trainer]
@@ -108,8 +123,17 @@ dtype = "float32"
 
 
 def run_sft(cfg):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port_block(1)}",
-           "-m", "primerl.sft_entry", "@", str(cfg)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port_block(1)}",
+        "-m",
+        "primerl.sft_entry",
+        "@",
+        str(cfg),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
     return out

@@ -87,19 +87,32 @@ def test_each_image_is_widened_to_its_tokens_and_not_trained_on(tmp_path, vlm_di
     # the text around the images is the template's, with each pad widened
     narrow = [t for k, t in enumerate(ids.tolist()) if not (is_image[k] and is_image[k - 1])]
     parts = image_row(0)["messages"][0]["content"]
-    as_template = [{"role": "user", "content": [p if p["type"] == "text" else {"type": "image"} for p in parts]},
-                   {"role": "assistant", "content": "cab"}]
+    as_template = [
+        {"role": "user", "content": [p if p["type"] == "text" else {"type": "image"} for p in parts]},
+        {"role": "assistant", "content": "cab"},
+    ]
     assert narrow == list(tokenizer.apply_chat_template(as_template, tokenize=True)["input_ids"])
 
 
 def test_text_rows_are_unchanged_by_vision(tmp_path, vlm_dir, vision):
     tokenizer = transformers.AutoTokenizer.from_pretrained(vlm_dir)
-    data = write_rows(tmp_path / "t.jsonl", [{"prompt": "ab", "completion": "ba"},
-                                             {"messages": [{"role": "user", "content": [{"type": "text", "text": "c"}]},
-                                                           {"role": "assistant", "content": "d"}]}])
+    data = write_rows(
+        tmp_path / "t.jsonl",
+        [
+            {"prompt": "ab", "completion": "ba"},
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "c"}]},
+                    {"role": "assistant", "content": "d"},
+                ]
+            },
+        ],
+    )
     with_vision, _ = load_samples(data, tokenizer, 256, vision)
     without, _ = load_samples(data, tokenizer, 256)
-    assert [(s.token_ids, s.loss_mask, s.images) for s in with_vision] == [(s.token_ids, s.loss_mask, []) for s in without]
+    assert [(s.token_ids, s.loss_mask, s.images) for s in with_vision] == [
+        (s.token_ids, s.loss_mask, []) for s in without
+    ]
 
 
 def test_parquet_image_rows_read_as_jsonl_ones(tmp_path, vlm_dir, vision):
@@ -116,6 +129,7 @@ def test_parquet_image_rows_read_as_jsonl_ones(tmp_path, vlm_dir, vision):
     assert pq.read_table(tmp_path / "d.parquet").to_pylist()[0]["messages"][0]["content"][0]["image_url"] is None
     from_parquet, _ = load_samples(str(tmp_path / "d.parquet"), tokenizer, 1024, vision)
     from_jsonl, _ = load_samples(write_rows(tmp_path / "d.jsonl", rows), tokenizer, 1024, vision)
+
     def fields(samples):
         return [(s.token_ids, s.loss_mask, s.images) for s in samples]
 
@@ -137,16 +151,27 @@ def test_packed_image_rows_match_transformers_per_sample(tmp_path, vlm_dir, visi
     worst, least_moved, start = 0.0, float("inf"), 0
     for s in samples:
         ids = torch.tensor([s.token_ids])
-        patches, grids = zip(*(patchify(np.frombuffer(i.pixels(), dtype=np.uint8).reshape(i.height, i.width, 3), spec)
-                               for i in s.images))
+        patches, grids = zip(
+            *(patchify(np.frombuffer(i.pixels(), dtype=np.uint8).reshape(i.height, i.width, 3), spec) for i in s.images)
+        )
         with torch.no_grad():
-            logits = hf(input_ids=ids, pixel_values=torch.from_numpy(np.concatenate(patches)), image_grid_thw=torch.tensor(grids),
-                        mm_token_type_ids=(ids == image_id).int()).logits[0]
+            logits = hf(
+                input_ids=ids,
+                pixel_values=torch.from_numpy(np.concatenate(patches)),
+                image_grid_thw=torch.tensor(grids),
+                mm_token_type_ids=(ids == image_id).int(),
+            ).logits[0]
             # the pictures show in the numbers: other pixels move them far beyond the tolerance
-            other = hf(input_ids=ids, pixel_values=torch.from_numpy(np.concatenate(patches)).flip(0), image_grid_thw=torch.tensor(grids),
-                       mm_token_type_ids=(ids == image_id).int()).logits[0]
-        expected, moved = (torch.log_softmax(x.double(), -1)[:-1].gather(1, ids[0, 1:, None])[:, 0] for x in (logits, other))
-        got = pi[start + 1: start + len(s)].double()
+            other = hf(
+                input_ids=ids,
+                pixel_values=torch.from_numpy(np.concatenate(patches)).flip(0),
+                image_grid_thw=torch.tensor(grids),
+                mm_token_type_ids=(ids == image_id).int(),
+            ).logits[0]
+        expected, moved = (
+            torch.log_softmax(x.double(), -1)[:-1].gather(1, ids[0, 1:, None])[:, 0] for x in (logits, other)
+        )
+        got = pi[start + 1 : start + len(s)].double()
         worst = max(worst, float((got - expected).abs().max()))
         least_moved = min(least_moved, float((moved - expected).abs().max()))
         start += len(s)
@@ -160,22 +185,38 @@ def test_malformed_image_rows_are_named(tmp_path, vlm_dir, vision):
     good = image_row(0, sizes=[(256, 256)])
 
     def one_image(url):
-        return {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, image_part(url)]},
-                             {"role": "assistant", "content": "b"}]}
+        return {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "a"}, image_part(url)]},
+                {"role": "assistant", "content": "b"},
+            ]
+        }
 
     cases = [
-        (one_image("data:image/png;base64," + base64.b64encode(b"not a picture").decode()),
-         r"row 1, image 1: not a readable image"),
-        (one_image(png_url(250, 250, 0)),
-         r"row 1, image 1: an image of 250 x 250 pixels would be resized to 256 x 256 by the model's processor: "
-         r"give it at that size"),
+        (
+            one_image("data:image/png;base64," + base64.b64encode(b"not a picture").decode()),
+            r"row 1, image 1: not a readable image",
+        ),
+        (
+            one_image(png_url(250, 250, 0)),
+            r"row 1, image 1: an image of 250 x 250 pixels would be resized to 256 x 256 by the model's processor: "
+            r"give it at that size",
+        ),
         (one_image("https://example.com/cat.png"), r"row 1, image 1: an image URL must be inline"),
         (one_image(png_url(256, 256, 0, mode="L")), r"row 1, image 1: an image in mode L"),
         # a literal image token in text, beside a real image: the counts differ
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "<|image_pad|>"},
-                                                    image_part(png_url(256, 256, 0))]},
-                       {"role": "assistant", "content": "b"}]},
-         r"row 1: 1 images but the chat template renders 2 image tokens"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "<|image_pad|>"}, image_part(png_url(256, 256, 0))],
+                    },
+                    {"role": "assistant", "content": "b"},
+                ]
+            },
+            r"row 1: 1 images but the chat template renders 2 image tokens",
+        ),
     ]
     for k, (bad, message) in enumerate(cases):
         path = write_rows(tmp_path / f"bad{k}.jsonl", [good, bad])
@@ -225,8 +266,17 @@ def test_sft_with_images_on_two_ranks(tmp_path, vlm_dir):
     run_dir = tmp_path / "run"
     cfg = tmp_path / "sft.toml"
     cfg.write_text(SFT_TOML.format(run_dir=run_dir, model=vlm_dir, data=data))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port_block(1)}",
-           "-m", "primerl.sft_entry", "@", str(cfg)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port_block(1)}",
+        "-m",
+        "primerl.sft_entry",
+        "@",
+        str(cfg),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
     losses = [json.loads(line)["trainer/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -43,8 +43,9 @@ ROW_TOKENS = 256
 @pytest.fixture
 def one_rank(monkeypatch):
     """A one-rank gloo group for the sessions of a test, torn down afterwards (environment restored)."""
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(free_port_block(1))).items():
+    for key, value in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_block(1))
+    ).items():
         monkeypatch.setenv(key, value)
     yield
     if dist.is_initialized():
@@ -54,11 +55,18 @@ def one_rank(monkeypatch):
 def session(folder, run_dir, **trainer) -> Session:
     """An SFT session on `folder` (fp32, no checkpoints); `trainer`: TrainerConfig fields."""
     trainer = {"optimizer": OptimizerConfig(lr=1e-2, weight_decay=0.0), **trainer}
-    cfg = SFTRunConfig(model=ModelConfig(name=str(folder)), seq_len=ROW_TOKENS, max_steps=4, run_dir=str(run_dir),
-                       transport=TransportConfig(trainer_ranks=1), wandb=WandbConfig(mode="disabled"),
-                       data=SFTDataConfig(path="unused"),
-                       trainer=TrainerConfig(dtype="float32", checkpoint=CheckpointConfig(interval=0),
-                                             weights=WeightsConfig(dtype="float32"), **trainer))
+    cfg = SFTRunConfig(
+        model=ModelConfig(name=str(folder)),
+        seq_len=ROW_TOKENS,
+        max_steps=4,
+        run_dir=str(run_dir),
+        transport=TransportConfig(trainer_ranks=1),
+        wandb=WandbConfig(mode="disabled"),
+        data=SFTDataConfig(path="unused"),
+        trainer=TrainerConfig(
+            dtype="float32", checkpoint=CheckpointConfig(interval=0), weights=WeightsConfig(dtype="float32"), **trainer
+        ),
+    )
     return Session(cfg, job="sft")
 
 
@@ -83,6 +91,7 @@ def gradients_at_the_optimizer_step(s: Session) -> dict[str, torch.Tensor | None
 
 # -- the vision tower ----------------------------------------------------------------------
 
+
 def png_url(side: int, seed: int) -> str:
     from PIL import Image
 
@@ -97,14 +106,25 @@ def image_rows(path, vlm_dir, s: Session):
     VLM's processor keeps), as `primerl sft` reads them, and their loss tokens."""
     import transformers
 
-    rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "ab "},
-                                                       {"type": "image_url", "image_url": {"url": png_url(256, seed)}},
-                                                       {"type": "text", "text": " cd"}]},
-                          {"role": "assistant", "content": "bad"}]} for seed in range(2)]
+    rows = [
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "ab "},
+                        {"type": "image_url", "image_url": {"url": png_url(256, seed)}},
+                        {"type": "text", "text": " cd"},
+                    ],
+                },
+                {"role": "assistant", "content": "bad"},
+            ]
+        }
+        for seed in range(2)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tokenizer = transformers.AutoTokenizer.from_pretrained(vlm_dir)
-    samples, _ = load_samples(str(path), tokenizer, ROW_TOKENS,
-                              ModelImages(s.image_spec, s.args.vision.image_token_id))
+    samples, _ = load_samples(str(path), tokenizer, ROW_TOKENS, ModelImages(s.image_spec, s.args.vision.image_token_id))
     assert all(sample.images for sample in samples)
     return my_rows(samples, ROW_TOKENS, 0, 1)
 
@@ -148,6 +168,7 @@ def test_freeze_vision_false_trains_the_tower_and_true_leaves_it(tmp_path, one_r
 
 # -- a non-finite gradient norm --------------------------------------------------------------
 
+
 class InfiniteGradient(torch.autograd.Function):
     """The identity forward; backward, the incoming gradient times inf (`everywhere`) or with its
     first element set to +inf."""
@@ -168,6 +189,7 @@ class InfiniteGradient(torch.autograd.Function):
 
 def nan_norm(loss_fn):
     """The same loss; its gradient inf, which the model's backward turns into NaNs (inf - inf)."""
+
     def fn(model, mb):
         loss, metrics = loss_fn(model, mb)
         return InfiniteGradient.apply(loss, True), metrics
@@ -191,14 +213,21 @@ def text_rows(vocab: int):
     samples = []
     for i in range(6):
         n = int(rng.integers(8, 20))
-        samples.append(Sample(sample_id=i, token_ids=rng.integers(3, vocab, n).tolist(),
-                              loss_mask=[False] * 3 + [True] * (n - 3), inference_logprobs=[0.0] * n))
+        samples.append(
+            Sample(
+                sample_id=i,
+                token_ids=rng.integers(3, vocab, n).tolist(),
+                loss_mask=[False] * 3 + [True] * (n - 3),
+                inference_logprobs=[0.0] * n,
+            )
+        )
     return my_rows(samples, 64, 0, 1)
 
 
 def optimizer_state(s: Session) -> dict:
-    return {(name, key): whole(v) for name, p in s.model.named_parameters()
-            for key, v in s.opt.state.get(p, {}).items()}
+    return {
+        (name, key): whole(v) for name, p in s.model.named_parameters() for key, v in s.opt.state.get(p, {}).items()
+    }
 
 
 def test_a_finite_loss_with_a_non_finite_gradient_norm_takes_no_optimizer_step(tmp_path, one_rank):

@@ -44,17 +44,37 @@ def run(fn):
 
 
 def test_layer_groups_keep_each_layer_whole_and_in_order():
-    names = ["embed_tokens.weight", "layers.0.attn.q.weight", "layers.0.mlp.w", "layers.10.attn.q.weight",
-             "layers.2.attn.q.weight", "norm.weight", "lm_head.weight"]
-    assert layer_groups(names) == [["embed_tokens.weight"], ["layers.0.attn.q.weight", "layers.0.mlp.w"],
-                                   ["layers.10.attn.q.weight"], ["layers.2.attn.q.weight"],
-                                   ["norm.weight", "lm_head.weight"]]
+    names = [
+        "embed_tokens.weight",
+        "layers.0.attn.q.weight",
+        "layers.0.mlp.w",
+        "layers.10.attn.q.weight",
+        "layers.2.attn.q.weight",
+        "norm.weight",
+        "lm_head.weight",
+    ]
+    assert layer_groups(names) == [
+        ["embed_tokens.weight"],
+        ["layers.0.attn.q.weight", "layers.0.mlp.w"],
+        ["layers.10.attn.q.weight"],
+        ["layers.2.attn.q.weight"],
+        ["norm.weight", "lm_head.weight"],
+    ]
 
 
 @pytest.fixture
 def model_folder(tmp_path):
-    return build_tiny_model(tmp_path / "m", "qwen3_moe", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                            head_dim=16, num_experts=4, num_experts_per_tok=2)
+    return build_tiny_model(
+        tmp_path / "m",
+        "qwen3_moe",
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -144,8 +164,9 @@ def test_a_block_fp8_source_is_published_in_its_fp8_by_folder_and_in_memory_alik
     from primerl_trainer.publish import FolderPublisher
     from safetensors.torch import save_file
 
-    plain = build_tiny_model(tmp_path / "plain", "qwen3", hidden_size=32, num_layers=2, num_heads=2,
-                             num_kv_heads=2, head_dim=16)
+    plain = build_tiny_model(
+        tmp_path / "plain", "qwen3", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16
+    )
     source, block = {}, (16, 16)
     for name, w in read_tensors(plain).items():
         if name.endswith("proj.weight"):
@@ -179,12 +200,15 @@ def test_a_block_fp8_source_is_published_in_its_fp8_by_folder_and_in_memory_alik
         assert make_publisher(run_cfg, model, loaded, ONE).fp8 == want, kind
     ready = FolderPublisher(tmp_path / "run", src, cfg, 2, torch.float32, ONE, fp8=fp8).publish(model, 0)
     folder = read_tensors(ready.location)
-    assert json.loads((Path(ready.location) / "config.json").read_text())["quantization_config"]["weight_block_size"] == [16, 16]
+    assert json.loads((Path(ready.location) / "config.json").read_text())["quantization_config"][
+        "weight_block_size"
+    ] == [16, 16]
     assert set(folder) == set(source)
     for name, want in source.items():
         if name in fp8[1]:
-            assert folder[name].dtype == torch.float8_e4m3fn and torch.equal(folder[name].view(torch.uint8),
-                                                                             want.view(torch.uint8)), name
+            assert folder[name].dtype == torch.float8_e4m3fn and torch.equal(
+                folder[name].view(torch.uint8), want.view(torch.uint8)
+            ), name
         elif name.endswith("_scale_inv"):
             torch.testing.assert_close(folder[name], want, rtol=2**-22, atol=0)
         else:
@@ -245,10 +269,13 @@ def test_a_damaged_stream_is_refused_by_its_checksum(model_folder):
     digest = transfer.new_checksum()
     digest.update(memoryview(buffer.numpy()))
     buffer[0] ^= 1  # damaged after the checksum
-    transfer.send_bytes(group, transfer.encode_header(transfer.GroupHeader(step=3, tensors=specs, nbytes=buffer.numel())))
+    transfer.send_bytes(
+        group, transfer.encode_header(transfer.GroupHeader(step=3, tensors=specs, nbytes=buffer.numel()))
+    )
     transfer.broadcast(group, buffer)
-    transfer.send_bytes(group, transfer.encode_header(transfer.GroupHeader(step=3, end=True,
-                                                                           checksum=digest.hexdigest())))
+    transfer.send_bytes(
+        group, transfer.encode_header(transfer.GroupHeader(step=3, end=True, checksum=digest.hexdigest()))
+    )
     with pytest.raises(ValueError, match="arrived damaged"):
         result()
 
@@ -341,15 +368,18 @@ def test_a_stalled_receiver_is_dropped_after_the_timeout_and_the_other_gets_the_
     assert isinstance(err, (RuntimeError, ValueError)) and got[:1] == [0.0]
 
 
-@pytest.mark.parametrize("header, message", [
-    (b'{"step": 1, "tensors": [["w", "complex64", [2], 0]], "nbytes": 16}', "not one of"),
-    (b'{"step": 1, "tensors": [["w", "float32", [8], 0]], "nbytes": 16}', "ends past"),
-    (b'{"step": 1, "tensors": [["w", "float32", [2], 4]], "nbytes": 16}', "offset 4"),
-    (b'{"step": 1, "tensors": [["w", "float32", [-2], 0]], "nbytes": 16}', "shape"),
-    (b'{"step": 1, "end": true}', "checksum"),
-    (b'{"step": 1, "nbytes": 4, "extra": 1}', "malformed"),
-    (b'[1, 2]', "malformed"),
-])
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (b'{"step": 1, "tensors": [["w", "complex64", [2], 0]], "nbytes": 16}', "not one of"),
+        (b'{"step": 1, "tensors": [["w", "float32", [8], 0]], "nbytes": 16}', "ends past"),
+        (b'{"step": 1, "tensors": [["w", "float32", [2], 4]], "nbytes": 16}', "offset 4"),
+        (b'{"step": 1, "tensors": [["w", "float32", [-2], 0]], "nbytes": 16}', "shape"),
+        (b'{"step": 1, "end": true}', "checksum"),
+        (b'{"step": 1, "nbytes": 4, "extra": 1}', "malformed"),
+        (b"[1, 2]", "malformed"),
+    ],
+)
 def test_bad_headers_are_refused_naming_what_is_wrong(header, message):
     with pytest.raises(ValueError, match=message):
         transfer.decode_header(header, 1)
@@ -362,11 +392,14 @@ def test_a_well_formed_header_passes():
     assert header.tensors == specs
 
 
-@pytest.mark.parametrize("every, max_steps, due", [
-    (10, 25, [9, 19, 24]),  # N + 1 a multiple of 10, and the last step
-    (0, 25, [24]),          # the last step's only
-    (10, None, [9, 19]),    # an endless run: no last step
-])
+@pytest.mark.parametrize(
+    "every, max_steps, due",
+    [
+        (10, 25, [9, 19, 24]),  # N + 1 a multiple of 10, and the last step
+        (0, 25, [24]),  # the last step's only
+        (10, None, [9, 19]),  # an endless run: no last step
+    ],
+)
 def test_folders_are_published_every_k_steps_and_at_the_last(every, max_steps, due):
     from types import SimpleNamespace
 

@@ -54,13 +54,21 @@ def _epilog(root: type) -> str:
     lines = ["\b", "Config sections and top-level keys:"]
     lines += [f"  {name:<14} {doc}" for name, doc in sections(root) if name not in unused]
     if unused:
-        lines += ["", "\b", "Accepted (a run's config may hold them) but unused by this command:",
-                  f"  {', '.join(unused)}"]
+        lines += [
+            "",
+            "\b",
+            "Accepted (a run's config may hold them) but unused by this command:",
+            f"  {', '.join(unused)}",
+        ]
     return "\n".join(lines)
 
 
 def config_command(
-    name: str, root: type, summary: str, engine: typing.Callable[[typing.Any], None], prog: str = "",
+    name: str,
+    root: type,
+    summary: str,
+    engine: typing.Callable[[typing.Any], None],
+    prog: str = "",
     slurm: typing.Callable[[typing.Any], typing.Any] | None = None,
 ):
     """A click command that loads `root` from its arguments and runs `engine(config)`.
@@ -84,8 +92,12 @@ def config_command(
     command = click.argument("args", nargs=-1, type=click.UNPROCESSED)(command)
     if slurm:
         command = click.option("--submit", is_flag=True, help="With --slurm: also submit the job (sbatch).")(command)
-        command = click.option("--slurm", "slurm_job", is_flag=True,
-                               help="Write the Slurm job of this config to RUN_DIR/slurm instead of running here.")(command)
+        command = click.option(
+            "--slurm",
+            "slurm_job",
+            is_flag=True,
+            help="Write the Slurm job of this config to RUN_DIR/slurm instead of running here.",
+        )(command)
     command = click.option("--dry-run", is_flag=True, help="Print the resolved config as TOML and exit.")(command)
     return click.command(
         name=name,
@@ -208,8 +220,14 @@ def _check_here(prog: str, config, ports: bool | None = True, envs: tuple[str, l
             config = with_ports(config, transport=False)
         elif ports is False:
             inf = config.inference
-            check_block("inference.port", inf.base_port, inf.host, inf.num_replicas, "replica",
-                        hint="set inference.port to a free one")
+            check_block(
+                "inference.port",
+                inf.base_port,
+                inf.host,
+                inf.num_replicas,
+                "replica",
+                hint="set inference.port to a free one",
+            )
         if envs is not None:
             check_environments(*envs)
     except CheckError as err:
@@ -323,16 +341,18 @@ def _run_eval(config: EvalConfig) -> None:
     configure_logging()
     try:  # before any server starts (the config's own checks ran when it loaded)
         if config.run is not None and not published_steps(config.run):
-            raise ValueError(f"run = {config.run}: nothing to evaluate, no complete published weights "
-                             f"({config.run}/weights/step_N)")
+            raise ValueError(
+                f"run = {config.run}: nothing to evaluate, no complete published weights ({config.run}/weights/step_N)"
+            )
         inference = None if config.inference.urls else _eval_inference(config)
     except ValueError as err:
         click.echo(f"primerl eval: {err}", err=True)
         sys.exit(EXIT_CONFIG)
     # our own servers get free ports unless set (then refused if busy), as `primerl rl`'s
     own = None if inference is None else msgspec.structs.replace(config, inference=inference)
-    checked = _check_here("primerl eval", own or config, ports=True if own is not None else None,
-                          envs=("envs.eval", config.envs.eval))
+    checked = _check_here(
+        "primerl eval", own or config, ports=True if own is not None else None, envs=("envs.eval", config.envs.eval)
+    )
     inference = None if inference is None else checked.inference
     servers = None
     try:
@@ -361,18 +381,40 @@ def main() -> None:
 
 
 for _name, _root, _summary, _engine, _slurm in [
-    ("rl", RLConfig, "Run asynchronous RL: inference, orchestrator and trainer, on this machine "
-     "(--slurm: on a cluster).", _run_rl, _render_rl),
-    ("sft", SFTConfig, "Supervised fine-tuning on the FSDP2 trainer (one process; for several, "
-     "torchrun --nproc-per-node N -m primerl.sft_entry @ cfg.toml, or --slurm).", _run_sft, _render("sft")),
-    ("eval", EvalConfig, "Evaluate a model (or each published step of a run); results in run_dir/evals.jsonl.",
-     _run_eval, _render("eval")),
+    (
+        "rl",
+        RLConfig,
+        "Run asynchronous RL: inference, orchestrator and trainer, on this machine (--slurm: on a cluster).",
+        _run_rl,
+        _render_rl,
+    ),
+    (
+        "sft",
+        SFTConfig,
+        "Supervised fine-tuning on the FSDP2 trainer (one process; for several, "
+        "torchrun --nproc-per-node N -m primerl.sft_entry @ cfg.toml, or --slurm).",
+        _run_sft,
+        _render("sft"),
+    ),
+    (
+        "eval",
+        EvalConfig,
+        "Evaluate a model (or each published step of a run); results in run_dir/evals.jsonl.",
+        _run_eval,
+        _render("eval"),
+    ),
 ]:
     main.add_command(config_command(_name, _root, _summary, _engine, prog=f"primerl {_name}", slurm=_slurm))
 
+
 @main.command("report", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("--window", default=20, show_default=True, help="Steps in the reward's moving average and the summary's first/last means.")
+@click.option(
+    "--window",
+    default=20,
+    show_default=True,
+    help="Steps in the reward's moving average and the summary's first/last means.",
+)
 def report(run_dir: str, window: int) -> None:
     """PNG plots (reward, loss, mismatch KL, entropy, completion length, errored/truncated/
     filtered rollouts, grad norm, lr, tokens/s, off-policy level, time split, evals) and a text
@@ -393,11 +435,19 @@ def report(run_dir: str, window: int) -> None:
 @click.argument("base", type=click.Path(file_okay=False))
 @click.argument("adapter", type=click.Path(file_okay=False))
 @click.argument("out", type=click.Path())
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True,
-              help="The merged weights' dtype (auto: the base config's torch_dtype).")
-@click.option("--allow-base-mismatch", is_flag=True,
-              help="Merge even though the adapter's base_model_name_or_path names another model than BASE "
-                   "(BASE is that model under another name). Shapes are checked regardless.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+    default="auto",
+    show_default=True,
+    help="The merged weights' dtype (auto: the base config's torch_dtype).",
+)
+@click.option(
+    "--allow-base-mismatch",
+    is_flag=True,
+    help="Merge even though the adapter's base_model_name_or_path names another model than BASE "
+    "(BASE is that model under another name). Shapes are checked regardless.",
+)
 def merge_lora(base: str, adapter: str, out: str, dtype: str, allow_base_mismatch: bool) -> None:
     """Merge a LoRA adapter (a run's published RUN_DIR/weights/step_N, or any PEFT LoRA adapter
     folder) into its BASE model folder: a full Hugging Face checkpoint in OUT, for export or
@@ -408,8 +458,9 @@ def merge_lora(base: str, adapter: str, out: str, dtype: str, allow_base_mismatc
     from primerl_trainer.adapters import export_merged
 
     try:
-        folder = export_merged(base, adapter, out, None if dtype == "auto" else dtype,
-                               check_base_model=not allow_base_mismatch)
+        folder = export_merged(
+            base, adapter, out, None if dtype == "auto" else dtype, check_base_model=not allow_base_mismatch
+        )
     except (ValueError, FileNotFoundError) as err:
         click.echo(f"primerl merge-lora: {err}", err=True)
         sys.exit(EXIT_CONFIG)
@@ -417,16 +468,20 @@ def merge_lora(base: str, adapter: str, out: str, dtype: str, allow_base_mismatc
 
 
 orch_main = config_command(
-    "primerl-orch", OrchRunConfig, "The orchestrator: the asynchronous rollout loop.",
+    "primerl-orch",
+    OrchRunConfig,
+    "The orchestrator: the asynchronous rollout loop.",
     _run_orchestrator,
 )
 trainer_main = config_command(
-    "primerl-trainer", TrainerRunConfig,
+    "primerl-trainer",
+    TrainerRunConfig,
     "The RL trainer. Launch with torchrun: torchrun --nproc-per-node N -m primerl.trainer_entry @ cfg.toml",
     _run_trainer,
 )
 inference_main = config_command(
-    "primerl-inference", InferenceRunConfig,
+    "primerl-inference",
+    InferenceRunConfig,
     "vLLM inference servers with primerl's admin routes; prints their addresses and serves until Ctrl-C.",
     _run_inference,
 )

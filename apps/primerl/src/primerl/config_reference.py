@@ -93,8 +93,9 @@ def _sections(t: mi.StructType, path: str, instance) -> typing.Iterator[tuple[st
             yield from _sections(sub.item_type, f"{path}.{f.encode_name}[]".lstrip("."), None)
         elif isinstance(sub, mi.StructType):
             child = getattr(instance, f.name) if instance is not None else _default(f)
-            yield from _sections(sub, f"{path}.{f.encode_name}".lstrip("."),
-                                 None if child is msgspec.NODEFAULT else child)
+            yield from _sections(
+                sub, f"{path}.{f.encode_name}".lstrip("."), None if child is msgspec.NODEFAULT else child
+            )
         elif (table := _optional_table(sub)) is not None:  # off by default; its keys when given
             yield from _sections(table, f"{path}.{f.encode_name}".lstrip("."), None)
 
@@ -114,7 +115,9 @@ def _table(path: str, t: mi.StructType, instance, unused: tuple[str, ...] = ()) 
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in t.fields:
         sub = f.type
-        if isinstance(sub, mi.StructType) or (isinstance(sub, mi.ListType) and isinstance(sub.item_type, mi.StructType)):
+        if isinstance(sub, mi.StructType) or (
+            isinstance(sub, mi.ListType) and isinstance(sub.item_type, mi.StructType)
+        ):
             continue  # its own table below
         key = f"{path}.{f.encode_name}" if path else f.encode_name
         doc = " ".join(docs.get(f.name, "").split()).replace("|", "\\|")
@@ -141,8 +144,11 @@ def render() -> str:
         out += [f"## `{command}`", "", class_doc(root), ""]
         unused = getattr(root, "UNUSED", ())
         if unused:
-            out += [f"Accepted, as a run's config may hold them, but unused by this command: "
-                    f"{', '.join(f'`{k}`' for k in unused)}.", ""]
+            out += [
+                f"Accepted, as a run's config may hold them, but unused by this command: "
+                f"{', '.join(f'`{k}`' for k in unused)}.",
+                "",
+            ]
         for path, struct, instance in _sections(mi.type_info(root), "", None):
             if path and (path, struct.cls) in documented:
                 continue

@@ -19,8 +19,15 @@ from primerl_orchestrator.config import EvalRunConfig, OrchestratorConfig, OrchR
 from primerl_protocol.config import Config, NonNegative, Port, Positive, SharedConfig
 from primerl_trainer.config import SFTRunConfig, TrainerConfig, TrainerRunConfig
 
-__all__ = ["EvalConfig", "InferenceRunConfig", "OrchRunConfig", "RLConfig", "SFTConfig", "SlurmConfig",
-           "TrainerRunConfig"]
+__all__ = [
+    "EvalConfig",
+    "InferenceRunConfig",
+    "OrchRunConfig",
+    "RLConfig",
+    "SFTConfig",
+    "SlurmConfig",
+    "TrainerRunConfig",
+]
 
 
 class SlurmConfig(Config):
@@ -106,16 +113,24 @@ class RLConfig(SharedConfig):
         lora, inf = self.trainer.lora, self.inference
         if lora is None or lora.publish != "adapter":
             return
-        why = 'trainer.lora.publish = "adapter" (the default with [trainer.lora]): the servers load each step\'s adapter'
+        why = (
+            'trainer.lora.publish = "adapter" (the default with [trainer.lora]): the servers load each step\'s adapter'
+        )
         if inf.enable_lora is False:
-            raise ValueError(f"inference.enable_lora = false, but {why}; leave inference.enable_lora unset (or true), "
-                             f'or publish merged weights: trainer.lora.publish = "merged"')
+            raise ValueError(
+                f"inference.enable_lora = false, but {why}; leave inference.enable_lora unset (or true), "
+                f'or publish merged weights: trainer.lora.publish = "merged"'
+            )
         if inf.max_lora_rank is not None and inf.max_lora_rank < lora.rank:
-            raise ValueError(f"inference.max_lora_rank = {inf.max_lora_rank} is below trainer.lora.rank = {lora.rank}, "
-                             f"and {why}; leave inference.max_lora_rank unset, or set it >= {lora.rank}")
+            raise ValueError(
+                f"inference.max_lora_rank = {inf.max_lora_rank} is below trainer.lora.rank = {lora.rank}, "
+                f"and {why}; leave inference.max_lora_rank unset, or set it >= {lora.rank}"
+            )
         if lora_rank_for(lora.rank) is None:
-            raise ValueError(f"trainer.lora.rank = {lora.rank} is above the largest rank vLLM serves ({LORA_RANKS[-1]}), "
-                             f'and {why}; use a smaller rank, or trainer.lora.publish = "merged"')
+            raise ValueError(
+                f"trainer.lora.rank = {lora.rank} is above the largest rank vLLM serves ({LORA_RANKS[-1]}), "
+                f'and {why}; use a smaller rank, or trainer.lora.publish = "merged"'
+            )
         inf.enable_lora = True
         if inf.max_loras is None:
             inf.max_loras = self.orchestrator.max_async_level + 1

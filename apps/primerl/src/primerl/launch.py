@@ -93,8 +93,10 @@ def check(cfg: RLConfig) -> RLConfig:
     limit = limit or (text.get("max_position_embeddings") if isinstance(text, dict) else None)
     scaled = hf_config.get("rope_scaling") or (text.get("rope_scaling") if isinstance(text, dict) else None)
     if isinstance(limit, int) and not scaled and cfg.seq_len > limit:
-        raise CheckError(f"seq_len = {cfg.seq_len} is above the model's max_position_embeddings = {limit} "
-                       f"({cfg.model.name}/config.json): vLLM would refuse to serve it; use seq_len <= {limit}")
+        raise CheckError(
+            f"seq_len = {cfg.seq_len} is above the model's max_position_embeddings = {limit} "
+            f"({cfg.model.name}/config.json): vLLM would refuse to serve it; use seq_len <= {limit}"
+        )
     if not cfg.envs.train:
         raise CheckError("envs.train: no training environments; add at least one [[envs.train]] entry")
     for section, envs in (("envs.train", cfg.envs.train), ("envs.eval", cfg.envs.eval)):
@@ -104,9 +106,11 @@ def check(cfg: RLConfig) -> RLConfig:
             except EnvLoadError as err:
                 raise CheckError(f"{section}[{i}].id: {err}") from None
     if cfg.trainer.weights.transport == "memory" and cfg.inference.data_parallel_size > 1:
-        raise CheckError("trainer.weights.transport = \"memory\" with inference.data_parallel_size = "
-                         f"{cfg.inference.data_parallel_size}: weights in memory reach servers without vLLM's own "
-                         "data parallelism only (for now); use inference.num_replicas for more servers")
+        raise CheckError(
+            'trainer.weights.transport = "memory" with inference.data_parallel_size = '
+            f"{cfg.inference.data_parallel_size}: weights in memory reach servers without vLLM's own "
+            "data parallelism only (for now); use inference.num_replicas for more servers"
+        )
     return fit_lora_rank(cfg, hf_config)
 
 
@@ -126,10 +130,15 @@ def fit_lora_rank(cfg: RLConfig, hf_config: dict) -> RLConfig:
         raise CheckError(f'trainer.lora.publish = "adapter": {err}') from None
     fit = lora_rank_for(need)
     why = f"the adapters trainer.lora publishes have rank {need}" + (
-        f" (trainer.lora.rank = {lora.rank} x {need // lora.rank} layers the checkpoint fuses)" if need != lora.rank else "")
+        f" (trainer.lora.rank = {lora.rank} x {need // lora.rank} layers the checkpoint fuses)"
+        if need != lora.rank
+        else ""
+    )
     if fit is None:
-        raise CheckError(f"{why}, above the largest vLLM serves ({LORA_RANKS[-1]}): lower trainer.lora.rank, or set "
-                       'trainer.lora.publish = "merged"')
+        raise CheckError(
+            f"{why}, above the largest vLLM serves ({LORA_RANKS[-1]}): lower trainer.lora.rank, or set "
+            'trainer.lora.publish = "merged"'
+        )
     if have is None:
         return msgspec.structs.replace(cfg, inference=msgspec.structs.replace(cfg.inference, max_lora_rank=fit))
     if have < need:
@@ -151,16 +160,20 @@ def gpu_plan(cfg: RLConfig, device: str) -> tuple[list[int], list[int]]:
     else:
         trainer = list(range(n_inf, n_inf + cfg.transport.ranks))
     if not cfg.colocate and set(trainer) & set(inference):
-        raise CheckError(f"trainer_gpus {trainer} overlap inference GPUs {inference}; set colocate = true to share them")
+        raise CheckError(
+            f"trainer_gpus {trainer} overlap inference GPUs {inference}; set colocate = true to share them"
+        )
     if len(trainer) != cfg.transport.ranks:
-        raise CheckError(f"transport.trainer_ranks = {cfg.transport.ranks} but the trainer gets GPUs {trainer} "
-                       "(one rank per GPU)")
+        raise CheckError(
+            f"transport.trainer_ranks = {cfg.transport.ranks} but the trainer gets GPUs {trainer} (one rank per GPU)"
+        )
     return inference, trainer
 
 
 def _start(name: str, argv: list[str], log: Path, env: dict[str, str]) -> Proc:
-    popen = subprocess.Popen(argv, stdout=log.open("a"), stderr=subprocess.STDOUT, env={**os.environ, **env},
-                             start_new_session=True)
+    popen = subprocess.Popen(
+        argv, stdout=log.open("a"), stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+    )
     return Proc(name, popen, log)
 
 
@@ -191,9 +204,14 @@ class Progress:
     orchestrator logs a step) or the trainer's first step; a line when that changes and every
     `remind_s` seconds."""
 
-    def __init__(self, run_dir: Path, max_steps: int | None,
-                 servers: Callable[[], tuple[int, int] | None] | None = None, remind_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        run_dir: Path,
+        max_steps: int | None,
+        servers: Callable[[], tuple[int, int] | None] | None = None,
+        remind_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.path = RunDir(run_dir).metrics
         self.orch_path = RunDir(run_dir).orchestrator_metrics
         self.max_steps = max_steps
@@ -288,8 +306,9 @@ def prepare(cfg: RLConfig) -> tuple[RLConfig, str, list[int]]:
     inference_gpus, trainer_gpus = gpu_plan(cfg, device)
     token = cfg.inference.resolved_admin_token() or secrets.token_hex(16)
     cfg = with_ports(cfg)
-    inference = msgspec.structs.replace(cfg.inference, admin_token=token, device=device,
-                                        gpus=inference_gpus or cfg.inference.gpus)
+    inference = msgspec.structs.replace(
+        cfg.inference, admin_token=token, device=device, gpus=inference_gpus or cfg.inference.gpus
+    )
     # per-run CURVE keys (unless configured): only this run's trainer and orchestrator can talk
     cfg = msgspec.structs.replace(cfg, inference=inference, transport=cfg.transport.with_run_keys())
     run_dir = Path(cfg.run_dir)
@@ -318,25 +337,48 @@ def _run(cfg: RLConfig, device: str, trainer_gpus: list[int]) -> None:
 
         trainer_cfg = paths.config("trainer")
         write_private(trainer_cfg, to_toml(with_servers(cfg.project(TrainerRunConfig), servers.urls, cfg.inference)))
-        trainer_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(trainer_threads(cfg, trainer_gpus)),
-                       "PYTHONUNBUFFERED": "1"}
+        trainer_env = {
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(trainer_threads(cfg, trainer_gpus)),
+            "PYTHONUNBUFFERED": "1",
+        }
         if cfg.trainer.weights.transport == "memory":  # it joins the servers through their admin routes
             trainer_env[ADMIN_TOKEN_ENV] = cfg.inference.resolved_admin_token()
         if trainer_gpus:
             trainer_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, trainer_gpus))
         else:
             trainer_env["CUDA_VISIBLE_DEVICES"] = ""
-        procs.append(_start("trainer", [  # --standalone: a single-node rendezvous on a free port
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.transport.ranks}",
-            "-m", "primerl.trainer_entry", "@", str(trainer_cfg),
-        ], paths.log("trainer"), trainer_env))
+        procs.append(
+            _start(
+                "trainer",
+                [  # --standalone: a single-node rendezvous on a free port
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={cfg.transport.ranks}",
+                    "-m",
+                    "primerl.trainer_entry",
+                    "@",
+                    str(trainer_cfg),
+                ],
+                paths.log("trainer"),
+                trainer_env,
+            )
+        )
 
-        orch = msgspec.structs.replace(cfg.project(OrchRunConfig),
-                                       inference=msgspec.structs.replace(cfg.inference, urls=servers.urls))
+        orch = msgspec.structs.replace(
+            cfg.project(OrchRunConfig), inference=msgspec.structs.replace(cfg.inference, urls=servers.urls)
+        )
         orch_cfg = paths.config("orchestrator")
         write_private(orch_cfg, to_toml(orch))
-        procs.append(_start("orchestrator", [sys.executable, "-m", "primerl.orch_entry", "@", str(orch_cfg)],
-                            paths.log("orchestrator"), {"PYTHONUNBUFFERED": "1"}))
+        procs.append(
+            _start(
+                "orchestrator",
+                [sys.executable, "-m", "primerl.orch_entry", "@", str(orch_cfg)],
+                paths.log("orchestrator"),
+                {"PYTHONUNBUFFERED": "1"},
+            )
+        )
         print(f"trainer ({cfg.transport.ranks} rank(s)) and orchestrator started", flush=True)
         _watch(procs, Progress(run_dir, cfg.max_steps, startup.state), startup)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP (cli.Stopped)
@@ -374,7 +416,9 @@ class ServersStartup:
         s = self.servers
         _, failed = s.watch_startup(fail_fast=False, serving=self.serving)
         if self.serving:
-            print(f"inference server(s) serving at {', '.join(s.specs[i].url for i in sorted(self.serving))}", flush=True)
+            print(
+                f"inference server(s) serving at {', '.join(s.specs[i].url for i in sorted(self.serving))}", flush=True
+            )
             for problem in failed:
                 print(f"warning: {problem.splitlines()[0]}; the run goes on with the other servers", flush=True)
         else:
@@ -410,8 +454,11 @@ def _watch(procs: list[Proc], progress: Progress, startup: ServersStartup | None
                 startup.check()
             if p.name not in finishers and any(q.popen.poll() is None for q in servers):
                 # the orchestrator routes around a dead server; the run goes on
-                print(f"warning: {p.name} {reason}; the run goes on with the other servers "
-                      f"(last lines of {p.log}:\n{p.tail(10)})", flush=True)
+                print(
+                    f"warning: {p.name} {reason}; the run goes on with the other servers "
+                    f"(last lines of {p.log}:\n{p.tail(10)})",
+                    flush=True,
+                )
                 lost.add(p.name)
                 continue
             raise RunError(f"{p.name} {reason}; last lines of {p.log}:\n{p.tail()}")

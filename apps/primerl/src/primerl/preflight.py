@@ -32,7 +32,9 @@ def check_run_dir(run_dir: str, key: str = "run_dir") -> Path:
     naming `key` otherwise. Creates nothing."""
     path = Path(run_dir).expanduser()
     if path.exists() and not path.is_dir():
-        raise CheckError(f"{key} = {run_dir!r}: {path} is a file, not a folder; give a folder (it is created if missing)")
+        raise CheckError(
+            f"{key} = {run_dir!r}: {path} is a file, not a folder; give a folder (it is created if missing)"
+        )
     paths = RunDir(path)
     for sub in (paths.configs, paths.logs, paths.checkpoints, paths.weights):
         if sub.exists() and not sub.is_dir():
@@ -57,8 +59,10 @@ def check_environments(section: str, envs) -> None:
     names: dict[str, int] = {}
     for i, env in enumerate(envs):
         if section == "envs.train" and env.display_name in names:
-            raise CheckError(f"{section}[{i}]: its name {env.display_name!r} is also {section}[{names[env.display_name]}]'s; "
-                             f"training environments need distinct names (set {section}[{i}].name)")
+            raise CheckError(
+                f"{section}[{i}]: its name {env.display_name!r} is also {section}[{names[env.display_name]}]'s; "
+                f"training environments need distinct names (set {section}[{i}].name)"
+            )
         names[env.display_name] = i
         try:
             check_environment(env)
@@ -103,8 +107,10 @@ def check_block(key: str, value: int, host: str, n: int, what: str, hint: str = 
     for i in range(n):
         if (err := port_taken(host, value + i)) is not None:
             which = f"port {value + i} ({what} {i})" if n > 1 else f"port {value}"
-            raise CheckError(f"{key} = {value}: {which} on {host} is taken ({err.strerror or err}): another process "
-                             f"(another run?) listens there; {hint}")
+            raise CheckError(
+                f"{key} = {value}: {which} on {host} is taken ({err.strerror or err}): another process "
+                f"(another run?) listens there; {hint}"
+            )
 
 
 def with_ports(cfg, inference: bool = True, transport: bool = True):

@@ -22,24 +22,50 @@ PLOTS = [
     ("loss", "Loss", [("trainer/loss", "loss"), ("trainer/eval_loss", "eval loss")], False),
     ("mismatch_kl", "Mismatch KL (trainer vs inference)", [("trainer/mismatch_kl", "mismatch KL")], True),
     ("entropy", "Entropy", [("trainer/entropy", "entropy")], False),
-    ("completion_length", "Completion length (tokens)",
-     [("rollouts/completion_tokens/mean", "mean"), ("rollouts/completion_tokens/max", "max")], False),
-    ("rollout_rates", "Rollouts errored, truncated, not trained",
-     [("rollouts/error_rate", "errored"), ("rollouts/truncated_rate", "truncated"),
-      ("rollouts/filtered_rate", "filtered (not trained)")], False),
+    (
+        "completion_length",
+        "Completion length (tokens)",
+        [("rollouts/completion_tokens/mean", "mean"), ("rollouts/completion_tokens/max", "max")],
+        False,
+    ),
+    (
+        "rollout_rates",
+        "Rollouts errored, truncated, not trained",
+        [
+            ("rollouts/error_rate", "errored"),
+            ("rollouts/truncated_rate", "truncated"),
+            ("rollouts/filtered_rate", "filtered (not trained)"),
+        ],
+        False,
+    ),
     ("grad_norm", "Gradient norm (before clipping)", [("trainer/grad_norm", "grad norm")], True),
     ("lr", "Learning rate", [("trainer/lr", "learning rate")], False),
-    ("tokens_per_s", "Tokens per second",
-     [("trainer/tokens_per_s", "trained"), ("rollouts/tokens_per_s", "generated")], False),
-    ("off_policy", "Off-policy level", [("off_policy/level", "level"), ("off_policy/mean", "mean over samples")], False),
+    (
+        "tokens_per_s",
+        "Tokens per second",
+        [("trainer/tokens_per_s", "trained"), ("rollouts/tokens_per_s", "generated")],
+        False,
+    ),
+    (
+        "off_policy",
+        "Off-policy level",
+        [("off_policy/level", "level"), ("off_policy/mean", "mean over samples")],
+        False,
+    ),
 ]
 # The summary's lines after the reward: (metric key, name)
 SUMMARY = [
-    ("trainer/loss", "loss"), ("trainer/mismatch_kl", "mismatch KL"), ("trainer/entropy", "entropy"),
-    ("trainer/grad_norm", "grad norm"), ("rollouts/completion_tokens/mean", "completion tokens"),
-    ("rollouts/error_rate", "error rate"), ("rollouts/truncated_rate", "truncated rate"),
-    ("rollouts/filtered_rate", "filtered rate"), ("trainer/tokens_per_s", "trained tokens/s"),
-    ("rollouts/tokens_per_s", "generated tokens/s"), ("off_policy/level", "off-policy level"),
+    ("trainer/loss", "loss"),
+    ("trainer/mismatch_kl", "mismatch KL"),
+    ("trainer/entropy", "entropy"),
+    ("trainer/grad_norm", "grad norm"),
+    ("rollouts/completion_tokens/mean", "completion tokens"),
+    ("rollouts/error_rate", "error rate"),
+    ("rollouts/truncated_rate", "truncated rate"),
+    ("rollouts/filtered_rate", "filtered rate"),
+    ("trainer/tokens_per_s", "trained tokens/s"),
+    ("rollouts/tokens_per_s", "generated tokens/s"),
+    ("off_policy/level", "off-policy level"),
 ]
 
 
@@ -76,10 +102,12 @@ def load_metrics(run_dir: Path) -> list[dict]:
 def current_names(row: dict) -> dict:
     """A row under docs/metrics.md's names: an older primerl logged the trainer's keys flat
     (`loss`) and its times as `time_x`; they become `trainer/loss` and `time/x`."""
+
     def name(key: str) -> str:
         if key == "step" or "/" in key:
             return key
         return f"time/{key[5:]}" if key.startswith("time_") else f"trainer/{key}"
+
     return {name(k): v for k, v in row.items()}
 
 
@@ -149,22 +177,43 @@ def write_report(run_dir: str | Path, window: int = 20) -> Path:
     evals = read_jsonl(evals_path) if evals_path.exists() else []
     out = RunDir(run_dir).report
     out.mkdir(exist_ok=True)
-    plots = [(name, title, [(label, *series(rows, key)) for key, label in keys], log_scale, "step")
-             for name, title, keys, log_scale in PLOTS]
-    plots.append(("time", "Where a step's time went (seconds)",
-                  [(k.removeprefix("time/"), *series(rows, k)) for k in time_keys(rows)], False, "step"))
+    plots = [
+        (name, title, [(label, *series(rows, key)) for key, label in keys], log_scale, "step")
+        for name, title, keys, log_scale in PLOTS
+    ]
+    plots.append(
+        (
+            "time",
+            "Where a step's time went (seconds)",
+            [(k.removeprefix("time/"), *series(rows, k)) for k in time_keys(rows)],
+            False,
+            "step",
+        )
+    )
     if evals:  # x: the policy evaluated (steps trained)
         scores = list(dict.fromkeys(k for e in evals for k in e if k.startswith("eval/") and "@" in k))
-        plots.append(("evals", "Evals", [(k.removeprefix("eval/"), *series(evals, k, x="policy")) for k in scores],
-                      False, "policy (steps trained)"))
+        plots.append(
+            (
+                "evals",
+                "Evals",
+                [(k.removeprefix("eval/"), *series(evals, k, x="policy")) for k in scores],
+                False,
+                "policy (steps trained)",
+            )
+        )
     for name, title, drawn, log_scale, xlabel in plots:
         drawn = [d for d in drawn if len(d[1])]
         if not drawn:
             continue
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
         for label, steps, values in drawn:
-            ax.plot(steps, values, label=label, alpha=0.5 if name == "reward" else 1.0,
-                    marker="o" if name == "evals" else None)
+            ax.plot(
+                steps,
+                values,
+                label=label,
+                alpha=0.5 if name == "reward" else 1.0,
+                marker="o" if name == "evals" else None,
+            )
             if name == "reward":
                 ax.plot(steps, moving_average(values, window), label=f"moving average ({window} steps)", linewidth=2)
         if log_scale and all((v > 0).all() for _, _, v in drawn):

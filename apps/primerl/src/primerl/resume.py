@@ -46,14 +46,14 @@ PREVIOUS = "rl.prev"
 BREAKING = {
     "model": "the checkpoint holds this model's weights, trained on this tokenizer's token ids",
     "seed": "each environment's task order is shuffled with it: the saved task positions would point at other "
-            "tasks (some trained twice, some never)",
+    "tasks (some trained twice, some never)",
     "orchestrator.group_size": "sample ids are group id x group_size + i: new groups would reuse the ids of trained "
-                               "samples, and the groups the saved state runs again were started with the old size",
+    "samples, and the groups the saved state runs again were started with the old size",
     "trainer.lora": "the checkpoint's trained tensors and optimizer state are these adapters (and alpha scales them "
-                    "into the policy)",
+    "into the policy)",
     "trainer.freeze_vision": "which parameters train: the optimizer state saved is for the old set",
     "envs.train": "the saved task position of each environment, and the mix's state, belong to these environments, "
-                  "in this order, with these arguments",
+    "in this order, with these arguments",
 }
 """Settings a resume must keep (a key or the table under it), with why. Allowed and printed:
 everything else, e.g. the learning rate and its schedule (the trainer applies the configured
@@ -132,20 +132,31 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise CheckError(f"{where}: another `primerl rl` runs on it: {_describe(self._read(fd))}; stop it "
-                                 "first (Ctrl-C in its terminal, or kill that pid), or use another run_dir") from None
+                raise CheckError(
+                    f"{where}: another `primerl rl` runs on it: {_describe(self._read(fd))}; stop it "
+                    "first (Ctrl-C in its terminal, or kill that pid), or use another run_dir"
+                ) from None
             holder = self._read(fd)
             if holder:
                 host = socket.gethostname()
                 if holder.get("host") != host:
-                    raise CheckError(f"{where}: its lock {self.path} names {_describe(holder)}, another host: whether "
-                                     f"that run still runs cannot be told from {host}; if it has ended, delete {self.path}")
+                    raise CheckError(
+                        f"{where}: its lock {self.path} names {_describe(holder)}, another host: whether "
+                        f"that run still runs cannot be told from {host}; if it has ended, delete {self.path}"
+                    )
                 if isinstance(holder.get("pid"), int) and _alive(holder["pid"], holder.get("ticks")):
-                    raise CheckError(f"{where}: another `primerl rl` runs on it: {_describe(holder)} (its lock is "
-                                     f"{self.path}); stop it first, or use another run_dir")
+                    raise CheckError(
+                        f"{where}: another `primerl rl` runs on it: {_describe(holder)} (its lock is "
+                        f"{self.path}); stop it first, or use another run_dir"
+                    )
                 self.took_over = _describe(holder)
-            record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                      "ticks": _start_ticks(os.getpid()), "command": " ".join(sys.argv)[:300]}
+            record = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": time.time(),
+                "ticks": _start_ticks(os.getpid()),
+                "command": " ".join(sys.argv)[:300],
+            }
             os.ftruncate(fd, 0)
             os.lseek(fd, 0, os.SEEK_SET)
             os.write(fd, json.dumps(record).encode())
@@ -238,11 +249,17 @@ class ResumePlan:
             print(self.note, flush=True)
         if self.checkpoint is not None:
             folder, meta = self.checkpoint
-            print(f"resuming from step {meta['step']} (checkpoint {folder}): the trainer continues at step "
-                  f"{meta['step'] + 1}, the orchestrator from the data positions saved with it", flush=True)
+            print(
+                f"resuming from step {meta['step']} (checkpoint {folder}): the trainer continues at step "
+                f"{meta['step'] + 1}, the orchestrator from the data positions saved with it",
+                flush=True,
+            )
             if self.max_steps is not None and meta["step"] + 1 >= self.max_steps:
-                print(f"the run is complete (max_steps = {self.max_steps}): nothing will be trained; raise max_steps "
-                      "to train further", flush=True)
+                print(
+                    f"the run is complete (max_steps = {self.max_steps}): nothing will be trained; raise max_steps "
+                    "to train further",
+                    flush=True,
+                )
         if self.allowed:
             print("settings changed since the run last started (allowed):", flush=True)
             for key, a, b in self.allowed:
@@ -270,8 +287,10 @@ def plan_resume(cfg, user_cfg, run_dir: str | Path) -> ResumePlan:
     plan = ResumePlan(run_dir, found, max_steps=cfg.max_steps)
     if not previous.is_file():
         if found is not None:
-            plan.note = (f"warning: {previous} is missing, so this resume's settings cannot be checked against "
-                         "the run's (the model, the environments and their order must be the same)")
+            plan.note = (
+                f"warning: {previous} is missing, so this resume's settings cannot be checked against "
+                "the run's (the model, the environments and their order must be the same)"
+            )
         return plan
     try:
         old = tomllib.loads(previous.read_text())
@@ -291,7 +310,8 @@ def plan_resume(cfg, user_cfg, run_dir: str | Path) -> ResumePlan:
         raise CheckError(
             f"run_dir = {str(run_dir)!r} holds a run to resume (checkpoint {folder}, step {meta['step']}), and these "
             f"settings differ from the ones it ran with ({previous}), which a resume cannot change:\n{lines}\n"
-            "Put them back to resume, or give another run_dir to start a new run (nothing in this one was changed)")
+            "Put them back to resume, or give another run_dir to start a new run (nothing in this one was changed)"
+        )
     plan.allowed = diff
     return plan
 

@@ -52,13 +52,17 @@ def merge_turns(rollout: Rollout, advantage: float = 0.0) -> list[Sample]:
                 f"but {len(turn.completion_logprobs)} logprobs"
             )
         prompt = turn.prompt_ids
-        extends = (bool(tokens) and len(prompt) >= len(tokens) and prompt[: len(tokens)] == tokens
-                   and turn.images[: len(images)] == images)
-        new = prompt[len(tokens):] if extends else prompt
+        extends = (
+            bool(tokens)
+            and len(prompt) >= len(tokens)
+            and prompt[: len(tokens)] == tokens
+            and turn.images[: len(images)] == images
+        )
+        new = prompt[len(tokens) :] if extends else prompt
         if not extends:
             flush()
             tokens, mask, logprobs, images = [], [], [], []
-        images += turn.images[len(images):]
+        images += turn.images[len(images) :]
         tokens += new + turn.completion_ids
         mask += [False] * len(new) + [True] * len(turn.completion_ids)
         logprobs += [0.0] * len(new) + list(turn.completion_logprobs)

@@ -110,9 +110,13 @@ def build_micro_batch(samples: Sequence[Sample], pad_token_id: int = 0):
     if not samples:
         one = np.ones(1, np.float32)
         return MicroBatch(
-            input_ids=np.full(1, pad_token_id, np.int32), loss_mask=np.zeros(1, np.bool_),
-            inference_logprobs=np.zeros(1, np.float32), advantages=np.zeros(1, np.float32),
-            temperatures=one, seq_lens=np.ones(1, np.int32), sample_ids=np.full(1, -1, np.int64),
+            input_ids=np.full(1, pad_token_id, np.int32),
+            loss_mask=np.zeros(1, np.bool_),
+            inference_logprobs=np.zeros(1, np.float32),
+            advantages=np.zeros(1, np.float32),
+            temperatures=one,
+            seq_lens=np.ones(1, np.int32),
+            sample_ids=np.full(1, -1, np.int64),
             policy_steps=np.zeros(1, np.int32),
         )
     lens = np.array([len(s) for s in samples], np.int32)

@@ -63,8 +63,7 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             if mcp_urls:
                 spec = {
                     "mcpServers": {
-                        name: {"url": url, "timeout": self.config.tool_timeout}
-                        for name, url in mcp_urls.items()
+                        name: {"url": url, "timeout": self.config.tool_timeout} for name, url in mcp_urls.items()
                     }
                 }
                 tools, dispatch, servers = await vf_mcp.connect_mcp(spec, stack)

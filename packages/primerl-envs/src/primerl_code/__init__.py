@@ -28,16 +28,41 @@ __all__ = ["CodeTaskset", "HiddenTest", "SandboxUnavailable"]
 # name, signature, description, reference implementation (for generating expected values)
 PROBLEMS = [
     ("add", "add(a, b)", "returns a + b", lambda a, b: a + b, lambda r: (r.randint(-50, 50), r.randint(-50, 50))),
-    ("maximum", "maximum(xs)", "returns the largest number of the list xs", max,
-     lambda r: ([r.randint(-99, 99) for _ in range(r.randint(1, 6))],)),
-    ("reverse", "reverse(s)", "returns the string s backwards", lambda s: s[::-1],
-     lambda r: ("".join(r.choice("abcxyz") for _ in range(r.randint(0, 8))),)),
-    ("count_vowels", "count_vowels(s)", "returns how many of the characters of s are vowels (aeiou)",
-     lambda s: sum(c in "aeiou" for c in s), lambda r: ("".join(r.choice("abeiouxyz") for _ in range(r.randint(0, 10))),)),
-    ("is_even", "is_even(n)", "returns True when the integer n is even", lambda n: n % 2 == 0,
-     lambda r: (r.randint(-100, 100),)),
-    ("total", "total(xs)", "returns the sum of the list xs", sum,
-     lambda r: ([r.randint(-20, 20) for _ in range(r.randint(0, 6))],)),
+    (
+        "maximum",
+        "maximum(xs)",
+        "returns the largest number of the list xs",
+        max,
+        lambda r: ([r.randint(-99, 99) for _ in range(r.randint(1, 6))],),
+    ),
+    (
+        "reverse",
+        "reverse(s)",
+        "returns the string s backwards",
+        lambda s: s[::-1],
+        lambda r: ("".join(r.choice("abcxyz") for _ in range(r.randint(0, 8))),),
+    ),
+    (
+        "count_vowels",
+        "count_vowels(s)",
+        "returns how many of the characters of s are vowels (aeiou)",
+        lambda s: sum(c in "aeiou" for c in s),
+        lambda r: ("".join(r.choice("abeiouxyz") for _ in range(r.randint(0, 10))),),
+    ),
+    (
+        "is_even",
+        "is_even(n)",
+        "returns True when the integer n is even",
+        lambda n: n % 2 == 0,
+        lambda r: (r.randint(-100, 100),),
+    ),
+    (
+        "total",
+        "total(xs)",
+        "returns the sum of the list xs",
+        sum,
+        lambda r: ([r.randint(-20, 20) for _ in range(r.randint(0, 6))],),
+    ),
 ]
 
 SOLUTIONS = {
@@ -119,5 +144,7 @@ class CodeTaskset(vf.Taskset[CodeTask, CodeConfig]):
                 # as JSON carries them, so a tuple and a list compare alike
                 expected = json.loads(json.dumps(reference(*args)))
                 tests.append(HiddenTest(name, json.loads(json.dumps(list(args))), expected))
-            prompt = f"Write a Python function {signature} that {description}. Reply with the code in a ```python block."
+            prompt = (
+                f"Write a Python function {signature} that {description}. Reply with the code in a ```python block."
+            )
             yield CodeTask(CodeData(id=f"code-{i}", prompt=prompt, tests=tests), cfg.task)

@@ -68,27 +68,46 @@ def interpreter() -> tuple[str, list[str], list[str]]:
     """
     exe = os.path.join(sys.base_prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
     exe = os.path.realpath(exe if os.path.exists(exe) else sys.executable)
-    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix,  # not a venv's platstdlib
-            "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
+    base = {
+        "base": sys.base_prefix,
+        "platbase": sys.base_exec_prefix,  # not a venv's platstdlib
+        "installed_base": sys.base_prefix,
+        "installed_platbase": sys.base_exec_prefix,
+    }
     stdlib, platstdlib = sysconfig.get_path("stdlib", vars=base), sysconfig.get_path("platstdlib", vars=base)
     binds = [exe, stdlib, platstdlib]
     if sysconfig.get_config_var("Py_ENABLE_SHARED"):
         binds.append(os.path.join(sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")))
     binds = sorted({os.path.realpath(p) for p in binds if os.path.exists(p)}, key=len)  # parents first
-    hidden = [d for lib in {stdlib, platstdlib} for d in (f"{lib}/site-packages", f"{lib}/dist-packages")
-              if os.path.isdir(d)]
+    hidden = [
+        d for lib in {stdlib, platstdlib} for d in (f"{lib}/site-packages", f"{lib}/dist-packages") if os.path.isdir(d)
+    ]
     return exe, binds, hidden
 
 
-def bwrap_argv(bwrap: str, command: list[str], *, seccomp_fd: int, scratch_mb: int,
-               info_fd: int | None = None) -> list[str]:
+def bwrap_argv(
+    bwrap: str, command: list[str], *, seccomp_fd: int, scratch_mb: int, info_fd: int | None = None
+) -> list[str]:
     """The bwrap command line that runs `command` in the sandbox (see the module docstring).
 
     Start it with an empty environment: bwrap's --clearenv clears the command's, but the
     sandbox's PID 1 is a fork of bwrap, and its /proc/1/environ is bwrap's own.
     """
-    argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534",
-            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv"]
+    argv = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--uid",
+        "65534",
+        "--gid",
+        "65534",
+        "--hostname",
+        "sandbox",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+    ]
     for path in ["/usr/lib", "/usr/lib64", "/lib", "/lib64"]:
         if os.path.islink(path):
             argv += ["--symlink", os.readlink(path), path]
@@ -99,9 +118,24 @@ def bwrap_argv(bwrap: str, command: list[str], *, seccomp_fd: int, scratch_mb: i
         argv += ["--ro-bind", path, path]
     for path in hidden:
         argv += ["--size", "4096", "--tmpfs", path, "--remount-ro", path]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
-             "--size", str(scratch_mb << 20), "--tmpfs", "/box", "--chdir", "/box",
-             "--remount-ro", "/", "--seccomp", str(seccomp_fd)]
+    argv += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--remount-ro",
+        "/dev",
+        "--size",
+        str(scratch_mb << 20),
+        "--tmpfs",
+        "/box",
+        "--chdir",
+        "/box",
+        "--remount-ro",
+        "/",
+        "--seccomp",
+        str(seccomp_fd),
+    ]
     if info_fd is not None:
         argv += ["--info-fd", str(info_fd)]
     return argv + ["--", *command]
@@ -137,11 +171,17 @@ def seccomp_filter() -> bytes:
     program += [(JEQ, "eperm", 0, nr) for nr in refused]
     program += [
         (RET, 0, 0, ALLOW),
-        "clone", (LD_ABS, 0, 0, 16), (JSET, "allow", "eperm", CLONE_THREAD),  # args[0], low word
-        "allow", (RET, 0, 0, ALLOW),
-        "eperm", (RET, 0, 0, ERRNO | EPERM),
-        "enosys", (RET, 0, 0, ERRNO | ENOSYS),
-        "kill", (RET, 0, 0, KILL_PROCESS),
+        "clone",
+        (LD_ABS, 0, 0, 16),
+        (JSET, "allow", "eperm", CLONE_THREAD),  # args[0], low word
+        "allow",
+        (RET, 0, 0, ALLOW),
+        "eperm",
+        (RET, 0, 0, ERRNO | EPERM),
+        "enosys",
+        (RET, 0, 0, ERRNO | ENOSYS),
+        "kill",
+        (RET, 0, 0, KILL_PROCESS),
     ]
     return _assemble(program)
 
@@ -170,7 +210,9 @@ def seccomp_pipe() -> int:
     return read
 
 
-PROBE = "import os\ntry:\n    pid = os.fork()\nexcept PermissionError:\n    print('ok')\nelse:\n    pid or os._exit(0)\n"
+PROBE = (
+    "import os\ntry:\n    pid = os.fork()\nexcept PermissionError:\n    print('ok')\nelse:\n    pid or os._exit(0)\n"
+)
 _checked: dict[str, str | None] = {}
 
 
@@ -190,8 +232,14 @@ def _probe(bwrap: str) -> str | None:
         return str(e)
     command = [interpreter()[0], "-I", "-S", "-B", "-c", PROBE]
     try:
-        proc = subprocess.run(bwrap_argv(bwrap, command, seccomp_fd=seccomp, scratch_mb=1), pass_fds=(seccomp,), env={},
-                              stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+        proc = subprocess.run(
+            bwrap_argv(bwrap, command, seccomp_fd=seccomp, scratch_mb=1),
+            pass_fds=(seccomp,),
+            env={},
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=60,
+        )
     except OSError as e:
         return f"the code sandbox needs bubblewrap, and {bwrap!r} cannot be run ({e.strerror}). {INSTALL_HINT}"
     except subprocess.TimeoutExpired:
@@ -200,6 +248,8 @@ def _probe(bwrap: str) -> str | None:
         os.close(seccomp)
     if proc.returncode != 0 or proc.stdout.strip() != b"ok":
         said = (proc.stderr or proc.stdout).decode(errors="replace").strip()[-500:]
-        return (f"bubblewrap ({bwrap}) could not start the code sandbox (exit code {proc.returncode}: "
-                f"{said or 'no output'}). {INSTALL_HINT}")
+        return (
+            f"bubblewrap ({bwrap}) could not start the code sandbox (exit code {proc.returncode}: "
+            f"{said or 'no output'}). {INSTALL_HINT}"
+        )
     return None

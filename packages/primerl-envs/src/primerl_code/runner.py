@@ -30,8 +30,13 @@ def describe(e: BaseException) -> str:
 
 def set_limits(memory: int, cpu_s: int, fsize: int, nproc: int) -> None:
     """Hard limits, which the sandbox's unprivileged user cannot raise again."""
-    for name, value in [("RLIMIT_AS", memory), ("RLIMIT_FSIZE", fsize), ("RLIMIT_NOFILE", 64),
-                        ("RLIMIT_NPROC", nproc), ("RLIMIT_CORE", 0)]:
+    for name, value in [
+        ("RLIMIT_AS", memory),
+        ("RLIMIT_FSIZE", fsize),
+        ("RLIMIT_NOFILE", 64),
+        ("RLIMIT_NPROC", nproc),
+        ("RLIMIT_CORE", 0),
+    ]:
         resource.setrlimit(getattr(resource, name), (value, value))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
 

@@ -80,7 +80,7 @@ class SandboxResult:
 
 
 def sandbox_mode() -> str:
-    """"bwrap" (the default) or UNSAFE, from $PRIMERL_SANDBOX."""
+    """ "bwrap" (the default) or UNSAFE, from $PRIMERL_SANDBOX."""
     mode = os.environ.get("PRIMERL_SANDBOX") or "bwrap"
     if mode not in ("bwrap", UNSAFE):
         raise ValueError(f"PRIMERL_SANDBOX={mode!r}: expected 'bwrap' (the default) or {UNSAFE!r}")
@@ -224,8 +224,13 @@ async def _start_bwrap(command: list[str], file_mb: int):
     try:
         argv = isolation.bwrap_argv(bwrap, command, seccomp_fd=seccomp, info_fd=info_write, scratch_mb=file_mb)
         proc = await asyncio.create_subprocess_exec(
-            *argv, env={}, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, pass_fds=(seccomp, info_write))
+            *argv,
+            env={},
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            pass_fds=(seccomp, info_write),
+        )
     except BaseException:
         os.close(info_read)  # no bwrap: nothing will write its info, nobody will read it
         raise
@@ -286,8 +291,14 @@ async def _start_unsafe(command: list[str], file_mb: int):
     folder = tempfile.mkdtemp(prefix="primerl-unsafe-sandbox-")
     try:
         proc = await asyncio.create_subprocess_exec(
-            *command, cwd=folder, env={}, start_new_session=True,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            *command,
+            cwd=folder,
+            env={},
+            start_new_session=True,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)  # no child: the caller gets no cleanup to call
         raise

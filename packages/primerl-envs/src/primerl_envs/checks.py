@@ -81,8 +81,10 @@ def explain(cfg: EnvConfig, taskset_id: str, err: BaseException) -> EnvLoadError
     module = module_name(taskset_id)
     loaded = sys.modules.get(module) or sys.modules.get(f"verifiers.v1.tasksets.{module}")
     if loaded is not None and callable(getattr(loaded, "load_environment", None)) and not _has_taskset(loaded):
-        return EnvLoadError(f"{where}: module {module!r} ({getattr(loaded, '__file__', '?')}) defines "
-                            f"`load_environment()`: {CLASSIC_API}")
+        return EnvLoadError(
+            f"{where}: module {module!r} ({getattr(loaded, '__file__', '?')}) defines "
+            f"`load_environment()`: {CLASSIC_API}"
+        )
     if isinstance(err, ModuleNotFoundError) and not str(err).startswith(("taskset ", "No module")):
         return EnvLoadError(f"{where}: {err}")  # verifiers' own: a harness or judge not found, the built-in ones named
     if isinstance(err, ModuleNotFoundError):
@@ -90,11 +92,13 @@ def explain(cfg: EnvConfig, taskset_id: str, err: BaseException) -> EnvLoadError
             return EnvLoadError(
                 f"{where}: its module {module!r} was found, but importing it failed: it imports {dep.name!r}, which "
                 f"is not installed{_user_frame(dep.__traceback__)}; install it in this environment (the orchestrator "
-                "imports it too)")
+                "imports it too)"
+            )
         return EnvLoadError(
             f"{where}: not found (no module {module!r}).{did_you_mean(cfg.id)} Built-in environments: "
             f"{', '.join(BUILTIN)}; otherwise give an installed taskset package or the path of a local module "
-            "(./my_env.py)")
+            "(./my_env.py)"
+        )
     if isinstance(err, SyntaxError):
         return EnvLoadError(f"{where}: its module has a syntax error: {err.msg} ({err.filename}, line {err.lineno})")
     if isinstance(err, EnvLoadError):
@@ -105,8 +109,10 @@ def explain(cfg: EnvConfig, taskset_id: str, err: BaseException) -> EnvLoadError
 def _has_taskset(module) -> bool:
     import verifiers.v1 as vf
 
-    return any(isinstance(obj, type) and issubclass(obj, vf.Taskset) and obj is not vf.Taskset
-               for obj in (getattr(module, name, None) for name in getattr(module, "__all__", ()) or ()))
+    return any(
+        isinstance(obj, type) and issubclass(obj, vf.Taskset) and obj is not vf.Taskset
+        for obj in (getattr(module, name, None) for name in getattr(module, "__all__", ()) or ())
+    )
 
 
 def check_environment(cfg: EnvConfig) -> str:
@@ -127,8 +133,9 @@ def check_environment(cfg: EnvConfig) -> str:
     try:
         task = next(iter(taskset), None)
     except Exception as err:  # noqa: BLE001
-        raise EnvLoadError(f"{where}: drawing its first task failed: {type(err).__name__}: {err}"
-                           f"{_user_frame(err.__traceback__)}") from err
+        raise EnvLoadError(
+            f"{where}: drawing its first task failed: {type(err).__name__}: {err}{_user_frame(err.__traceback__)}"
+        ) from err
     if task is None:
         raise EnvLoadError(f"{where}: its taskset has no tasks (args {cfg.args})")
     prompt = getattr(getattr(task, "data", None), "prompt", "")

@@ -171,17 +171,35 @@ def _pydantic_factory_check_memo() -> None:
 
 
 PATCHES = (
-    Patch("renderers' logprob parser reads vLLM's tokens-mode entries", "renderers", ("0.1.12", "0.1.13"),
-          "renderers accepts {\"token_id\": N} entries, or vLLM answers token_id:N strings in tokens mode",
-          _renderers_token_ids),
-    Patch("verifiers' model clients on aiohttp", "verifiers", ("0.4.0", "0.4.1"),
-          "httpx's pool no longer scans every connection per request event, or verifiers builds its own "
-          "client on aiohttp (measure bench/orchestrator.py with and without)", _verifiers_aiohttp_client),
-    Patch("verifiers' score recording strict about numbers", "verifiers", ("0.4.0", "0.4.1"),
-          "verifiers refuses rewards and metrics that are not numbers itself", _verifiers_strict_scores),
-    Patch("pydantic's default-factory check memoised", "pydantic", ("2.14.0", "2.15.0"),
-          "pydantic caches takes_validated_data_argument (or no longer calls it per model_construct)",
-          _pydantic_factory_check_memo),
+    Patch(
+        "renderers' logprob parser reads vLLM's tokens-mode entries",
+        "renderers",
+        ("0.1.12", "0.1.13"),
+        'renderers accepts {"token_id": N} entries, or vLLM answers token_id:N strings in tokens mode',
+        _renderers_token_ids,
+    ),
+    Patch(
+        "verifiers' model clients on aiohttp",
+        "verifiers",
+        ("0.4.0", "0.4.1"),
+        "httpx's pool no longer scans every connection per request event, or verifiers builds its own "
+        "client on aiohttp (measure bench/orchestrator.py with and without)",
+        _verifiers_aiohttp_client,
+    ),
+    Patch(
+        "verifiers' score recording strict about numbers",
+        "verifiers",
+        ("0.4.0", "0.4.1"),
+        "verifiers refuses rewards and metrics that are not numbers itself",
+        _verifiers_strict_scores,
+    ),
+    Patch(
+        "pydantic's default-factory check memoised",
+        "pydantic",
+        ("2.14.0", "2.15.0"),
+        "pydantic caches takes_validated_data_argument (or no longer calls it per model_construct)",
+        _pydantic_factory_check_memo,
+    ),
 )
 """Every patch, applied in this order by `install`."""
 
@@ -198,13 +216,21 @@ def install() -> None:
     for patch in PATCHES:
         installed = patch.installed()
         if not patch.covers(installed):
-            log.warning("primerl patch %r was written for %s %s to before %s, and %s is installed: check whether it "
-                        "is still needed and right (remove it when %s)", patch.name, patch.package, *patch.versions,
-                        installed, patch.remove_when)
+            log.warning(
+                "primerl patch %r was written for %s %s to before %s, and %s is installed: check whether it "
+                "is still needed and right (remove it when %s)",
+                patch.name,
+                patch.package,
+                *patch.versions,
+                installed,
+                patch.remove_when,
+            )
         try:
             patch.apply()
         except (ImportError, AttributeError) as err:
-            raise RuntimeError(f"primerl patch {patch.name!r} cannot be applied to {patch.package} {installed} "
-                               f"({type(err).__name__}: {err}); it was written for {patch.versions[0]} to before "
-                               f"{patch.versions[1]}") from None
+            raise RuntimeError(
+                f"primerl patch {patch.name!r} cannot be applied to {patch.package} {installed} "
+                f"({type(err).__name__}: {err}); it was written for {patch.versions[0]} to before "
+                f"{patch.versions[1]}"
+            ) from None
     _installed = True

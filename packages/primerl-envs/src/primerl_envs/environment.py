@@ -214,7 +214,9 @@ class Environment:
             try:
                 self.single_turn, self.single_turn_why = single_turn_plan(self._env, self.name, self.cfg.harness)
             except Exception as e:  # noqa: BLE001 - undecided is safe: episodes, as without batching
-                self.single_turn_why = f"could not tell whether its episodes are single model calls ({type(e).__name__}: {e})"
+                self.single_turn_why = (
+                    f"could not tell whether its episodes are single model calls ({type(e).__name__}: {e})"
+                )
         else:
             self.single_turn_why = "envs.*.batch_groups is false"
 
@@ -269,9 +271,7 @@ class Environment:
         rollouts. An episode that produced no trace at all yields one error trace record.
         """
         if self._client is not None:
-            episode = await self._client.run(
-                ctx.client, ctx.model, ctx.sampling, task.data.model_dump(mode="json")
-            )
+            episode = await self._client.run(ctx.client, ctx.model, ctx.sampling, task.data.model_dump(mode="json"))
         elif self._env is not None:
             (slot,) = self._env.slots(task)
             episode = await self._env.run_slot(slot, ctx)
@@ -289,7 +289,6 @@ class Environment:
             traceback=first_traceback(episode.errors),
         )
 
-
     async def rollouts(
         self, task, ctx, *, sample_id: int, group_id: int, temperature: float = 1.0, policy_step: int = 0
     ) -> list[Rollout]:
@@ -305,9 +304,15 @@ class Environment:
             return [Rollout(sample_id=sample_id, turns=[], error=str(e), traceback=e.traceback, **meta)]
         return [trace_to_rollout(t, sample_id=sample_id + i, **meta) for i, t in enumerate(traces)]
 
-
     async def group_rollouts(
-        self, task, ctx, *, n: int, sample_ids: list[int], group_id: int, temperature: float = 1.0,
+        self,
+        task,
+        ctx,
+        *,
+        n: int,
+        sample_ids: list[int],
+        group_id: int,
+        temperature: float = 1.0,
         policy_step: int = 0,
     ) -> list[Rollout] | None:
         """A group of `n` rollouts of `task` from one request (primerl_envs.single_turn), or None
@@ -316,8 +321,16 @@ class Environment:
             return None
         from primerl_envs.single_turn import group_rollouts
 
-        return await group_rollouts(self.single_turn, task, ctx, n=n, sample_ids=sample_ids, group_id=group_id,
-                                    temperature=temperature, policy_step=policy_step)
+        return await group_rollouts(
+            self.single_turn,
+            task,
+            ctx,
+            n=n,
+            sample_ids=sample_ids,
+            group_id=group_id,
+            temperature=temperature,
+            policy_step=policy_step,
+        )
 
 
 def preload(tokenizer: str | None = None) -> None:
@@ -394,10 +407,14 @@ def renderer_config(tokenizer: str, tool_parser: str | None = "qwen3"):
         config = json.loads((Path(tokenizer) / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    name = VLM_RENDERERS.get(config.get("model_type")) if isinstance(config, dict) and "vision_config" in config else None
+    name = (
+        VLM_RENDERERS.get(config.get("model_type")) if isinstance(config, dict) and "vision_config" in config else None
+    )
     if name is not None:
         return getattr(renderers, name)(enable_thinking=False)
-    return renderers.DefaultRendererConfig(tool_parser=tool_parser) if tool_parser else renderers.DefaultRendererConfig()
+    return (
+        renderers.DefaultRendererConfig(tool_parser=tool_parser) if tool_parser else renderers.DefaultRendererConfig()
+    )
 
 
 def _client_config(base_url: str, tokenizer: str, tool_parser: str | None = "qwen3", headers: dict | None = None):

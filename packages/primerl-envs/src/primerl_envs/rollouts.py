@@ -45,18 +45,21 @@ def trace_turns(trace) -> list[Turn]:
             continue  # nothing sampled (e.g. an empty reply): nothing to train on
         first, last = sampled[0], sampled[-1]
         if last - first + 1 != len(sampled):
-            raise TraceError(
-                f"trace {trace.id}, call {index}: sampled tokens are not one contiguous span"
-            )
+            raise TraceError(f"trace {trace.id}, call {index}: sampled tokens are not one contiguous span")
         logprobs = list(node.logprobs or [])
         if len(logprobs) != len(sampled):
             raise TraceError(
                 f"trace {trace.id}, call {index}: {len(sampled)} sampled tokens but "
                 f"{len(logprobs)} logprobs (was the client a training client?)"
             )
-        wrong = next((lp for lp in logprobs if not (isinstance(lp, (int, float)) and math.isfinite(lp) and lp <= MAX_LOGPROB)), None)
+        wrong = next(
+            (lp for lp in logprobs if not (isinstance(lp, (int, float)) and math.isfinite(lp) and lp <= MAX_LOGPROB)),
+            None,
+        )
         if wrong is not None:  # a server's answer is checked like any other input
-            raise TraceError(f"trace {trace.id}, call {index}: the server gave the logprob {wrong!r}, not a finite number <= 0")
+            raise TraceError(
+                f"trace {trace.id}, call {index}: the server gave the logprob {wrong!r}, not a finite number <= 0"
+            )
         prefix: list[int] = []
         path: list[int] = []
         parent = node.parent
@@ -69,7 +72,9 @@ def trace_turns(trace) -> list[Turn]:
             try:
                 images += message_images(nodes[nid].message)
             except ImageError as e:
-                raise TraceError(f"trace {trace.id}, call {index}: image {len(images) + 1} of the prompt: {e}") from None
+                raise TraceError(
+                    f"trace {trace.id}, call {index}: image {len(images) + 1} of the prompt: {e}"
+                ) from None
         prefix.extend(node.token_ids[:first])
         turns.append(
             Turn(

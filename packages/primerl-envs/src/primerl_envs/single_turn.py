@@ -111,14 +111,22 @@ def _needs_runtime(fn) -> bool:
 
 def has_images(messages: list[dict]) -> bool:
     return any(
-        isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") != "text" for p in m["content"])
+        isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") != "text" for p in m["content"])
         for m in messages
     )
 
 
 async def group_rollouts(
-    plan: SingleTurnPlan, task, ctx, *, n: int, sample_ids: list[int], group_id: int,
-    temperature: float = 1.0, policy_step: int = 0,
+    plan: SingleTurnPlan,
+    task,
+    ctx,
+    *,
+    n: int,
+    sample_ids: list[int],
+    group_id: int,
+    temperature: float = 1.0,
+    policy_step: int = 0,
 ) -> list[Rollout] | None:
     """The `n` rollouts of one group of `task` from one request (None: the task's prompt needs
     an episode, e.g. it holds images). Never raises for what went wrong in the request or the
@@ -157,14 +165,23 @@ async def _sample_and_score(plan: SingleTurnPlan, task, ctx, messages: list[dict
     sampling = ctx.sampling.model_dump(exclude_none=True)
     template_kwargs = sampling.pop("chat_template_kwargs", None)
     cache_salt = sampling.pop("cache_salt", None)  # a request field, as the training client sends it
-    pool = ElasticRendererPool(client.renderer_model_name or ctx.model, client.renderer,
-                               chat_template_kwargs=template_kwargs, multiplex=client.multiplex)
+    pool = ElasticRendererPool(
+        client.renderer_model_name or ctx.model,
+        client.renderer,
+        chat_template_kwargs=template_kwargs,
+        multiplex=client.multiplex,
+    )
     prompt = ChatDialect().parse_request({"model": ctx.model, "messages": messages}).messages
     async with pool.acquire() as slot:
         renderer = slot.renderer
         rendered = await slot.run(lambda: renderer.render(messages, add_generation_prompt=True))
-        params = {**sampling, "n": n, "logprobs": 1, "skip_special_tokens": False,
-                  "stop_token_ids": renderer.get_stop_token_ids()}
+        params = {
+            **sampling,
+            "n": n,
+            "logprobs": 1,
+            "skip_special_tokens": False,
+            "stop_token_ids": renderer.get_stop_token_ids(),
+        }
         if not params.get("stop"):  # the reply is parsed from its ids: the server need not decode text
             params.setdefault("detokenize", False)
         body = {"model": ctx.model, "token_ids": rendered.token_ids, "sampling_params": params}
@@ -215,7 +232,9 @@ def _logprobs(choice: dict, ids: list[int]) -> list[float]:
     `{"token": "token_id:N", ...}`), checked against the tokens they belong to."""
     content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
     if not isinstance(content, list) or len(content) != len(ids):
-        raise ServerAnswerError(f"{len(ids)} sampled tokens but logprobs for {len(content) if isinstance(content, list) else 'none'}")
+        raise ServerAnswerError(
+            f"{len(ids)} sampled tokens but logprobs for {len(content) if isinstance(content, list) else 'none'}"
+        )
     out = []
     for i, (entry, token) in enumerate(zip(content, ids)):
         if not isinstance(entry, dict):
@@ -270,9 +289,16 @@ def _committed_trace(plan: SingleTurnPlan, task, prompt, model: str, result: dic
     )
     response = response_from_generate(result, model)
     node = prepare_turn(trace, list(prompt)).commit(response)
-    trace.calls.append(ModelCall(node=node, model=model, endpoint="/chat/completions",
-                                 finish_reason=response.finish_reason, usage=response.usage,
-                                 time=TimeSpan(start=started, end=time.time())))
+    trace.calls.append(
+        ModelCall(
+            node=node,
+            model=model,
+            endpoint="/chat/completions",
+            finish_reason=response.finish_reason,
+            usage=response.usage,
+            time=TimeSpan(start=started, end=time.time()),
+        )
+    )
     return trace
 
 

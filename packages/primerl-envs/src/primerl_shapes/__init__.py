@@ -88,16 +88,20 @@ def layout(rng: random.Random, size: int, count: int) -> list[tuple[str, str, in
         x, y = rng.randint(r + 2, size - r - 3), rng.randint(r + 2, size - r - 3)
         if all(abs(x - sx) > r + sr + 4 or abs(y - sy) > r + sr + 4 for _, _, sx, sy, sr in shapes):
             shapes.append((rng.choice(KINDS), rng.choice(list(COLOURS)), x, y, r))
-    raise ValueError(f"shapes: could not place {count} shapes apart in a picture of {size} x {size} pixels: "
-                     "lower max_shapes or raise size")
+    raise ValueError(
+        f"shapes: could not place {count} shapes apart in a picture of {size} x {size} pixels: "
+        "lower max_shapes or raise size"
+    )
 
 
 class ShapesTaskset(vf.Taskset[ShapesTask, ShapesConfig]):
     def load(self):
         cfg = self.config
         if cfg.size % 32 or cfg.max_shapes < 2 or not set(cfg.questions) <= {"count", "largest"} or not cfg.questions:
-            raise ValueError(f"shapes: size must be a multiple of 32 (got {cfg.size}), max_shapes at least 2 "
-                             f"(got {cfg.max_shapes}), questions among count and largest (got {cfg.questions})")
+            raise ValueError(
+                f"shapes: size must be a multiple of 32 (got {cfg.size}), max_shapes at least 2 "
+                f"(got {cfg.max_shapes}), questions among count and largest (got {cfg.questions})"
+            )
         rng = random.Random(cfg.seed)
         made = 0
         while made < cfg.num_tasks:
@@ -112,7 +116,13 @@ class ShapesTaskset(vf.Taskset[ShapesTask, ShapesConfig]):
                     continue  # no clear largest: draw another picture
                 text, answer = "What colour is the largest shape?", areas[0][1]
             url = "data:image/png;base64," + base64.b64encode(draw(shapes, cfg.size)).decode()
-            prompt = [vf.UserMessage(content=[vf.ImageUrlContentPart(image_url=vf.ImageUrlSource(url=url)),
-                                              vf.TextContentPart(text=text)])]
+            prompt = [
+                vf.UserMessage(
+                    content=[
+                        vf.ImageUrlContentPart(image_url=vf.ImageUrlSource(url=url)),
+                        vf.TextContentPart(text=text),
+                    ]
+                )
+            ]
             yield ShapesTask(AnswerData(id=f"shapes-{made}", prompt=prompt, answer=answer), cfg.task)
             made += 1

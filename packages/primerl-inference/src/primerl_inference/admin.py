@@ -190,8 +190,13 @@ def _parse(kind, body: bytes):
 
 async def _respond(send, status: int, payload) -> None:
     body = msgspec.json.encode(payload)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -292,11 +297,22 @@ class AdminMiddleware:
                     result = {"paused": False}
                 case ("GET", serving.POLICY_ROUTE):
                     p = self.policy
-                    result = PolicyAnswer(step=p.step, path=p.path, checksum=p.checksum, paused=self.paused,
-                                          logprobs_mode=_logprobs_mode(scope["app"]), adapter=p.adapter)
+                    result = PolicyAnswer(
+                        step=p.step,
+                        path=p.path,
+                        checksum=p.checksum,
+                        paused=self.paused,
+                        logprobs_mode=_logprobs_mode(scope["app"]),
+                        adapter=p.adapter,
+                    )
                 case ("GET", serving.HEALTH_ROUTE):
-                    result = HealthAnswer(ready=not self.paused and not self.swap_lock.locked(), paused=self.paused,
-                                          step=self.policy.step, in_flight=self.gate.active, held=self.gate.held)
+                    result = HealthAnswer(
+                        ready=not self.paused and not self.swap_lock.locked(),
+                        paused=self.paused,
+                        step=self.policy.step,
+                        in_flight=self.gate.active,
+                        held=self.gate.held,
+                    )
                 case ("POST", serving.WEIGHTS_JOIN_ROUTE):
                     result = await self._join(scope["app"], engine, _parse(JoinTransfer, body))
                 case ("POST", serving.WEIGHTS_RECEIVE_ROUTE):
@@ -332,33 +348,46 @@ class AdminMiddleware:
                 await self._drop_policy_adapters(app)
             finally:
                 await self.gate.open()
-            return LoadAnswer(step=step, path=path, drain_s=waited, drained=drained,
-                              swap_s=time.monotonic() - t0 - waited)
+            return LoadAnswer(
+                step=step, path=path, drain_s=waited, drained=drained, swap_s=time.monotonic() - t0 - waited
+            )
 
     async def _join(self, app, engine, req: JoinTransfer) -> dict:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         if not hasattr(engine, "init_weight_transfer_engine"):
-            raise AdminError(409, "this vLLM has no weight-transfer engines: use trainer.weights.transport = \"folder\"")
+            raise AdminError(409, 'this vLLM has no weight-transfer engines: use trainer.weights.transport = "folder"')
         # Checked before any worker starts to join: with ranks beyond the group, one worker
         # would fail at once while the others wait out the timeout, still joining (the next
         # join's answer would then be theirs).
         parallel = app.state.vllm_config.parallel_config
         workers = parallel.world_size * parallel.data_parallel_size
         if not (1 <= req.rank and req.rank + workers <= req.world_size) or req.timeout_s <= 0:
-            raise AdminError(400, f"the join gives this server's {workers} worker(s) ranks {req.rank}.."
-                                  f"{req.rank + workers - 1} of a group of {req.world_size} (rank 0 is the trainer), "
-                                  f"with timeout_s {req.timeout_s}: the ranks must be 1..{req.world_size - 1} and the "
-                                  "timeout positive")
-        info = {"host": req.host, "port": req.port, "secret": req.secret, "rank_offset": req.rank,
-                "world_size": req.world_size, "timeout_s": req.timeout_s}
+            raise AdminError(
+                400,
+                f"the join gives this server's {workers} worker(s) ranks {req.rank}.."
+                f"{req.rank + workers - 1} of a group of {req.world_size} (rank 0 is the trainer), "
+                f"with timeout_s {req.timeout_s}: the ranks must be 1..{req.world_size - 1} and the "
+                "timeout positive",
+            )
+        info = {
+            "host": req.host,
+            "port": req.port,
+            "secret": req.secret,
+            "rank_offset": req.rank,
+            "world_size": req.world_size,
+            "timeout_s": req.timeout_s,
+        }
         async with self.swap_lock:
             self.joined = False
             try:
                 await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
             except Exception as err:
-                raise AdminError(409, f"could not join the trainer's transfer group at {req.host}:{req.port}: "
-                                      f"{type(err).__name__}: {err}") from None
+                raise AdminError(
+                    409,
+                    f"could not join the trainer's transfer group at {req.host}:{req.port}: "
+                    f"{type(err).__name__}: {err}",
+                ) from None
             self.joined = True
         return {"joined": True}
 
@@ -368,8 +397,11 @@ class AdminMiddleware:
         step = req.step
         async with self.swap_lock:
             if not self.joined:
-                raise AdminError(409, f"refused weights for step {step}: this server is in no trainer's transfer "
-                                      f"group (join it first: {serving.WEIGHTS_JOIN_ROUTE})")
+                raise AdminError(
+                    409,
+                    f"refused weights for step {step}: this server is in no trainer's transfer "
+                    f"group (join it first: {serving.WEIGHTS_JOIN_ROUTE})",
+                )
             t0 = time.monotonic()
             drained = await self.gate.close()  # requests in flight finish on the old weights
             waited = time.monotonic() - t0
@@ -384,16 +416,25 @@ class AdminMiddleware:
                 except Exception as err:
                     self.joined = False  # the group's stream is out of step: join again
                     await self._fall_back(app, engine)
-                    raise AdminError(409, f"weights of step {step} not received ({type(err).__name__}: {err}); "
-                                          f"serving {self._serving()} instead") from None
+                    raise AdminError(
+                        409,
+                        f"weights of step {step} not received ({type(err).__name__}: {err}); "
+                        f"serving {self._serving()} instead",
+                    ) from None
                 await _reset_prefix_cache(engine)
                 _, checksum, size = received[0]
                 self.weights = self.policy = Policy(step=step, path=None, checksum=checksum)
                 await self._drop_policy_adapters(app)
             finally:
                 await self.gate.open()
-            return ReceiveAnswer(step=step, checksum=checksum, nbytes=sum(r[2] for r in received), drain_s=waited,
-                                 drained=drained, swap_s=time.monotonic() - t0 - waited)
+            return ReceiveAnswer(
+                step=step,
+                checksum=checksum,
+                nbytes=sum(r[2] for r in received),
+                drain_s=waited,
+                drained=drained,
+                swap_s=time.monotonic() - t0 - waited,
+            )
 
     def _serving(self) -> str:
         p = self.weights
@@ -419,7 +460,9 @@ class AdminMiddleware:
             raise AdminError(400, f"LoRA adapter folder {path} does not exist")
         models = getattr(app.state, "openai_serving_models", None)
         if models is None:
-            raise AdminError(409, "this server does not serve LoRA adapters (start it with inference.enable_lora = true)")
+            raise AdminError(
+                409, "this server does not serve LoRA adapters (start it with inference.enable_lora = true)"
+            )
         async with self.swap_lock:
             t0 = time.monotonic()
             checksum = None
@@ -430,17 +473,24 @@ class AdminMiddleware:
                 except ValueError as err:
                     raise AdminError(409, f"refused LoRA adapter {name!r} for step {step}: {err}") from None
                 if format_of(meta) != ADAPTER:
-                    raise AdminError(409, f"refused LoRA adapter {name!r}: {path} holds {format_of(meta)!r} "
-                                          f"weights, not an adapter (load those with {serving.LOAD_WEIGHTS_ROUTE})")
+                    raise AdminError(
+                        409,
+                        f"refused LoRA adapter {name!r}: {path} holds {format_of(meta)!r} "
+                        f"weights, not an adapter (load those with {serving.LOAD_WEIGHTS_ROUTE})",
+                    )
                 checksum = meta["checksum"]
             if step is not None and self.weights.step not in (serving.BASE_STEP, 0):
-                raise AdminError(409, f"refused LoRA adapter {name!r} for step {step}: this server serves the full "
-                                      f"weights of policy {self.weights.step} ({self.weights.path}), and a published "
-                                      "adapter applies to the base weights; load those first")
+                raise AdminError(
+                    409,
+                    f"refused LoRA adapter {name!r} for step {step}: this server serves the full "
+                    f"weights of policy {self.weights.step} ({self.weights.path}), and a published "
+                    "adapter applies to the base weights; load those first",
+                )
             # The same name again is the same policy and content (adapter_name): replace it in place.
             again = step is not None and name in models.lora_requests
             result = await models.load_lora_adapter(
-                LoadLoRAAdapterRequest(lora_name=name, lora_path=path, load_inplace=again))
+                LoadLoRAAdapterRequest(lora_name=name, lora_path=path, load_inplace=again)
+            )
             if not isinstance(result, str):
                 raise AdminError(400, f"vLLM refused LoRA adapter {name!r} from {path}: {result.error.message}")
             if step is not None:
@@ -454,7 +504,9 @@ class AdminMiddleware:
         name = req.name
         models = getattr(app.state, "openai_serving_models", None)
         if models is None:
-            raise AdminError(409, "this server does not serve LoRA adapters (start it with inference.enable_lora = true)")
+            raise AdminError(
+                409, "this server does not serve LoRA adapters (start it with inference.enable_lora = true)"
+            )
         async with self.swap_lock:
             result = await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
             if not isinstance(result, str):

@@ -63,23 +63,38 @@ class ServerSpec:
 
 
 def server_command(
-    cfg: InferenceConfig, model: str, max_model_len: int, replica: int, run_dir: str | Path, device: str | None = None,
+    cfg: InferenceConfig,
+    model: str,
+    max_model_len: int,
+    replica: int,
+    run_dir: str | Path,
+    device: str | None = None,
 ) -> ServerSpec:
     """argv and environment of replica `replica` (no process is started)."""
     device = device or resolve_device(cfg)
     port = cfg.base_port + replica
     argv = [
-        sys.executable, "-m", "primerl_inference.serve",
-        "--model", model,
-        "--served-model-name", model,
-        "--host", cfg.host,
-        "--port", str(port),
-        "--max-model-len", str(max_model_len),
-        "--middleware", ADMIN_MIDDLEWARE,
-        "--worker-extension-cls", WORKER_EXTENSION,
+        sys.executable,
+        "-m",
+        "primerl_inference.serve",
+        "--model",
+        model,
+        "--served-model-name",
+        model,
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--middleware",
+        ADMIN_MIDDLEWARE,
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
         # The engine that receives the trainer's weights in memory (transfer.py); idle until a
         # trainer's group is joined, so every server offers it.
-        "--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
+        "--weight-transfer-config",
+        json.dumps({"backend": TRANSFER_BACKEND}),
         "--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching",
         # verifiers' training client (primerl-envs) renders prompts itself and calls the
         # token-in/token-out route, which reads sampled tokens back as `token_id:N`.
@@ -87,7 +102,8 @@ def server_command(
         "--return-tokens-as-token-ids",
         # Logprobs of the distribution tokens are sampled from (after temperature), which is
         # what the trainer computes; vLLM's default is the raw logits' (temperature 1).
-        "--logprobs-mode", LOGPROBS_MODE,
+        "--logprobs-mode",
+        LOGPROBS_MODE,
         # No log line per HTTP request (thousands a step in RL; extra_args
         # "--no-disable-uvicorn-access-log" brings them back).
         "--disable-uvicorn-access-log",
@@ -103,7 +119,13 @@ def server_command(
     if device == "cpu":
         # The KV cache in bytes (VLLM_CPU_KVCACHE_SPACE takes whole GiB only): zeroing 1 GiB took
         # ~1.7 s of the server's start on 2 cores, where a tiny model needs a few MiB.
-        argv += ["--enforce-eager", "--dtype", "float32", "--kv-cache-memory-bytes", str(int(cfg.cpu_kv_cache_gib * 2**30))]
+        argv += [
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory-bytes",
+            str(int(cfg.cpu_kv_cache_gib * 2**30)),
+        ]
         env[INSPECT_ENV] = "1"  # serve.py: no subprocess to inspect the model class (~7 s CPU)
         # One OpenMP thread for the model unless the user set OMP_NUM_THREADS: with 2 the
         # engine's second thread spun between the many small steps of a CPU server (as much
@@ -123,19 +145,24 @@ def server_command(
             if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 cores = sorted(os.sched_getaffinity(0))
                 if len(cores) < tp:
-                    raise LaunchError(f"inference.tensor_parallel_size = {tp} on CPU needs a core per worker; "
-                                     f"this process may use {len(cores)}")
+                    raise LaunchError(
+                        f"inference.tensor_parallel_size = {tp} on CPU needs a core per worker; "
+                        f"this process may use {len(cores)}"
+                    )
                 share = len(cores) // tp
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                    ",".join(map(str, cores[i * share:(i + 1) * share])) for i in range(tp))
+                    ",".join(map(str, cores[i * share : (i + 1) * share])) for i in range(tp)
+                )
     else:
         n = cfg.gpus_per_replica
         pool = cfg.gpus if cfg.gpus is not None else list(range(cfg.num_replicas * n))
         gpus = pool[replica * n : (replica + 1) * n]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         argv += [
-            "--tensor-parallel-size", str(cfg.tensor_parallel_size),
-            "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
+            "--tensor-parallel-size",
+            str(cfg.tensor_parallel_size),
+            "--gpu-memory-utilization",
+            str(cfg.gpu_memory_utilization),
         ]
         if cfg.data_parallel_size > 1:
             argv += ["--data-parallel-size", str(cfg.data_parallel_size)]
@@ -150,7 +177,10 @@ def server_command(
         role = cfg.disaggregation.role
         if role != "none":
             kv_role = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[role]
-            argv += ["--kv-transfer-config", json.dumps({"kv_connector": cfg.disaggregation.connector, "kv_role": kv_role})]
+            argv += [
+                "--kv-transfer-config",
+                json.dumps({"kv_connector": cfg.disaggregation.connector, "kv_role": kv_role}),
+            ]
         if cfg.enforce_eager:
             argv += ["--enforce-eager"]
     if model_images(model) is not None:  # a vision-language model
@@ -158,8 +188,13 @@ def server_command(
         # machines: vision_compat) vLLM's start-up profiling of a dummy video would fail.
         argv += ["--limit-mm-per-prompt", json.dumps({"video": 0})]
     if cfg.enable_lora:
-        argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank or DEFAULT_MAX_LORA_RANK),
-                 "--max-loras", str(cfg.max_loras or DEFAULT_MAX_LORAS)]
+        argv += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(cfg.max_lora_rank or DEFAULT_MAX_LORA_RANK),
+            "--max-loras",
+            str(cfg.max_loras or DEFAULT_MAX_LORAS),
+        ]
     argv += list(cfg.extra_args)
     env.update(cfg.extra_env)
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
@@ -234,8 +269,9 @@ class Servers:
         spec, log = self.specs[replica], self.logs[replica]
         return f"inference replica {replica} ({spec.url}) {why}; last lines of {log}:\n{log_tail(log)}"
 
-    def watch_startup(self, *, fail_fast: bool, serving: set[int] | None = None,
-                      poll_s: float = 0.5) -> tuple[set[int], list[str]]:
+    def watch_startup(
+        self, *, fail_fast: bool, serving: set[int] | None = None, poll_s: float = 0.5
+    ) -> tuple[set[int], list[str]]:
         """Poll until every replica serves, has exited, or is not healthy `startup_timeout_s`
         after the start: (the replicas serving, a problem for each other one). `serving` is
         filled as replicas come up; `fail_fast`: return at the first problem."""
@@ -253,9 +289,15 @@ class Servers:
                     if answers_as_ours(self.specs[i].url, self.specs[i].env.get(ADMIN_TOKEN_ENV)):
                         serving.add(i)
                     else:  # ours cannot listen there: it would fail to bind, after loading the model
-                        problems.append(self.problem(i, (
-                            f"cannot serve: another server answers at {self.specs[i].url} and refuses this launch's "
-                            f"admin token (another run's server?): port {self.specs[i].port} is taken")))
+                        problems.append(
+                            self.problem(
+                                i,
+                                (
+                                    f"cannot serve: another server answers at {self.specs[i].url} and refuses this launch's "
+                                    f"admin token (another run's server?): port {self.specs[i].port} is taken"
+                                ),
+                            )
+                        )
             if problems and fail_fast:
                 break
             if pending and time.monotonic() > deadline:
@@ -288,10 +330,15 @@ def start(cfg: InferenceConfig, model: str, max_model_len: int, run_dir: str | P
     try:
         for spec in specs:
             log = paths.log(f"inference-{spec.replica}")
-            procs.append(subprocess.Popen(
-                spec.argv, env={**os.environ, **spec.env}, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: stop() takes vLLM's workers too
-            ))
+            procs.append(
+                subprocess.Popen(
+                    spec.argv,
+                    env={**os.environ, **spec.env},
+                    stdout=log.open("w"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: stop() takes vLLM's workers too
+                )
+            )
             logs.append(log)
     except BaseException:
         Servers._stop(procs, 30.0)

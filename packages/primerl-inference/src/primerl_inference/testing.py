@@ -25,8 +25,16 @@ from primerl_inference.config import InferenceConfig
 from primerl_inference.launcher import Servers, launch
 from primerl_inference.launcher import healthy as is_up
 
-__all__ = ["TOKEN", "SharedServers", "admin", "is_up", "published_adapter", "published_copy", "start_shared",
-           "write_lora"]
+__all__ = [
+    "TOKEN",
+    "SharedServers",
+    "admin",
+    "is_up",
+    "published_adapter",
+    "published_copy",
+    "start_shared",
+    "write_lora",
+]
 
 TOKEN = "test-admin-token"
 """The admin token of the shared servers."""
@@ -67,19 +75,34 @@ def write_lora(folder: Path, base: Path, r: int = 8, alpha: int = 16, seed: int 
     g = torch.Generator().manual_seed(seed)
     tensors, deltas = {}, {}
     for layer in range(cfg["num_hidden_layers"]):
-        for proj, out_dim in (("q_proj", cfg["num_attention_heads"] * cfg["head_dim"]),
-                              ("v_proj", cfg["num_key_value_heads"] * cfg["head_dim"])):
+        for proj, out_dim in (
+            ("q_proj", cfg["num_attention_heads"] * cfg["head_dim"]),
+            ("v_proj", cfg["num_key_value_heads"] * cfg["head_dim"]),
+        ):
             a = torch.randn(r, cfg["hidden_size"], generator=g) * 0.2
             b = torch.randn(out_dim, r, generator=g) * 0.2
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
             tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
             deltas[f"model.layers.{layer}.self_attn.{proj}.weight"] = (alpha / r) * b @ a
     save_file(tensors, folder / ADAPTER_WEIGHTS)
-    (folder / ADAPTER_CONFIG).write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "lora_dropout": 0.0,
-        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False,
-        "base_model_name_or_path": str(base), "modules_to_save": None, "use_rslora": False, "use_dora": False,
-    }))
+    (folder / ADAPTER_CONFIG).write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": r,
+                "lora_alpha": alpha,
+                "lora_dropout": 0.0,
+                "target_modules": ["q_proj", "v_proj"],
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "base_model_name_or_path": str(base),
+                "modules_to_save": None,
+                "use_rslora": False,
+                "use_dora": False,
+            }
+        )
+    )
     return deltas
 
 
@@ -129,8 +152,9 @@ class SharedServers:
             self.serve_base(url)
 
 
-def start_shared(model: Path, run_dir: Path, port: int, *, replicas: int = 2, max_model_len: int = 4096,
-                 **settings) -> SharedServers:
+def start_shared(
+    model: Path, run_dir: Path, port: int, *, replicas: int = 2, max_model_len: int = 4096, **settings
+) -> SharedServers:
     """`replicas` servers of `model` with the shared admin token (and `settings` for the rest of
     the inference config), each serving the base weights as policy 0."""
     cfg = InferenceConfig(port=port, num_replicas=replicas, admin_token=TOKEN, startup_timeout_s=600, **settings)

@@ -60,10 +60,14 @@ if WeightTransferEngine is not None:
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             self.shutdown()
-            rank = init_info.rank_offset + self.parallel_config.data_parallel_index * self.parallel_config.world_size \
+            rank = (
+                init_info.rank_offset
+                + self.parallel_config.data_parallel_index * self.parallel_config.world_size
                 + self.parallel_config.rank
-            self.group = transfer.open_group(init_info.host, init_info.port, init_info.secret, rank,
-                                             init_info.world_size, init_info.timeout_s)
+            )
+            self.group = transfer.open_group(
+                init_info.host, init_info.port, init_info.secret, rank, init_info.world_size, init_info.timeout_s
+            )
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

@@ -63,7 +63,8 @@ def install() -> bool:
         def preprocess(self, videos, **kwargs):
             raise RuntimeError(
                 "videos need torchvision, which is not installed: this server serves images only "
-                "(start it with --limit-mm-per-prompt '{\"video\": 0}'; primerl_inference.vision_compat)")
+                "(start it with --limit-mm-per-prompt '{\"video\": 0}'; primerl_inference.vision_compat)"
+            )
 
     Qwen3VLVideoProcessor.__module__, Qwen3VLVideoProcessor.__qualname__ = __name__, "Qwen3VLVideoProcessor"
     if getattr(qwen3_vl.__dict__.get("Qwen3VLVideoProcessor"), "__module__", None) != __name__:

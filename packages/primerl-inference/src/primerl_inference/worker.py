@@ -86,7 +86,13 @@ class WorkerExtension:
         repacked = 0
         for module in self.model_runner.get_model().modules():
             weight = getattr(module, "weight", None)
-            if hasattr(module, "cpu_linear") and weight is not None and not weight.is_meta and weight.numel() > 0 and weight.ndim == 2:
+            if (
+                hasattr(module, "cpu_linear")
+                and weight is not None
+                and not weight.is_meta
+                and weight.numel() > 0
+                and weight.ndim == 2
+            ):
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
                 repacked += 1
             experts = _cpu_unquantized_experts(module)

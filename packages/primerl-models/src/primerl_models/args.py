@@ -131,8 +131,10 @@ class GatedDeltaNet:
 
     def __post_init__(self) -> None:
         if self.num_k_heads <= 0 or self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
-                             f"linear_num_key_heads ({self.num_k_heads})")
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.num_k_heads})"
+            )
         if self.conv_kernel < 1:
             raise ValueError(f"linear_conv_kernel_dim must be >= 1, got {self.conv_kernel}")
 
@@ -141,8 +143,10 @@ class GatedDeltaNet:
         return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
 
     def cp_splits(self) -> list[tuple[int, str]]:
-        return [(self.num_k_heads, "key heads (linear_num_key_heads)"),
-                (self.num_v_heads, "value heads (linear_num_value_heads)")]
+        return [
+            (self.num_k_heads, "key heads (linear_num_key_heads)"),
+            (self.num_v_heads, "value heads (linear_num_value_heads)"),
+        ]
 
     def num_params(self, dim: int) -> int:
         value = self.num_v_heads * self.head_v_dim
@@ -360,8 +364,10 @@ class Vision:
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
-            raise ValueError(f"vision hidden_size ({self.hidden_size}) must be num_heads ({self.num_heads}) heads "
-                             "of a multiple of 4 dimensions (2-D RoPE: a quarter each for rows and columns, twice)")
+            raise ValueError(
+                f"vision hidden_size ({self.hidden_size}) must be num_heads ({self.num_heads}) heads "
+                "of a multiple of 4 dimensions (2-D RoPE: a quarter each for rows and columns, twice)"
+            )
         side = round(self.num_position_embeddings**0.5)
         if side * side != self.num_position_embeddings:
             raise ValueError(f"vision num_position_embeddings ({self.num_position_embeddings}) must be a square")

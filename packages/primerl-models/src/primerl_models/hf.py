@@ -51,9 +51,15 @@ def resolve_model_folder(name: str, revision: str | None = None) -> Path:
     except ImportError:
         raise FileNotFoundError(f"model {name!r} is not a local folder, and huggingface_hub is not installed") from None
     try:
-        return Path(snapshot_download(name, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+        return Path(
+            snapshot_download(
+                name, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+            )
+        )
     except Exception as err:  # offline, unknown id, no access: say which model and why
-        raise FileNotFoundError(f"model {name!r} is not a local folder and could not be fetched from the hub: {err}") from None
+        raise FileNotFoundError(
+            f"model {name!r} is not a local folder and could not be fetched from the hub: {err}"
+        ) from None
 
 
 def is_hub_id(name: str) -> bool:
@@ -110,10 +116,16 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     (two per byte, the low nibble first), `scales` uint8 [..., R, G] each group's power of two
     (biased by 127). Returns [..., G * 32, R]: the rows' values, transposed as the BF16
     checkpoints store these matrices (GPT-OSS's experts: [E, in, out])."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape \
-            or blocks.shape[-1] != 16:
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
-                         f"{scales.dtype} do not pair (uint8 [..., R, G, 16] and uint8 [..., R, G])")
+    if (
+        blocks.dtype != torch.uint8
+        or scales.dtype != torch.uint8
+        or blocks.shape[:-1] != scales.shape
+        or blocks.shape[-1] != 16
+    ):
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+            f"{scales.dtype} do not pair (uint8 [..., R, G, 16] and uint8 [..., R, G])"
+        )
     if blocks.dim() > 3:  # one expert at a time: the int and float temporaries stay small
         return torch.stack([dequantize_mxfp4(b, sc, dtype) for b, sc in zip(blocks, scales)])
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
@@ -143,7 +155,9 @@ def dequantize(tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dtype, 
     return dequantize_fp8(tensors, cfg, dtype, where)
 
 
-def dequantize_fp8(tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dtype, where: str) -> dict[str, torch.Tensor]:
+def dequantize_fp8(
+    tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dtype, where: str
+) -> dict[str, torch.Tensor]:
     """Block-quantised FP8 weights (`X.weight` float8 with `X.weight_scale_inv` [ceil(out/bo),
     ceil(in/bi)] fp32, bo x bi = weight_block_size) -> `X.weight` = fp8 x scale in `dtype`.
     A checkpoint without `quantization_config` is returned as is."""
@@ -165,8 +179,10 @@ def dequantize_fp8(tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dty
         rows, cols = weight.shape
         grid = (-(-rows // block[0]), -(-cols // block[1]))
         if tuple(scale.shape) != grid:
-            raise ValueError(f"{where}: {scale_name} has shape {tuple(scale.shape)}, expected {grid} for "
-                             f"{name} {tuple(weight.shape)} in blocks of {tuple(block)}")
+            raise ValueError(
+                f"{where}: {scale_name} has shape {tuple(scale.shape)}, expected {grid} for "
+                f"{name} {tuple(weight.shape)} in blocks of {tuple(block)}"
+            )
         full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
         out[name] = (weight.float() * full).to(dtype)
     unscaled = [n for n, t in out.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
@@ -269,9 +285,7 @@ def check_state_dict(expected: dict[str, torch.Tensor], got: dict[str, torch.Ten
         problems.append(f"unexpected tensors: {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
     for name in sorted(set(expected) & set(got)):
         if tuple(expected[name].shape) != tuple(got[name].shape):
-            problems.append(
-                f"tensor {name} has shape {tuple(got[name].shape)}, expected {tuple(expected[name].shape)}"
-            )
+            problems.append(f"tensor {name} has shape {tuple(got[name].shape)}, expected {tuple(expected[name].shape)}")
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
 

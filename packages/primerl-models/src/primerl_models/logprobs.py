@@ -90,8 +90,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden_ND, weight_VD, targets_N, temps_N, lse_N, logits_NV = ctx.saved_tensors
         if logits_NV is not None:
             if ctx.logits_spent:
-                raise RuntimeError("chunked_logprobs(keep_logits=True) differentiates once: its first backward "
-                                   "overwrote the kept logits with their gradient (keep_logits=False recomputes them)")
+                raise RuntimeError(
+                    "chunked_logprobs(keep_logits=True) differentiates once: its first backward "
+                    "overwrote the kept logits with their gradient (keep_logits=False recomputes them)"
+                )
             ctx.logits_spent = True
         _, logits_grad = _kernels(hidden_ND)
         w_VD = weight_VD.to(hidden_ND.dtype)
@@ -133,16 +135,22 @@ def chunked_logprobs(
     N x V more memory (8 GB at 16k tokens of a 248k vocab in bf16); backward then runs once.
     """
     if hidden_ND.ndim != 2 or targets_N.shape != hidden_ND.shape[:1]:
-        raise ValueError(f"hidden must be [N, D] and targets [N]; got {tuple(hidden_ND.shape)}, {tuple(targets_N.shape)}")
+        raise ValueError(
+            f"hidden must be [N, D] and targets [N]; got {tuple(hidden_ND.shape)}, {tuple(targets_N.shape)}"
+        )
     acc = torch.promote_types(hidden_ND.dtype, torch.float32)
     temps_N = torch.as_tensor(temperature, dtype=acc, device=hidden_ND.device).expand(hidden_ND.shape[0])
     vocab = weight_VD.shape[0]
     # one host sync for both checks (the kernels index the logits by target unchecked)
-    bad_temp, bad_target = (torch.stack([(temps_N <= 0).any(), ((targets_N < 0) | (targets_N >= vocab)).any()])
-                            .tolist() if hidden_ND.shape[0] else (False, False))
+    bad_temp, bad_target = (
+        torch.stack([(temps_N <= 0).any(), ((targets_N < 0) | (targets_N >= vocab)).any()]).tolist()
+        if hidden_ND.shape[0]
+        else (False, False)
+    )
     if bad_temp:
         raise ValueError("temperatures must be positive")
     if bad_target:
-        raise ValueError(f"targets must be token ids in [0, {vocab}); got {int(targets_N.min())}..{int(targets_N.max())}")
-    return _ChunkedLogprobs.apply(hidden_ND, weight_VD, targets_N.long(), temps_N.contiguous(), chunk_size,
-                                  keep_logits)
+        raise ValueError(
+            f"targets must be token ids in [0, {vocab}); got {int(targets_N.min())}..{int(targets_N.max())}"
+        )
+    return _ChunkedLogprobs.apply(hidden_ND, weight_VD, targets_N.long(), temps_N.contiguous(), chunk_size, keep_logits)

@@ -111,15 +111,19 @@ class Transformer(nn.Module):
         them (chunked_logprobs' keep_logits: faster, [tokens x vocab] more memory)."""
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         zero_centered = args.zero_centered_norms
-        self.layers = nn.ModuleList(DecoderLayer(spec, args.hidden_size, args.rms_norm_eps, zero_centered)
-                                    for spec in args.layers)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, args.hidden_size, args.rms_norm_eps, zero_centered) for spec in args.layers
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, zero_centered)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.visual = None if args.vision is None else VisionTower(args.vision)
         if self.visual is not None:  # frozen unless asked (args.freeze_vision)
             self.visual.requires_grad_(not args.freeze_vision)
-        self._rope_specs = list(dict.fromkeys(layer.mixer.rope for layer in self.layers
-                                              if layer.mixer is not None and layer.mixer.rope is not None))
+        self._rope_specs = list(
+            dict.fromkeys(
+                layer.mixer.rope for layer in self.layers if layer.mixer is not None and layer.mixer.rope is not None
+            )
+        )
         self._inv_freq: dict[tuple[Rope, torch.device], torch.Tensor] = {}
 
     @property
@@ -127,8 +131,9 @@ class Transformer(nn.Module):
         """[V, D]: the lm_head weight, or the embedding when they are tied."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def _ropes(self, position_ids_BT: torch.Tensor, mrope_3BT: torch.Tensor | None = None
-               ) -> dict[Rope, tuple[torch.Tensor, torch.Tensor]]:
+    def _ropes(
+        self, position_ids_BT: torch.Tensor, mrope_3BT: torch.Tensor | None = None
+    ) -> dict[Rope, tuple[torch.Tensor, torch.Tensor]]:
         """cos, sin of each distinct RoPE of the layers (most models have one), from the 1-D
         positions or, when given, the (t, h, w) ones."""
         out = {}
@@ -139,8 +144,9 @@ class Transformer(nn.Module):
             if mrope_3BT is None:
                 out[spec] = rope_cos_sin(position_ids_BT, self._inv_freq[key], spec.interleaved, attention_factor(spec))
             elif spec.mrope_section is None:
-                raise ValueError(f"{self.args.model_type}: 3-axis (t, h, w) positions were given, but its RoPE has "
-                                 "no mrope_section")
+                raise ValueError(
+                    f"{self.args.model_type}: 3-axis (t, h, w) positions were given, but its RoPE has no mrope_section"
+                )
             else:
                 out[spec] = mrope_cos_sin(mrope_3BT, self._inv_freq[key], spec.mrope_section, attention_factor(spec))
         return out
@@ -153,15 +159,19 @@ class Transformer(nn.Module):
             x_BTD = x_BTD * self.args.embed_scale
         b, t = input_ids_BT.shape
         if mrope_3BT is not None and tuple(mrope_3BT.shape) != (3, b, t):
-            raise ValueError(f"mrope_positions has shape {tuple(mrope_3BT.shape)}, expected [3, {b}, {t}] (t, h, w "
-                             "positions of every token)")
+            raise ValueError(
+                f"mrope_positions has shape {tuple(mrope_3BT.shape)}, expected [3, {b}, {t}] (t, h, w "
+                "positions of every token)"
+            )
         if (pixel_values_NP is None) != (image_grid_thw_I3 is None):
             raise ValueError("pixel_values and image_grid_thw come together (the patches and each image's grid)")
         if pixel_values_NP is None:
             return x_BTD, mrope_3BT
         if self.visual is None:
-            raise ValueError(f"{self.args.model_type}: pixel_values given, but the model has no vision tower "
-                             "(its config.json has no vision_config)")
+            raise ValueError(
+                f"{self.args.model_type}: pixel_values given, but the model has no vision tower "
+                "(its config.json has no vision_config)"
+            )
         spec = self.args.vision
         x_BTD = scatter_images(x_BTD, input_ids_BT, self.visual(pixel_values_NP, image_grid_thw_I3), spec)
         if mrope_3BT is None:
@@ -215,7 +225,11 @@ class Transformer(nn.Module):
         b, t, d = hidden_BTD.shape
         temps_N = 1.0 if temperatures_BT is None else temperatures_BT.reshape(-1)
         logprobs_N, entropy_N = chunked_logprobs(
-            hidden_BTD.reshape(b * t, d), self.output_weight, targets_BT.reshape(-1), temps_N, chunk_size,
+            hidden_BTD.reshape(b * t, d),
+            self.output_weight,
+            targets_BT.reshape(-1),
+            temps_N,
+            chunk_size,
             keep_logits=self.keep_logits,
         )
         # Fresh tensors, not views: FSDP2 hooks a module's outputs for its backward.

@@ -8,8 +8,16 @@ from pathlib import Path
 import torch
 
 
-def save_transformers(config, folder: str | Path, shard: str | None = None, router_bias_std: float = 0.0, seed: int = 0,
-                      bias_std: float = 0.0, norm_std: float = 0.0, adjust=None):
+def save_transformers(
+    config,
+    folder: str | Path,
+    shard: str | None = None,
+    router_bias_std: float = 0.0,
+    seed: int = 0,
+    bias_std: float = 0.0,
+    norm_std: float = 0.0,
+    adjust=None,
+):
     """transformers' model of `config` (seeded random weights) saved by its own save_pretrained,
     in shards of `shard` (e.g. "30KB") when given; routers' correction biases
     (`e_score_correction_bias`, Trinity's `expert_bias`) drawn normal(0, router_bias_std) first

@@ -36,7 +36,7 @@ CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
     "{% for call in message.get('tool_calls') or [] %}"
     "{% set fn = call.function if call.function is defined else call %}"
-    "{{ '<tool_call>{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    '{{ \'<tool_call>{"name": "\' + fn.name + \'", "arguments": \' }}'
     "{{ fn.arguments if fn.arguments is string else fn.arguments | tojson }}{{ '}</tool_call>' }}"
     "{% endfor %}"
     "{{ '<|im_end|>' + '\\n' }}"
@@ -53,7 +53,7 @@ DEFAULT_CORPUS = [
 
 
 # Characters the chat template itself writes (role names, newlines): always in a char vocabulary.
-TEMPLATE_CHARS = "systemuserassistanttool:\n {}\",_namearguments"
+TEMPLATE_CHARS = 'systemuserassistanttool:\n {}",_namearguments'
 
 
 def char_tokenizer(alphabet: str):
@@ -89,23 +89,37 @@ def bpe_tokenizer(corpus: list[str], vocab_size: int):
     return tok
 
 
-def write_tokenizer(folder: Path, tok, chat_template: str, max_length: int, unk: str | None, specials: list[str]) -> None:
+def write_tokenizer(
+    folder: Path, tok, chat_template: str, max_length: int, unk: str | None, specials: list[str]
+) -> None:
     """tokenizer.json, tokenizer_config.json (ChatML ends, `chat_template`) and special_tokens_map.json of `tok`."""
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": chat_template,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": unk,
-        "bos_token": None,
-        "model_max_length": max_length,
-        "clean_up_tokenization_spaces": False,
-    }, indent=2))
-    (folder / "special_tokens_map.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **({"unk_token": unk} if unk else {}),
-        "additional_special_tokens": specials,
-    }, indent=2))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": chat_template,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": unk,
+                "bos_token": None,
+                "model_max_length": max_length,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+    )
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                **({"unk_token": unk} if unk else {}),
+                "additional_special_tokens": specials,
+            },
+            indent=2,
+        )
+    )
 
 
 def build_tiny_model(
@@ -145,10 +159,18 @@ def build_tiny_model(
     tok = char_tokenizer(alphabet) if tokenizer == "chars" else bpe_tokenizer(corpus or DEFAULT_CORPUS, bpe_vocab_size)
     hidden = intermediate_size or 2 * hidden_size
     shape = TinyShape(
-        vocab_size=tok.get_vocab_size(), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim or hidden_size // num_heads, intermediate_size=hidden,
-        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=hidden // 2,
-        tie_embeddings=tie_embeddings, max_position_embeddings=max_position_embeddings,
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
+        intermediate_size=hidden,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=hidden // 2,
+        tie_embeddings=tie_embeddings,
+        max_position_embeddings=max_position_embeddings,
     )
     # The family's own config keys, read back by the family's reader: a tiny model is loaded
     # exactly as a real checkpoint of its family would be.
@@ -168,17 +190,33 @@ def build_tiny_model(
         "pad_token_id": ids["<|endoftext|>"],
     }
     save_hf(model.state_dict(), config, folder)
-    write_tokenizer(folder, tok, CHAT_TEMPLATE, max_position_embeddings, "<|endoftext|>", ["<|im_start|>", "<|im_end|>"])
-    (folder / "generation_config.json").write_text(json.dumps({
-        "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
-    }, indent=2))
+    write_tokenizer(
+        folder, tok, CHAT_TEMPLATE, max_position_embeddings, "<|endoftext|>", ["<|im_start|>", "<|im_end|>"]
+    )
+    (folder / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token_id": ids["<|im_end|>"],
+                "pad_token_id": ids["<|endoftext|>"],
+            },
+            indent=2,
+        )
+    )
     return folder
 
 
 # Qwen3.5's markers, which its renderer (renderers.qwen35) looks up in the tokenizer, and its
 # vision placeholders; special tokens of the tiny VLM's tokenizer.
-VLM_SPECIAL_TOKENS = ["<think>", "</think>", "<tool_response>", "</tool_response>", "<|vision_start|>",
-                      "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VLM_SPECIAL_TOKENS = [
+    "<think>",
+    "</think>",
+    "<tool_response>",
+    "</tool_response>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 # CHAT_TEMPLATE with list contents: text parts as they are, each image part as Qwen-VL's
 # `<|vision_start|><|image_pad|><|vision_end|>` (the processor widens the pad to the image's tokens).
 VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
@@ -190,11 +228,15 @@ VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
 )
 
 
-VLM_CORPUS = DEFAULT_CORPUS + [
-    "How many red shapes are there? How many green shapes are there? How many blue shapes are there?",
-    "How many yellow shapes are there? What colour is the largest shape? 0 1 2 3 4 5 6 7 8 9",
-    "red green blue yellow circle square triangle",
-] * 8
+VLM_CORPUS = (
+    DEFAULT_CORPUS
+    + [
+        "How many red shapes are there? How many green shapes are there? How many blue shapes are there?",
+        "How many yellow shapes are there? What colour is the largest shape? 0 1 2 3 4 5 6 7 8 9",
+        "red green blue yellow circle square triangle",
+    ]
+    * 8
+)
 
 
 def build_tiny_vlm(
@@ -253,22 +295,52 @@ def build_tiny_vlm(
     rotary = 0.25
     freqs = int(head_dim * rotary) // 2  # mrope sections share these: t, h, w
     text = transformers.Qwen3_5TextConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=len(layer_types), layer_types=list(layer_types), num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=head_dim, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, initializer_range=0.05,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=rotary,
-                             mrope_section=[freqs - 2 * (freqs // 4), freqs // 4, freqs // 4], mrope_interleaved=True),
-        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=None,
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.05,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=10000.0,
+            partial_rotary_factor=rotary,
+            mrope_section=[freqs - 2 * (freqs // 4), freqs // 4, freqs // 4],
+            mrope_interleaved=True,
+        ),
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=None,
     )
-    vision = dict(depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
-                  num_heads=vision_heads, out_hidden_size=hidden_size, patch_size=patch_size, temporal_patch_size=2,
-                  spatial_merge_size=merge_size, num_position_embeddings=64)
+    vision = dict(
+        depth=vision_depth,
+        hidden_size=vision_hidden_size,
+        intermediate_size=2 * vision_hidden_size,
+        num_heads=vision_heads,
+        out_hidden_size=hidden_size,
+        patch_size=patch_size,
+        temporal_patch_size=2,
+        spatial_merge_size=merge_size,
+        num_position_embeddings=64,
+    )
     config = transformers.Qwen3_5Config(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
@@ -279,17 +351,43 @@ def build_tiny_vlm(
 
     # no unknown token: Qwen3.5's renderer refuses a special token that is the unknown one
     write_tokenizer(folder, tok, VLM_CHAT_TEMPLATE, 4096, None, SPECIAL_TOKENS[1:] + VLM_SPECIAL_TOKENS)
-    common = {"patch_size": patch_size, "temporal_patch_size": 2, "merge_size": merge_size,
-              "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
-              "rescale_factor": 1 / 255, "do_normalize": True, "do_resize": True, "do_convert_rgb": True,
-              "resample": 3}
-    (folder / "preprocessor_config.json").write_text(json.dumps(common | {
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
-        "size": {"shortest_edge": 65536, "longest_edge": 16777216},
-    }, indent=2))
-    (folder / "video_preprocessor_config.json").write_text(json.dumps(common | {
-        "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
-        "size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 2, "min_frames": 4,
-        "max_frames": 768, "do_sample_frames": True,
-    }, indent=2))
+    common = {
+        "patch_size": patch_size,
+        "temporal_patch_size": 2,
+        "merge_size": merge_size,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_resize": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+    }
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps(
+            common
+            | {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": "Qwen3VLProcessor",
+                "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+            },
+            indent=2,
+        )
+    )
+    (folder / "video_preprocessor_config.json").write_text(
+        json.dumps(
+            common
+            | {
+                "video_processor_type": "Qwen3VLVideoProcessor",
+                "processor_class": "Qwen3VLProcessor",
+                "size": {"shortest_edge": 4096, "longest_edge": 25165824},
+                "fps": 2,
+                "min_frames": 4,
+                "max_frames": 768,
+                "do_sample_frames": True,
+            },
+            indent=2,
+        )
+    )
     return folder

@@ -75,7 +75,13 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
 
 
 def build_step(
-    step: int, groups: list[Group], cfg, *, seq_len: int, num_ranks: int, pad_token_id: int = 0,
+    step: int,
+    groups: list[Group],
+    cfg,
+    *,
+    seq_len: int,
+    num_ranks: int,
+    pad_token_id: int = 0,
 ) -> tuple[list, dict[str, float]]:
     """(TrainBatch per rank, metrics) of `step` from `groups`, with `cfg` an OrchestratorConfig."""
     rollouts = [r for g in groups for r in g.rollouts]

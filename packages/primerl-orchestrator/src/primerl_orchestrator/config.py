@@ -140,9 +140,7 @@ class OrchestratorConfig(Config):
 
     def __post_init__(self) -> None:
         if self.batch_size % self.group_size:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})"
-            )
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
         if self.group_size == 1:
             # compute_advantages gives a group whose rewards are all equal zero advantages, under
             # every estimator (plugins too): a group of one always is.
@@ -150,8 +148,11 @@ class OrchestratorConfig(Config):
             raise ValueError(
                 f'group_size = 1 with advantage.type = "{self.advantage.type}" can never train: advantages '
                 "compare the rollouts of a group, so a group of one rollout has advantage 0, and with "
-                + ("filters.zero_advantage = true every group is dropped: every step would be empty"
-                   if zero else "filters.zero_advantage = false every sample trains with advantage 0: no gradient")
+                + (
+                    "filters.zero_advantage = true every group is dropped: every step would be empty"
+                    if zero
+                    else "filters.zero_advantage = false every sample trains with advantage 0: no gradient"
+                )
                 + "; use group_size >= 2 (and batch_size a multiple of it)"
             )
 
@@ -192,8 +193,10 @@ class EvalRunConfig(SharedConfig):
             raise ValueError("envs.eval: no eval environments: add at least one [[envs.eval]] entry")
         if self.model is None:
             if self.run is None:
-                raise ValueError("model.name: no model to evaluate: set model.name, or run = RUN_DIR to evaluate "
-                                 "the steps a run published (on the run's model)")
+                raise ValueError(
+                    "model.name: no model to evaluate: set model.name, or run = RUN_DIR to evaluate "
+                    "the steps a run published (on the run's model)"
+                )
             table, source = rundir.run_model(self.run)
             try:
                 self.model = msgspec.convert(table, ModelConfig)

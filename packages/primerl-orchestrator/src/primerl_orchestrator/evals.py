@@ -64,7 +64,12 @@ class EvalError(RuntimeError):
 
 
 async def evaluate(
-    envs: list[Environment], gen: Generator, settings, *, max_tokens: int, concurrency: int,
+    envs: list[Environment],
+    gen: Generator,
+    settings,
+    *,
+    max_tokens: int,
+    concurrency: int,
 ) -> dict[str, float]:
     """`eval/<env>/...` metrics of every environment in `envs` (EvalSettings `settings`), the
     errored rollouts logged (`evaluate_with_errors`)."""
@@ -72,7 +77,12 @@ async def evaluate(
 
 
 async def evaluate_with_errors(
-    envs: list[Environment], gen: Generator, settings, *, max_tokens: int, concurrency: int,
+    envs: list[Environment],
+    gen: Generator,
+    settings,
+    *,
+    max_tokens: int,
+    concurrency: int,
 ) -> tuple[dict[str, float], dict[str, str]]:
     """The metrics of `evaluate`, and {environment: its first rollout's error} for each
     environment whose rollouts errored; each of those is logged with the count (a warning, an
@@ -90,21 +100,27 @@ async def evaluate_with_errors(
         ids = [task_index * k + i for i in range(k)]
         if env.single_turn is not None:
             async with group_limit:
-                group = await gen.play_group(env, task, sample_ids=ids, group_id=task_index,
-                                             max_tokens=max_tokens, sampling=sampling)
+                group = await gen.play_group(
+                    env, task, sample_ids=ids, group_id=task_index, max_tokens=max_tokens, sampling=sampling
+                )
             if group is not None:
                 return group
 
         async def one(sample_id: int):
             async with limit:
-                rollouts = await gen.play(env, task, sample_id=sample_id, group_id=task_index,
-                                          max_tokens=max_tokens, sampling=sampling)
+                rollouts = await gen.play(
+                    env, task, sample_id=sample_id, group_id=task_index, max_tokens=max_tokens, sampling=sampling
+                )
             return rollouts[0]
 
         return list(await asyncio.gather(*(one(i) for i in ids)))
 
     for env in envs:
-        n_tasks = len(env.tasks) if settings.max_tasks is None else min(settings.max_tasks, len(env.tasks) or settings.max_tasks)
+        n_tasks = (
+            len(env.tasks)
+            if settings.max_tasks is None
+            else min(settings.max_tasks, len(env.tasks) or settings.max_tasks)
+        )
         if n_tasks == 0:
             raise ValueError(f"eval environment {env.name!r} has an endless taskset: set eval.max_tasks")
         tasks = [env.tasks.at(i) for i in range(n_tasks)]
@@ -117,9 +133,14 @@ async def evaluate_with_errors(
         errored = [r.error for r in rollouts if r.error is not None]
         if errored:
             first_errors[env.name] = _shorten(errored[0])
-            log.log(logging.ERROR if len(errored) == len(rollouts) else logging.WARNING,
-                    "eval of %s: %d of %d rollouts errored; the first: %s",
-                    env.name, len(errored), len(rollouts), first_errors[env.name])
+            log.log(
+                logging.ERROR if len(errored) == len(rollouts) else logging.WARNING,
+                "eval of %s: %d of %d rollouts errored; the first: %s",
+                env.name,
+                len(errored),
+                len(rollouts),
+                first_errors[env.name],
+            )
         out[f"eval/{env.name}/error_rate"] = len(errored) / len(results)
         out[f"eval/{env.name}/completion_tokens"] = sum(t for _, _, t in results) / len(results)
         out[f"eval/{env.name}/tasks"] = float(n_tasks)
@@ -179,15 +200,21 @@ async def eval_run(cfg: EvalRunConfig, urls: list[str], admin_token: str | None)
                 continue
             if folder is not None:
                 await gen.pool.load_weights(str(folder), policy, digest, fmt)
-            metrics, first_errors = await evaluate_with_errors(envs, gen, e, max_tokens=e.max_tokens or 1024,
-                                                               concurrency=256)
+            metrics, first_errors = await evaluate_with_errors(
+                envs, gen, e, max_tokens=e.max_tokens or 1024, concurrency=256
+            )
             for env in envs:
                 if metrics[f"eval/{env.name}/error_rate"] == 1.0:
-                    raise EvalError(f"every rollout of eval environment {env.name!r} errored on {policy_label(record)}, "
-                                    f"so nothing was recorded for it; the first error: {first_errors[env.name]}")
+                    raise EvalError(
+                        f"every rollout of eval environment {env.name!r} errored on {policy_label(record)}, "
+                        f"so nothing was recorded for it; the first error: {first_errors[env.name]}"
+                    )
             record |= metrics
             rundir.append_record(out_path, record)
-            log.info("%s | %s", policy_label(record), " ".join(f"{k.removeprefix('eval/')} {v:.3f}"
-                                                                for k, v in metrics.items() if "@" in k))
+            log.info(
+                "%s | %s",
+                policy_label(record),
+                " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items() if "@" in k),
+            )
             results.append(record)
     return results

@@ -51,34 +51,70 @@ class Generator:
         if held is None or held[0] != model:  # one per server and sampling: verifiers reuses its client
             extra = {k: v for k, v in sampling.items() if k != "temperature"}
             # a new adapter replaces the context of the old one (rollouts still running hold theirs)
-            held = self._contexts[key] = (model, model_context(
-                url, model, self.tokenizer, temperature=sampling["temperature"],
-                max_tokens=max_tokens, extra_sampling=extra,
-            ))
+            held = self._contexts[key] = (
+                model,
+                model_context(
+                    url,
+                    model,
+                    self.tokenizer,
+                    temperature=sampling["temperature"],
+                    max_tokens=max_tokens,
+                    extra_sampling=extra,
+                ),
+            )
         return held[1]
 
     async def play(
-        self, env: Environment, task, *, sample_id: int, group_id: int, max_tokens: int, sampling: dict,
+        self,
+        env: Environment,
+        task,
+        *,
+        sample_id: int,
+        group_id: int,
+        max_tokens: int,
+        sampling: dict,
     ) -> list[Rollout]:
         """One episode of `task` as rollouts (never raises for what went wrong in the episode).
 
         `sampling`: the request's sampling fields, with at least `temperature` (training sends
         SamplingConfig.request()); what it leaves out the server takes from the model's
         generation_config.json."""
+
         def run(server, ctx):
-            return env.rollouts(task, ctx, sample_id=sample_id, group_id=group_id,
-                                temperature=sampling["temperature"], policy_step=server.version)
+            return env.rollouts(
+                task,
+                ctx,
+                sample_id=sample_id,
+                group_id=group_id,
+                temperature=sampling["temperature"],
+                policy_step=server.version,
+            )
 
         return await self._retrying(run, max_tokens, sampling, f"rollout {sample_id} (env {env.name})")
 
     async def play_group(
-        self, env: Environment, task, *, sample_ids: list[int], group_id: int, max_tokens: int, sampling: dict,
+        self,
+        env: Environment,
+        task,
+        *,
+        sample_ids: list[int],
+        group_id: int,
+        max_tokens: int,
+        sampling: dict,
     ) -> list[Rollout] | None:
         """A whole group of `task` from one request to one server (`Environment.group_rollouts`),
         or None when the environment or the task needs an episode per rollout (then `play`)."""
+
         def run(server, ctx):
-            return env.group_rollouts(task, ctx, n=len(sample_ids), sample_ids=sample_ids, group_id=group_id,
-                                      temperature=sampling["temperature"], policy_step=server.version)
+            return env.group_rollouts(
+                task,
+                ctx,
+                n=len(sample_ids),
+                sample_ids=sample_ids,
+                group_id=group_id,
+                temperature=sampling["temperature"],
+                policy_step=server.version,
+            )
 
         return await self._retrying(run, max_tokens, sampling, f"group {group_id} (env {env.name})")
 

@@ -41,13 +41,15 @@ STOP_TRACEBACK_LINES = 12
 """Lines of the traceback the stop message keeps (its end: where the error was raised)."""
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_CHAINED = re.compile(r"\n\s*(?:The above exception was the direct cause of the following exception:|"
-                      r"During handling of the above exception, another exception occurred:)\s*\n")
+_CHAINED = re.compile(
+    r"\n\s*(?:The above exception was the direct cause of the following exception:|"
+    r"During handling of the above exception, another exception occurred:)\s*\n"
+)
 _TYPE = re.compile(r"[A-Za-z_][\w.]*")
 
 HINTS = {
     "zero_advantage": "every group's rewards were equal, so its advantages were 0 (filters.zero_advantage drops "
-                      "such groups): the tasks may be too hard or too easy for the model, or the reward constant",
+    "such groups): the tasks may be too hard or too easy for the model, or the reward constant",
     "errored": "every rollout errored: see the tracebacks in the orchestrator's log",
     "bad_score": "the environment scored every rollout with something that is not a finite number",
     "empty": "no rollout sampled a token",
@@ -76,7 +78,7 @@ def _exception_line(block: str) -> str | None:
     """The `Type: message` line of one traceback: the first unindented line after its last frame."""
     lines = block.rstrip().splitlines()
     last = max((i for i, line in enumerate(lines) if _FRAME.search(line)), default=-1)
-    return next((line for line in lines[last + 1:] if line and not line[0].isspace()), None)
+    return next((line for line in lines[last + 1 :] if line and not line[0].isspace()), None)
 
 
 def kind_of(env: str, error: str, traceback: str | None) -> ErrorKind:
@@ -138,15 +140,23 @@ class Health:
             self.first[kind] = r.traceback or r.error
             shown = r.error if len(r.error) <= 500 else r.error[:500] + "..."
             raised_at = f"raised at {kind.where}; " if kind.where else ""
-            log.error("step %d: a rollout of environment %r errored: %s (%sthe first of its kind; later ones are "
-                      "counted every %d steps)%s", step, r.env, shown, raised_at, SUMMARY_STEPS,
-                      f"\n{r.traceback.rstrip()}" if r.traceback else "")
+            log.error(
+                "step %d: a rollout of environment %r errored: %s (%sthe first of its kind; later ones are "
+                "counted every %d steps)%s",
+                step,
+                r.env,
+                shown,
+                raised_at,
+                SUMMARY_STEPS,
+                f"\n{r.traceback.rstrip()}" if r.traceback else "",
+            )
         self.recent.append(kinds)
         metrics["rollouts/new_error_kinds"] = float(new)
         if (step + 1) % SUMMARY_STEPS == 0 and self.since_summary:
             counts = "; ".join(f"{kind}: {n}" for kind, n in self.since_summary.most_common())
-            log.warning("rollout errors seen again over the last %d steps (first tracebacks above): %s",
-                        SUMMARY_STEPS, counts)
+            log.warning(
+                "rollout errors seen again over the last %d steps (first tracebacks above): %s", SUMMARY_STEPS, counts
+            )
             self.since_summary.clear()
         self.empty_steps = self.empty_steps + 1 if not metrics.get("batch/samples") else 0
         metrics["batch/empty_steps"] = float(self.empty_steps)
@@ -164,8 +174,8 @@ class Health:
         if len(self.high) < self.patience:
             return None
         window = sum(self.recent, Counter())
-        (kind, count), = window.most_common(1)
-        rates = ", ".join(f"{r:.0%}" for _, r in self.high[-self.patience:])
+        ((kind, count),) = window.most_common(1)
+        rates = ", ".join(f"{r:.0%}" for _, r in self.high[-self.patience :])
         first = self.high[-self.patience][0]
         return (
             f"stopping the run: more than {self.max_error_rate:.0%} of the rollouts errored at each of steps "
@@ -184,8 +194,10 @@ def empty_steps_note(m: dict[str, float], step: int) -> str | None:
     reasons = {k.removeprefix("filter/"): v for k, v in m.items() if k.startswith("filter/") and v}
     top = max(reasons, key=reasons.get, default=None)
     dropped = ", ".join(f"{k} {v:.0f}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])) or "nothing"
-    return (f"{empty} steps in a row trained nothing (step {step}: {m.get('rollouts/count', 0):.0f} rollouts, "
-            f"dropped by filter: {dropped})" + (f"; {HINTS[top]}" if top in HINTS else ""))
+    return (
+        f"{empty} steps in a row trained nothing (step {step}: {m.get('rollouts/count', 0):.0f} rollouts, "
+        f"dropped by filter: {dropped})" + (f"; {HINTS[top]}" if top in HINTS else "")
+    )
 
 
 def step_summary(m: dict[str, float]) -> str:
@@ -204,8 +216,10 @@ def console_notes(m: dict[str, float], log_path: str) -> list[str]:
     of rollout error (their tracebacks are in `log_path`) and steps in a row that trained nothing."""
     notes = []
     if new := int(m.get("rollouts/new_error_kinds", 0)):
-        notes.append(f"warning: {new} new kind(s) of rollout error at step {m['step']} (errors "
-                     f"{m.get('rollouts/error_rate', 0):.1%}); the first traceback of each kind is in {log_path}")
+        notes.append(
+            f"warning: {new} new kind(s) of rollout error at step {m['step']} (errors "
+            f"{m.get('rollouts/error_rate', 0):.1%}); the first traceback of each kind is in {log_path}"
+        )
     if empty := empty_steps_note(m, m["step"]):
         notes.append(f"warning: {empty}")
     return notes

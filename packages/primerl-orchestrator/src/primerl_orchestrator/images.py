@@ -29,7 +29,9 @@ def image_problem(turn: Turn, vision: ModelImages | None) -> str | None:
         return f"the prompt holds {len(turn.images)} images but the model has no vision tower" if turn.images else None
     if vision.image_token_id in turn.completion_ids:
         return f"the model sampled the image token (id {vision.image_token_id}), which stands for no picture"
-    return tokens_problem(turn.prompt_ids, [(i.height, i.width) for i in turn.images], vision.spec, vision.image_token_id)
+    return tokens_problem(
+        turn.prompt_ids, [(i.height, i.width) for i in turn.images], vision.spec, vision.image_token_id
+    )
 
 
 def check_images(rollouts: list[Rollout], vision: ModelImages | None, env: str, task: str) -> int:
@@ -72,8 +74,9 @@ def task_images_problem(task, vision: ModelImages | None) -> str | None:
     return None
 
 
-def refuse_task_images(task, vision: ModelImages | None, env: str, name: str, sample_ids: list[int],
-                       group_id: int, policy_step: int) -> list[Rollout] | None:
+def refuse_task_images(
+    task, vision: ModelImages | None, env: str, name: str, sample_ids: list[int], group_id: int, policy_step: int
+) -> list[Rollout] | None:
     """The group's rollouts, each with an ImageError and no tokens (tagged with the policy
     served now, so that the group is not taken for a stale one), when `task`'s prompt holds a
     picture that cannot train (task_images_problem); None otherwise."""
@@ -81,5 +84,7 @@ def refuse_task_images(task, vision: ModelImages | None, env: str, name: str, sa
         return None
     error = f"{IMAGE_ERROR}: environment {env!r}, task {name}: {problem}"
     log.warning("%d rollouts will not train: %s", len(sample_ids), error)
-    return [Rollout(sample_id=i, group_id=group_id, turns=[], error=error, env=env, policy_step=policy_step)
-            for i in sample_ids]
+    return [
+        Rollout(sample_id=i, group_id=group_id, turns=[], error=error, env=env, policy_step=policy_step)
+        for i in sample_ids
+    ]

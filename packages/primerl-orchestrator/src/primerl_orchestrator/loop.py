@@ -142,29 +142,47 @@ class Orchestrator:
             self.eval_envs = await open_environments(stack, cfg.envs.eval if self.o.eval.interval else [], cfg.seed)
             self.by_name = {e.name: e for e in self.envs}
             for e in self.envs:
-                log.info("environment %s: %s", e.name, "one request per group (single-turn)" if e.single_turn
-                         else f"one episode per rollout ({e.single_turn_why})")
+                log.info(
+                    "environment %s: %s",
+                    e.name,
+                    "one request per group (single-turn)"
+                    if e.single_turn
+                    else f"one episode per rollout ({e.single_turn_why})",
+                )
             self.mix = EnvMix(self.envs)
             self._resume()
             if cfg.max_steps is not None and self.step >= cfg.max_steps:
                 # The checkpoint is the last step's: the trainer has nothing to train or publish.
-                log.info("the run is complete: resumed at step %d of max_steps %d; nothing to do", self.step, cfg.max_steps)
+                log.info(
+                    "the run is complete: resumed at step %d of max_steps %d; nothing to do", self.step, cfg.max_steps
+                )
                 return
             # the first model call's imports and tokenizer, while the servers may still be loading
             preload(cfg.model.tokenizer or cfg.model.name)
             self.samples.tokenizer = cfg.model.tokenizer or cfg.model.name
             # Resumed, the servers may serve anything: the trainer publishes its restored weights first.
             self.vision = model_images(cfg.model.name)
-            self.gen = await start_generator(stack, cfg.model, cfg.inference.server_urls(),
-                                             cfg.inference.resolved_admin_token(), logprobs_mode=LOGPROBS_MODE,
-                                             any_policy=self.version is None, max_retries=self.o.max_retries,
-                                             # servers started beside this process may still be loading
-                                             wait_s=cfg.inference.startup_timeout_s)
+            self.gen = await start_generator(
+                stack,
+                cfg.model,
+                cfg.inference.server_urls(),
+                cfg.inference.resolved_admin_token(),
+                logprobs_mode=LOGPROBS_MODE,
+                any_policy=self.version is None,
+                max_retries=self.o.max_retries,
+                # servers started beside this process may still be loading
+                wait_s=cfg.inference.startup_timeout_s,
+            )
             self.pool = self.gen.pool
             self._open_sockets(stack)
             log.info(
                 "orchestrator: %d servers (%d healthy), %d x %d rollouts per step, max_async_level %d, from step %d",
-                len(self.pool.servers), len(self.pool.healthy()), self.T, self.G, self.k, self.step,
+                len(self.pool.servers),
+                len(self.pool.healthy()),
+                self.T,
+                self.G,
+                self.k,
+                self.step,
             )
             finished, why = False, "the orchestrator stopped"
             try:
@@ -190,10 +208,14 @@ class Orchestrator:
         settings = t.sockets
         self.senders = []
         for r in range(t.ranks):
-            sender = AsyncSender(t.batch_endpoint(r), BatchMessage, channel=f"batches/rank{r}", bind=True, settings=settings)
+            sender = AsyncSender(
+                t.batch_endpoint(r), BatchMessage, channel=f"batches/rank{r}", bind=True, settings=settings
+            )
             stack.callback(sender.close)
             self.senders.append(sender)
-        self.policy_rx = AsyncReceiver(t.policy_endpoint(), PolicyMessage, channel="policy", bind=True, settings=settings)
+        self.policy_rx = AsyncReceiver(
+            t.policy_endpoint(), PolicyMessage, channel="policy", bind=True, settings=settings
+        )
         stack.callback(self.policy_rx.close)
 
     def _resume(self) -> None:
@@ -208,7 +230,9 @@ class Orchestrator:
         self.step = int(meta["step"]) + 1
         self.version = None  # the resumed trainer publishes its restored weights first
         if not state:
-            log.warning("%s holds no orchestrator state: continuing at step %d with fresh data positions", path, self.step)
+            log.warning(
+                "%s holds no orchestrator state: continuing at step %d with fresh data positions", path, self.step
+            )
             return
         try:
             if int(state["next_step"]) != self.step:
@@ -289,20 +313,23 @@ class Orchestrator:
 
         async def one(i: int):
             try:
-                return await self.gen.play(env, task, sample_id=ids[i], group_id=group.group_id,
-                                           max_tokens=s.max_tokens, sampling=s.request())
+                return await self.gen.play(
+                    env, task, sample_id=ids[i], group_id=group.group_id, max_tokens=s.max_tokens, sampling=s.request()
+                )
             finally:
                 self.in_flight -= 1
                 await self._notify()
 
         name = repr(getattr(task, "key", group.position))
         batched = None
-        if (refused := refuse_task_images(task, self.vision, env.name, name, ids, group.group_id,
-                                                self.version or 0)) is not None:
+        if (
+            refused := refuse_task_images(task, self.vision, env.name, name, ids, group.group_id, self.version or 0)
+        ) is not None:
             batched = refused  # its pictures cannot train: no request is made
         elif env.single_turn is not None:  # one request for the group (None: this task needs episodes)
-            batched = await self.gen.play_group(env, task, sample_ids=ids, group_id=group.group_id,
-                                                max_tokens=s.max_tokens, sampling=s.request())
+            batched = await self.gen.play_group(
+                env, task, sample_ids=ids, group_id=group.group_id, max_tokens=s.max_tokens, sampling=s.request()
+            )
         if batched is not None:
             group.rollouts = batched
             self.in_flight -= self.G
@@ -332,19 +359,30 @@ class Orchestrator:
                 if group.policy_step < self.step - self.k:
                     stale += len(group.rollouts)
                     self.dropped_groups.append(group.group_id)
-                    log.warning("dropped group %d: policy %d is older than step %d allows (max_async_level %d)",
-                                group.group_id, group.policy_step, self.step, self.k)
+                    log.warning(
+                        "dropped group %d: policy %d is older than step %d allows (max_async_level %d)",
+                        group.group_id,
+                        group.policy_step,
+                        self.step,
+                        self.k,
+                    )
                     await self._notify()  # its place is free: the producer starts another
                     continue
                 groups.append(group)
                 self.taken += 1
             t1 = time.monotonic()
             step = self.step
-            batches, metrics = build_step(step, groups, self.o, seq_len=self.cfg.seq_len,
-                                          num_ranks=self.cfg.transport.ranks)
+            batches, metrics = build_step(
+                step, groups, self.o, seq_len=self.cfg.seq_len, num_ranks=self.cfg.transport.ranks
+            )
             if bad := [r for g in groups for r in g.rollouts if r.bad_score]:
-                log.warning("step %d: %d rollouts will not train: their environment scored them with something "
-                            "that is not a finite number (first: %s)", step, len(bad), bad[0].error)
+                log.warning(
+                    "step %d: %d rollouts will not train: their environment scored them with something "
+                    "that is not a finite number (first: %s)",
+                    step,
+                    len(bad),
+                    bad[0].error,
+                )
             # One move, no await in between: the groups leave the count of started groups as
             # the step advances, so the start rule never sees them gone with the step unchanged.
             self.step, self.taken = step + 1, 0
@@ -401,12 +439,25 @@ class Orchestrator:
         }
 
     def _log_step(self, step: int, m: dict[str, float]) -> None:
-        reward = (f"reward {m['reward/mean']:.3f} [{m['reward/min']:.2f}, {m['reward/max']:.2f}]"
-                  if "reward/mean" in m else "reward -")
-        log.info("step %d | %s | %s | off-policy %d | %.1f rollouts/s | %s tok/s | samples %d | wait %.2fs send %.2fs "
-                 "load %.2fs", step, reward, step_summary(m), m["off_policy/level"], m["rollouts/per_s"],
-                 f"{m['rollouts/tokens_per_s']:,.0f}", m["batch/samples"], m["time/wait_rollouts"], m["time/send"],
-                 m["time/load_weights"])
+        reward = (
+            f"reward {m['reward/mean']:.3f} [{m['reward/min']:.2f}, {m['reward/max']:.2f}]"
+            if "reward/mean" in m
+            else "reward -"
+        )
+        log.info(
+            "step %d | %s | %s | off-policy %d | %.1f rollouts/s | %s tok/s | samples %d | wait %.2fs send %.2fs "
+            "load %.2fs",
+            step,
+            reward,
+            step_summary(m),
+            m["off_policy/level"],
+            m["rollouts/per_s"],
+            f"{m['rollouts/tokens_per_s']:,.0f}",
+            m["batch/samples"],
+            m["time/wait_rollouts"],
+            m["time/send"],
+            m["time/load_weights"],
+        )
         append_record(self.paths.orchestrator_metrics, {"step": step, **m})
 
     # -- policies and evals -----------------------------------------------------------
@@ -424,7 +475,11 @@ class Orchestrator:
                 if self._waiting_for_policy():
                     raise OrchestratorError(
                         f"waited {patience:.0f}s (transport.sockets.recv_timeout_s) for the trainer to publish "
-                        + ("the weights it resumed from" if self.version is None else f"the policy after {self.version}")
+                        + (
+                            "the weights it resumed from"
+                            if self.version is None
+                            else f"the policy after {self.version}"
+                        )
                         + f" (step {self.step} needs it); is it running?"
                     ) from None
                 continue
@@ -437,7 +492,9 @@ class Orchestrator:
             if self._eval_task is not None:
                 await asyncio.shield(self._eval_task)  # an eval sees one policy
             version = msg.step + 1
-            self._load_s += await self.pool.load_weights(msg.location, version, msg.checksum, msg.format, served=msg.served)
+            self._load_s += await self.pool.load_weights(
+                msg.location, version, msg.checksum, msg.format, served=msg.served
+            )
             self.version = version
             log.info("servers serve policy %d (%s)", version, msg.location or "sent in memory")
             self._maybe_eval(version)
@@ -452,8 +509,13 @@ class Orchestrator:
     async def _eval(self, version: int) -> None:
         e = self.o.eval
         try:
-            metrics = await evaluate(self.eval_envs, self.gen, e, max_tokens=e.max_tokens or self.o.sampling.max_tokens,
-                                     concurrency=self.o.max_in_flight)
+            metrics = await evaluate(
+                self.eval_envs,
+                self.gen,
+                e,
+                max_tokens=e.max_tokens or self.o.sampling.max_tokens,
+                concurrency=self.o.max_in_flight,
+            )
         except Exception as err:  # an eval failing must not stop training
             log.error("eval of policy %d failed: %s", version, err)
             return

@@ -52,18 +52,27 @@ def prompt_and_completion(rollout: Rollout) -> tuple[list[int], list[int]]:
     prompt = first.prompt_ids
     whole = last.prompt_ids + last.completion_ids
     if whole[: len(prompt)] == prompt:
-        return prompt, whole[len(prompt):]
+        return prompt, whole[len(prompt) :]
     return prompt, [t for turn in rollout.turns for t in turn.completion_ids]
 
 
-def to_sample(step: int, rollout: Rollout, advantage: float | None,
-              decode: Callable[[list[int]], str]) -> RolloutSample:
+def to_sample(
+    step: int, rollout: Rollout, advantage: float | None, decode: Callable[[list[int]], str]
+) -> RolloutSample:
     prompt, completion = prompt_and_completion(rollout)
     return RolloutSample(
-        step=step, policy_step=rollout.policy_step, env=rollout.env, group_id=rollout.group_id,
-        sample_id=rollout.sample_id, prompt=clip(decode(prompt)), completion=clip(decode(completion)),
-        reward=rollout.reward, rewards=dict(rollout.metrics), advantage=advantage,
-        error=None if rollout.error is None else clip(rollout.error, 2000), truncated=rollout.truncated,
+        step=step,
+        policy_step=rollout.policy_step,
+        env=rollout.env,
+        group_id=rollout.group_id,
+        sample_id=rollout.sample_id,
+        prompt=clip(decode(prompt)),
+        completion=clip(decode(completion)),
+        reward=rollout.reward,
+        rewards=dict(rollout.metrics),
+        advantage=advantage,
+        error=None if rollout.error is None else clip(rollout.error, 2000),
+        truncated=rollout.truncated,
         completion_tokens=rollout.num_completion_tokens,
     )
 
@@ -75,8 +84,12 @@ def load_decoder(tokenizer: str | None) -> Callable[[list[int]], str]:
     try:  # optional (renderers' extra, which verifiers' training client needs): not a declared dependency
         tok = importlib.import_module("transformers").AutoTokenizer.from_pretrained(tokenizer)
     except Exception as err:  # noqa: BLE001 - samples are for reading; the run goes on without text
-        log.warning("rollout samples show token ids: the tokenizer %s cannot be loaded (%s: %s)",
-                    tokenizer, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        log.warning(
+            "rollout samples show token ids: the tokenizer %s cannot be loaded (%s: %s)",
+            tokenizer,
+            type(err).__name__,
+            str(err).splitlines()[0] if str(err) else "",
+        )
         return str
     return lambda ids: tok.decode(ids, skip_special_tokens=False)
 
@@ -96,8 +109,11 @@ class Samples:
         by build_step), appended to the rollouts file."""
         if self.decode is None:  # a tokenizer takes a while to load: not on the event loop
             self.decode = await asyncio.to_thread(load_decoder, self.tokenizer)
-        rows = [to_sample(step, r, g.advantages.get(r.sample_id), self.decode)
-                for g in groups[: self.cfg.num_groups] for r in g.rollouts]
+        rows = [
+            to_sample(step, r, g.advantages.get(r.sample_id), self.decode)
+            for g in groups[: self.cfg.num_groups]
+            for r in g.rollouts
+        ]
         self.write(rows)
         return rows
 
@@ -112,8 +128,12 @@ class Samples:
                 fit.append(line)
                 size += len(line)
         if len(fit) < len(lines):
-            log.warning("rollout samples: %d of %d rows left out, the rest pass half of orchestrator.samples.max_mb "
-                        "(%g MB)", len(lines) - len(fit), len(lines), self.cfg.max_mb)
+            log.warning(
+                "rollout samples: %d of %d rows left out, the rest pass half of orchestrator.samples.max_mb (%g MB)",
+                len(lines) - len(fit),
+                len(lines),
+                self.cfg.max_mb,
+            )
         if not fit:
             return
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -181,9 +181,11 @@ class ServerPool:
         except ValueError as err:
             return str(err)
         if policy.logprobs_mode != self.logprobs_mode:
-            return (f"reports logprobs in vLLM's {policy.logprobs_mode!r} mode, not {self.logprobs_mode!r}: its "
-                    f"logprobs would not describe the distribution it samples from at temperatures other than 1 "
-                    f"(start it with --logprobs-mode {self.logprobs_mode}, as primerl-inference does)")
+            return (
+                f"reports logprobs in vLLM's {policy.logprobs_mode!r} mode, not {self.logprobs_mode!r}: its "
+                f"logprobs would not describe the distribution it samples from at temperatures other than 1 "
+                f"(start it with --logprobs-mode {self.logprobs_mode}, as primerl-inference does)"
+            )
         w = self.weights
         if w is None:
             # Step 0 is policy 0, the base weights loaded from a folder (a reset).
@@ -191,15 +193,25 @@ class ServerPool:
                 server.version = max(policy.step, 0)
                 server.model = policy.adapter or self.model
                 return None
-            return (f"serves policy {policy.step} (from {policy.path}), not the base weights this run starts "
-                    "from, and there is no published folder of those to load: restart it, or resume the run "
-                    "that left it there")
-        if policy.step == w.version and (w.checksum is None or policy.checksum == w.checksum) \
-                and policy.adapter == w.adapter:
+            return (
+                f"serves policy {policy.step} (from {policy.path}), not the base weights this run starts "
+                "from, and there is no published folder of those to load: restart it, or resume the run "
+                "that left it there"
+            )
+        if (
+            policy.step == w.version
+            and (w.checksum is None or policy.checksum == w.checksum)
+            and policy.adapter == w.adapter
+        ):
             server.version, server.model = w.version, w.adapter or self.model
             return None
-        log.warning("inference server %s serves policy %d (%s), not the current policy %d: loading it",
-                    server.url, policy.step, policy.path, w.version)
+        log.warning(
+            "inference server %s serves policy %d (%s), not the current policy %d: loading it",
+            server.url,
+            policy.step,
+            policy.path,
+            w.version,
+        )
         try:
             await self._load(server, w)
         except RuntimeError as err:
@@ -223,12 +235,18 @@ class ServerPool:
         next_note = time.monotonic() + 15.0
         while True:
             problems = await asyncio.gather(*(self.probe(s) for s in self.servers))
-            if any(p is None for p in problems) or not all(isinstance(p, NotUp) for p in problems) \
-                    or time.monotonic() >= deadline:
+            if (
+                any(p is None for p in problems)
+                or not all(isinstance(p, NotUp) for p in problems)
+                or time.monotonic() >= deadline
+            ):
                 break
             if time.monotonic() >= next_note:
-                log.info("waiting for an inference server to come up (%s; %.0f s left)",
-                         "; ".join(f"{s.url}: {p}" for s, p in zip(self.servers, problems)), deadline - time.monotonic())
+                log.info(
+                    "waiting for an inference server to come up (%s; %.0f s left)",
+                    "; ".join(f"{s.url}: {p}" for s, p in zip(self.servers, problems)),
+                    deadline - time.monotonic(),
+                )
                 next_note += 15.0
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         for server, problem in zip(self.servers, problems):
@@ -313,9 +331,12 @@ class ServerPool:
         if not self.admin_token:
             raise RuntimeError("no admin token (inference.admin_token or $PRIMERL_ADMIN_TOKEN) to load weights with")
         try:
-            r = await self._http.post(server.url + route, content=msgspec.json.encode(body),
-                                      headers={**bearer(self.admin_token), "content-type": "application/json"},
-                                      timeout=timeout_s)
+            r = await self._http.post(
+                server.url + route,
+                content=msgspec.json.encode(body),
+                headers={**bearer(self.admin_token), "content-type": "application/json"},
+                timeout=timeout_s,
+            )
         except httpx.HTTPError as err:
             raise RuntimeError(f"{route}: {type(err).__name__}: {err}") from None
         if r.status_code != 200:
@@ -329,16 +350,25 @@ class ServerPool:
             await self._post(server, WEIGHTS_RECEIVE_ROUTE, ReceiveWeights(step=w.version), self.load_timeout_s)
             server.adapters.clear()
         elif w.format == MEMORY and not w.path:
-            raise RuntimeError(f"policy {w.version} was sent in memory and there is no folder of it to load "
-                               "(trainer.weights.folder_every); this server gets the next policy the trainer sends")
+            raise RuntimeError(
+                f"policy {w.version} was sent in memory and there is no folder of it to load "
+                "(trainer.weights.folder_every); this server gets the next policy the trainer sends"
+            )
         elif w.adapter is None:
-            await self._post(server, LOAD_WEIGHTS_ROUTE, LoadWeights(path=w.path, step=w.version, checksum=w.checksum),
-                             self.load_timeout_s)
+            await self._post(
+                server,
+                LOAD_WEIGHTS_ROUTE,
+                LoadWeights(path=w.path, step=w.version, checksum=w.checksum),
+                self.load_timeout_s,
+            )
             server.adapters.clear()  # the server dropped them: they adapted the weights it replaced
         else:
-            await self._post(server, LORA_LOAD_ROUTE,
-                             LoraLoad(name=w.adapter, path=w.path, step=w.version, checksum=w.checksum),
-                             self.load_timeout_s)
+            await self._post(
+                server,
+                LORA_LOAD_ROUTE,
+                LoraLoad(name=w.adapter, path=w.path, step=w.version, checksum=w.checksum),
+                self.load_timeout_s,
+            )
             server.adapters[w.version] = w.adapter
         server.version, server.model = w.version, w.adapter or self.model
         await self._unload_idle(server)
@@ -346,20 +376,26 @@ class ServerPool:
     async def _unload_idle(self, server: Server) -> None:
         """Unload the adapters of older policies that no rollout on `server` still uses."""
         for version, name in list(server.adapters.items()):
-            if version != server.version and not server.leases[version] \
-                    and server.adapters.pop(version, None) is not None:  # (not another task's already)
+            if (
+                version != server.version
+                and not server.leases[version]
+                and server.adapters.pop(version, None) is not None
+            ):  # (not another task's already)
                 try:
                     await self._post(server, LORA_UNLOAD_ROUTE, LoraUnload(name=name), self.probe_timeout_s)
                 except RuntimeError as err:  # gone already (the server restarted): nothing to free
-                    log.info("inference server %s: unloading adapter %s of policy %d: %s", server.url, name, version, err)
+                    log.info(
+                        "inference server %s: unloading adapter %s of policy %d: %s", server.url, name, version, err
+                    )
 
     def _spawn_unload(self, server: Server) -> None:
         task = asyncio.get_running_loop().create_task(self._unload_idle(server))
         self._unloads.add(task)
         task.add_done_callback(self._unloads.discard)
 
-    async def load_weights(self, path: str, version: int, checksum: str | None = None, format: str = FULL,
-                           served: list[str] | None = None) -> float:
+    async def load_weights(
+        self, path: str, version: int, checksum: str | None = None, format: str = FULL, served: list[str] | None = None
+    ) -> float:
         """Every healthy server loads the weights at `path` as policy `version`; seconds taken.
         `format` (primerl_protocol.weights): FULL weights replace the served ones; an ADAPTER
         is loaded beside the base weights, and requests name it from then on; MEMORY weights
@@ -369,11 +405,14 @@ class ServerPool:
         A server that fails to load is marked unhealthy (it would serve an old policy);
         weights refused by every server raise NoServerError."""
         if format not in (*FORMATS, MEMORY):
-            raise ValueError(f"policy {version} at {path} has format {format!r}, not one of {', '.join(FORMATS)}, {MEMORY}")
+            raise ValueError(
+                f"policy {version} at {path} has format {format!r}, not one of {', '.join(FORMATS)}, {MEMORY}"
+            )
         t0 = time.monotonic()
         # in memory: the stream's checksum is not the folder's, so a probe checks the step only
-        self.weights = w = Weights(path, version, None if format == MEMORY else checksum, format,
-                                   tuple(u.rstrip("/") for u in served or ()))
+        self.weights = w = Weights(
+            path, version, None if format == MEMORY else checksum, format, tuple(u.rstrip("/") for u in served or ())
+        )
         # In memory, every server the trainer sends to must receive, healthy or not: the trainer's
         # stream to it waits for it (until its timeout) otherwise; one that receives serves again.
         servers = [s for s in self.servers if s.healthy or (format == MEMORY and s.url in w.served)]

@@ -75,8 +75,10 @@ class TrainerDouble:
 
     def _main(self) -> None:
         t = self.transport
-        rx = [Receiver(t.batch_endpoint(r), BatchMessage, channel=f"batches/rank{r}", settings=t.sockets)
-              for r in range(t.ranks)]
+        rx = [
+            Receiver(t.batch_endpoint(r), BatchMessage, channel=f"batches/rank{r}", settings=t.sockets)
+            for r in range(t.ranks)
+        ]
         policy = Sender(t.policy_endpoint(), PolicyMessage, channel="policy", settings=t.sockets)
         try:
             found = rundir.latest_checkpoint(self.run_dir)

@@ -81,8 +81,12 @@ class CurveKeys(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         """A fresh server keypair and client keypair."""
         server_public, server_secret = zmq.curve_keypair()
         client_public, client_secret = zmq.curve_keypair()
-        return cls(server_public=server_public.decode(), server_secret=server_secret.decode(),
-                   client_public=client_public.decode(), client_secret=client_secret.decode())
+        return cls(
+            server_public=server_public.decode(),
+            server_secret=server_secret.decode(),
+            client_public=client_public.decode(),
+            client_secret=client_secret.decode(),
+        )
 
     @classmethod
     def from_env(cls) -> CurveKeys | None:
@@ -92,11 +96,17 @@ class CurveKeys(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             return None
         parts = [p.strip() for p in raw.split(",")]
         if len(parts) != 4:
-            raise ValueError(f"${KEYS_ENV}: expected server_public,server_secret,client_public,client_secret "
-                             f"(a secret may be empty), got {len(parts)} comma-separated parts")
+            raise ValueError(
+                f"${KEYS_ENV}: expected server_public,server_secret,client_public,client_secret "
+                f"(a secret may be empty), got {len(parts)} comma-separated parts"
+            )
         try:
-            return cls(server_public=parts[0], server_secret=parts[1] or None,
-                       client_public=parts[2], client_secret=parts[3] or None)
+            return cls(
+                server_public=parts[0],
+                server_secret=parts[1] or None,
+                client_public=parts[2],
+                client_secret=parts[3] or None,
+            )
         except ValueError as err:
             raise ValueError(f"${KEYS_ENV}: {err}") from None
 
@@ -170,8 +180,10 @@ class _Guard(threading.Thread):
         self.start()
         self._ready.wait()
         if self._error is not None:
-            raise OSError(f"cannot serve ZAP on this ZeroMQ context ({ZAP_ENDPOINT}): {self._error}; "
-                          "another authenticator already runs on it") from self._error
+            raise OSError(
+                f"cannot serve ZAP on this ZeroMQ context ({ZAP_ENDPOINT}): {self._error}; "
+                "another authenticator already runs on it"
+            ) from self._error
 
     def watch(self, socket: zmq.Socket, domain: bytes, client_key: bytes, refusals: Refusals) -> None:
         """Admit `client_key` on `domain`, and count `socket`'s failed handshakes."""

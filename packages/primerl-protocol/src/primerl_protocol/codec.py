@@ -31,9 +31,7 @@ from primerl_protocol.errors import split_validation_error
 from primerl_protocol.messages import PROTOCOL_VERSION
 
 # dtypes an array frame may carry (numpy names); anything else is refused on decode.
-WIRE_DTYPES = frozenset(
-    ["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64"]
-)
+WIRE_DTYPES = frozenset(["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64"])
 
 # numpy's dtype.name is slow (Python code); these maps are looked up once per array instead.
 _DTYPES = {name: np.dtype(name) for name in WIRE_DTYPES}
@@ -136,9 +134,7 @@ class Decoder:
         dt = _DTYPES.get(dtype) if isinstance(dtype, str) else None
         if dt is None:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
-        if not isinstance(shape, (list, tuple)) or not all(
-            isinstance(n, int) and n >= 0 for n in shape
-        ):
+        if not isinstance(shape, (list, tuple)) or not all(isinstance(n, int) and n >= 0 for n in shape):
             raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
         nbytes = dt.itemsize * math.prod(shape)
         size = self._payload.nbytes
@@ -183,9 +179,7 @@ class Decoder:
                 f"protocol version {peek.version}, this process speaks {PROTOCOL_VERSION}",
             )
         if len(frames) > 2:
-            raise ProtocolError(
-                self.channel, name, None, f"{len(frames)} frames; a message has at most 2"
-            )
+            raise ProtocolError(self.channel, name, None, f"{len(frames)} frames; a message has at most 2")
         self._payload = memoryview(frames[1]).cast("B") if len(frames) == 2 else None
         self._spans = []
         try:

@@ -51,8 +51,10 @@ class Image(msgspec.Struct, kw_only=True, frozen=True):
         if not self.rgb and not self.encoded:
             raise ValueError("an image needs its RGB bytes or its encoded file")
         if self.rgb and len(self.rgb) != self.height * self.width * 3:
-            raise ValueError(f"an image of {self.height} x {self.width} pixels needs {self.height * self.width * 3} "
-                             f"RGB bytes, got {len(self.rgb)}")
+            raise ValueError(
+                f"an image of {self.height} x {self.width} pixels needs {self.height * self.width * 3} "
+                f"RGB bytes, got {len(self.rgb)}"
+            )
 
     def pixels(self) -> bytes:
         """The RGB bytes, decoded from `encoded` when not kept (ValueError if they do not match the size)."""
@@ -60,8 +62,9 @@ class Image(msgspec.Struct, kw_only=True, frozen=True):
             return self.rgb
         image = decode_bytes(self.encoded)
         if (image.height, image.width) != (self.height, self.width):
-            raise ValueError(f"an encoded image of {image.height} x {image.width} pixels, recorded as "
-                             f"{self.height} x {self.width}")
+            raise ValueError(
+                f"an encoded image of {image.height} x {image.width} pixels, recorded as {self.height} x {self.width}"
+            )
         return image.rgb
 
 
@@ -94,12 +97,15 @@ class ImageSpec:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
         size = cfg.get("size") or {}
         default = cls()
-        return cls(patch_size=cfg.get("patch_size", default.patch_size),
-                   temporal_patch_size=cfg.get("temporal_patch_size", default.temporal_patch_size),
-                   merge_size=cfg.get("merge_size", default.merge_size),
-                   mean=tuple(cfg.get("image_mean", default.mean)), std=tuple(cfg.get("image_std", default.std)),
-                   min_pixels=size.get("shortest_edge", cfg.get("min_pixels", default.min_pixels)),
-                   max_pixels=size.get("longest_edge", cfg.get("max_pixels", default.max_pixels)))
+        return cls(
+            patch_size=cfg.get("patch_size", default.patch_size),
+            temporal_patch_size=cfg.get("temporal_patch_size", default.temporal_patch_size),
+            merge_size=cfg.get("merge_size", default.merge_size),
+            mean=tuple(cfg.get("image_mean", default.mean)),
+            std=tuple(cfg.get("image_std", default.std)),
+            min_pixels=size.get("shortest_edge", cfg.get("min_pixels", default.min_pixels)),
+            max_pixels=size.get("longest_edge", cfg.get("max_pixels", default.max_pixels)),
+        )
 
 
 class ModelImages(NamedTuple):
@@ -159,9 +165,11 @@ def kept_size_problem(height: int, width: int, spec: ImageSpec) -> str | None:
     except ValueError as e:
         return str(e)
     if keep != (height, width):
-        return (f"an image of {height} x {width} pixels would be resized to {keep[0]} x {keep[1]} by the model's "
-                f"processor: give it at that size (sides multiples of {spec.factor}, "
-                f"{spec.min_pixels} to {spec.max_pixels} pixels)")
+        return (
+            f"an image of {height} x {width} pixels would be resized to {keep[0]} x {keep[1]} by the model's "
+            f"processor: give it at that size (sides multiples of {spec.factor}, "
+            f"{spec.min_pixels} to {spec.max_pixels} pixels)"
+        )
     return None
 
 
@@ -223,8 +231,10 @@ def decode_bytes(data: bytes) -> Image:
             if picture.width * picture.height > MAX_PIXELS:
                 raise ImageError(f"an image of {picture.width} x {picture.height} pixels is larger than {MAX_PIXELS}")
             if picture.mode != "RGB":
-                raise ImageError(f"an image in mode {picture.mode}: give RGB pictures (the server and the trainer "
-                                 "would convert other modes differently)")
+                raise ImageError(
+                    f"an image in mode {picture.mode}: give RGB pictures (the server and the trainer "
+                    "would convert other modes differently)"
+                )
             picture.load()
             return Image(height=picture.height, width=picture.width, rgb=picture.tobytes())
     except ImageError:

@@ -89,15 +89,11 @@ class MicroBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         num_tokens = len(self.input_ids)
         for name in TOKEN_ARRAYS:
             if len(getattr(self, name)) != num_tokens:
-                raise ValueError(
-                    f"`{name}` has {len(getattr(self, name))} tokens but `input_ids` has {num_tokens}"
-                )
+                raise ValueError(f"`{name}` has {len(getattr(self, name))} tokens but `input_ids` has {num_tokens}")
         num_seqs = len(self.seq_lens)
         for name in SEQUENCE_ARRAYS:
             if len(getattr(self, name)) != num_seqs:
-                raise ValueError(
-                    f"`{name}` has {len(getattr(self, name))} entries but `seq_lens` has {num_seqs}"
-                )
+                raise ValueError(f"`{name}` has {len(getattr(self, name))} entries but `seq_lens` has {num_seqs}")
         if num_seqs and int(self.seq_lens.min()) <= 0:
             raise ValueError("`seq_lens` must all be positive")
         total = int(self.seq_lens.sum(dtype=np.int64))
@@ -118,7 +114,7 @@ class MicroBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """Each image of the row as a read-only uint8 [height, width, 3] view, in order."""
         out, at = [], 0
         for h, w in self.image_sizes.tolist():
-            out.append(self.image_pixels[at: at + h * w * 3].reshape(h, w, 3))
+            out.append(self.image_pixels[at : at + h * w * 3].reshape(h, w, 3))
             at += h * w * 3
         return out
 

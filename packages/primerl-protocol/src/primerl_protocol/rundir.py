@@ -203,8 +203,10 @@ def run_model(run_dir: str | Path) -> tuple[dict, Path]:
                 raise ValueError(f"{path} cannot be read ({err})") from None
             if isinstance(model, dict):
                 return model, path
-    raise ValueError(f"{run_dir} has no run config with a [model] ({', '.join(n + '.toml' for n in RUN_CONFIGS)} in {folder}) to take the "
-                     "run's model from: set model.name")
+    raise ValueError(
+        f"{run_dir} has no run config with a [model] ({', '.join(n + '.toml' for n in RUN_CONFIGS)} in {folder}) to take the "
+        "run's model from: set model.name"
+    )
 
 
 def publish(staging: str | Path, final: str | Path) -> None:

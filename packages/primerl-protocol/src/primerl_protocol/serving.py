@@ -198,7 +198,7 @@ def _named(kind: type[msgspec.Struct], err: msgspec.ValidationError) -> str:
     message = str(err)
     prefix = "Object missing required field `"
     if message.startswith(prefix):
-        name = message[len(prefix):].split("`", 1)[0]
+        name = message[len(prefix) :].split("`", 1)[0]
         hint = typing.get_type_hints(kind).get(name)
         return f"field `{name}` ({getattr(hint, '__name__', hint)}) is required"
     if message.startswith("Expected `object`"):

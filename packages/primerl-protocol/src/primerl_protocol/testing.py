@@ -36,7 +36,11 @@ def train_batch(num_micro_batches=2, step=5) -> TrainBatch:
 
 def assert_same_batch(a: TrainBatch, b: TrainBatch) -> None:
     assert (a.step, a.rank, a.num_ranks, a.num_loss_tokens, a.num_sequences) == (
-        b.step, b.rank, b.num_ranks, b.num_loss_tokens, b.num_sequences
+        b.step,
+        b.rank,
+        b.num_ranks,
+        b.num_loss_tokens,
+        b.num_sequences,
     )
     assert len(a.micro_batches) == len(b.micro_batches)
     for x, y in zip(a.micro_batches, b.micro_batches):

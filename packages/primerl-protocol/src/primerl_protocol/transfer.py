@@ -85,7 +85,9 @@ def decode_header(data: bytes, step: int) -> GroupHeader:
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
         raise ValueError(f"the weight stream's header is malformed: {err}") from None
     if header.step != step:
-        raise ValueError(f"the trainer sent the weights of step {header.step}, this server was told to receive step {step}")
+        raise ValueError(
+            f"the trainer sent the weights of step {header.step}, this server was told to receive step {step}"
+        )
     if header.end:
         if header.checksum is None or header.tensors or header.nbytes:
             raise ValueError("the weight stream's end header must carry the checksum and nothing else")
@@ -128,8 +130,9 @@ def host_store(port: int, world_size: int, timeout_s: float):
 
     dist = _torch().distributed
 
-    return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 KEYS = "primerl-weights/"
@@ -167,8 +170,11 @@ def open_group(host: str, port: int, secret: str, rank: int, world_size: int, ti
 
     timeout = timedelta(seconds=timeout_s if rank == 0 else 2 * timeout_s)
     if store is None:
-        store = host_store(port, world_size, timeout_s) if rank == 0 else \
-            dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        store = (
+            host_store(port, world_size, timeout_s)
+            if rank == 0
+            else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        )
     group = Group(dist.ProcessGroupGloo(dist.PrefixStore(_prefix(secret), store), rank, world_size, timeout), store)
     # The handshake: rank 0's nonce, then every member's HMAC of it and its rank, to all.
     nonce = torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8)
@@ -176,8 +182,11 @@ def open_group(host: str, port: int, secret: str, rank: int, world_size: int, ti
     mine = torch.frombuffer(bytearray(_tag(secret, nonce.numpy().tobytes(), rank)), dtype=torch.uint8)
     tags = [torch.empty_like(mine) for _ in range(world_size)]
     group.pg.allgather([tags], [mine]).wait()
-    bad = [r for r, t in enumerate(tags)
-           if not hmac.compare_digest(t.numpy().tobytes(), _tag(secret, nonce.numpy().tobytes(), r))]
+    bad = [
+        r
+        for r, t in enumerate(tags)
+        if not hmac.compare_digest(t.numpy().tobytes(), _tag(secret, nonce.numpy().tobytes(), r))
+    ]
     if bad:
         raise Stranger(bad)
     return group
@@ -247,7 +256,7 @@ def pack(tensors: list[tuple[str, object]], out=None):
     device = tensors[0][1].device if tensors else "cpu"
     buffer = scratch(out if out is not None and out.device == device else None, size, device)[:size]
     for spec, (_, t) in zip(specs, tensors):
-        buffer[spec.offset: spec.offset + nbytes(spec)].view(t.dtype).view(t.shape).copy_(t)
+        buffer[spec.offset : spec.offset + nbytes(spec)].view(t.dtype).view(t.shape).copy_(t)
     return specs, buffer
 
 
@@ -255,8 +264,10 @@ def unpack(header: GroupHeader, buffer) -> list[tuple[str, object]]:
     """The (name, tensor) views of a received group's buffer (checked by decode_header)."""
     torch = _torch()
 
-    return [(s.name, buffer[s.offset: s.offset + nbytes(s)].view(getattr(torch, s.dtype)).view(s.shape))
-            for s in header.tensors]
+    return [
+        (s.name, buffer[s.offset : s.offset + nbytes(s)].view(getattr(torch, s.dtype)).view(s.shape))
+        for s in header.tensors
+    ]
 
 
 def pack_update(step: int, tensors, hosts: list | None = None):
@@ -278,7 +289,7 @@ def pack_update(step: int, tensors, hosts: list | None = None):
             specs, packed = pack(group_tensors, out=on_device)
             on_device = packed._base if packed._base is not None else packed
             host = scratch(shared if hosts is None else own, packed.numel(), pin=torch.cuda.is_available())
-            buffer = host[:packed.numel()].copy_(packed)
+            buffer = host[: packed.numel()].copy_(packed)
         base = buffer._base if buffer._base is not None else buffer
         if hosts is None:
             shared = base
@@ -355,8 +366,10 @@ def receive_update(group, step: int, load, ahead: int = 2) -> tuple[str, int]:
                 header = decode_header(recv_bytes(group), step)
                 if header.end:
                     if digest.hexdigest() != header.checksum:
-                        raise ValueError(f"the weights of step {step} arrived damaged: checksum {digest.hexdigest()}, "
-                                         f"the trainer sent {header.checksum}")
+                        raise ValueError(
+                            f"the weights of step {step} arrived damaged: checksum {digest.hexdigest()}, "
+                            f"the trainer sent {header.checksum}"
+                        )
                     received.put((None, (header.checksum, size)))
                     return
                 # A fresh buffer per group, never reused: vLLM's layer-wise reload keeps the

@@ -127,8 +127,11 @@ class _Endpoint:
                 )
             if not _warned_unauthenticated:
                 _warned_unauthenticated = True
-                log.warning("transport sockets are unauthenticated (no transport.sockets.curve keys): any local "
-                            "process can talk to %s; `primerl rl` sets per-run keys", self.endpoint)
+                log.warning(
+                    "transport sockets are unauthenticated (no transport.sockets.curve keys): any local "
+                    "process can talk to %s; `primerl rl` sets per-run keys",
+                    self.endpoint,
+                )
         elif bind:
             self._zap_domain = auth.secure_server(self.socket, keys, self.refusals)
         else:
@@ -167,9 +170,7 @@ class _Endpoint:
         )
 
     def _recv_timeout_error(self, timeout_s: float | None) -> TransportTimeout:
-        return TransportTimeout(
-            f"socket '{self.channel}' ({self.endpoint}): no valid message within {timeout_s}s"
-        )
+        return TransportTimeout(f"socket '{self.channel}' ({self.endpoint}): no valid message within {timeout_s}s")
 
 
 class _SenderBase(_Endpoint):

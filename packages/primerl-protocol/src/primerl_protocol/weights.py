@@ -53,8 +53,14 @@ def write_marker(folder: str | Path, step: int, files: list[str], created_at: fl
     if format not in FORMATS:
         raise ValueError(f"unknown published-folder format {format!r} (one of {', '.join(FORMATS)})")
     digest = checksum(folder, files)
-    marker = {"step": step, "files": sorted(files), "checksum": digest, "algorithm": ALGORITHM, "time": created_at,
-              "format": format}
+    marker = {
+        "step": step,
+        "files": sorted(files),
+        "checksum": digest,
+        "algorithm": ALGORITHM,
+        "time": created_at,
+        "format": format,
+    }
     (Path(folder) / MARKER).write_text(json.dumps(marker))
     return digest
 

@@ -88,11 +88,15 @@ class AdapterLayout:
         """The layout of `model`'s adapters under HF names; `convert(our state dict)` -> HF's
         (default: the family's checkpoint rules). ValueError naming what cannot be an adapter."""
         if convert is None:
+
             def convert(state):
                 return to_hf(state, model.args)
+
         if any(isinstance(m, GroupedExperts) and m.lora_scale for m in model.modules()):
-            raise ValueError("adapters on MoE experts (trainer.lora.experts) cannot be published as a PEFT adapter "
-                             "vLLM loads: set trainer.lora.publish = \"merged\"")
+            raise ValueError(
+                "adapters on MoE experts (trainer.lora.experts) cannot be published as a PEFT adapter "
+                'vLLM loads: set trainer.lora.publish = "merged"'
+            )
         adapted = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
         if not adapted:
             raise ValueError("the model has no LoRA layers to publish")
@@ -119,7 +123,8 @@ class AdapterLayout:
                 raise ValueError(
                     f"the checkpoint stores {hf_name} (from our {', '.join(layers)}) in another layout than rows "
                     "of them: its adapter cannot be written in PEFT's layout; leave those layers out of "
-                    "trainer.lora.targets, or set trainer.lora.publish = \"merged\"")
+                    'trainer.lora.targets, or set trainer.lora.publish = "merged"'
+                )
             codes = codes[:, 0]
             which, rows = codes >> _ROW_BITS, codes & ((1 << _ROW_BITS) - 1)
             sources = []
@@ -130,8 +135,10 @@ class AdapterLayout:
                     covered[adapted[i - 1]][rows[at]] = True
             pieces.append(Piece(hf_name.removesuffix(".weight"), len(codes), sources))
         if lost := [name for name, seen in covered.items() if not bool(seen.all())]:
-            raise ValueError(f"the checkpoint's names leave out rows of {', '.join(lost[:3])}: their adapters cannot "
-                             "be published as one; set trainer.lora.publish = \"merged\"")
+            raise ValueError(
+                f"the checkpoint's names leave out rows of {', '.join(lost[:3])}: their adapters cannot "
+                'be published as one; set trainer.lora.publish = "merged"'
+            )
         rank = next(m for m in model.modules() if isinstance(m, LoRALinear)).lora_A.weight.shape[0]
         return cls(pieces, rank)
 
@@ -148,7 +155,7 @@ class AdapterLayout:
             r = a[0].shape[0]
             b = a[0].new_zeros(p.out, r * len(a))
             for i, s in enumerate(p.sources):
-                b[s.hf_rows, i * r:(i + 1) * r] = state[f"{s.layer}.lora_B.weight"][s.rows]
+                b[s.hf_rows, i * r : (i + 1) * r] = state[f"{s.layer}.lora_B.weight"][s.rows]
             out[f"{PEFT_PREFIX}{p.module}.lora_A.weight"] = torch.cat(a).to(dtype).contiguous()
             out[f"{PEFT_PREFIX}{p.module}.lora_B.weight"] = b.to(dtype).contiguous()
         return out
@@ -157,11 +164,20 @@ class AdapterLayout:
         """PEFT's adapter_config.json (what vLLM's PEFTHelper and PEFT read)."""
         fused = [p for p in self.pieces if len(p.sources) > 1]
         return {
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": cfg.rank,
+            "lora_alpha": cfg.alpha,
+            "lora_dropout": cfg.dropout,
             "target_modules": sorted({p.module.rsplit(".", 1)[-1] for p in self.pieces}),
-            "bias": "none", "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False,
-            "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+            "use_rslora": False,
+            "use_dora": False,
+            "init_lora_weights": True,
+            "inference_mode": True,
             # keys are matched as suffixes at a "." boundary, as regular expressions: escaped
             "rank_pattern": {re.escape(p.module): cfg.rank * len(p.sources) for p in fused},
             "alpha_pattern": {re.escape(p.module): cfg.alpha * len(p.sources) for p in fused},
@@ -185,8 +201,16 @@ class AdapterPublisher(StepFolders):
 
     format = ADAPTER
 
-    def __init__(self, run_dir: str | Path, model: nn.Module, cfg: LoRAConfig, base_model: str, keep: int,
-                 dtype: torch.dtype, d: Dist):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        model: nn.Module,
+        cfg: LoRAConfig,
+        base_model: str,
+        keep: int,
+        dtype: torch.dtype,
+        d: Dist,
+    ):
         super().__init__(run_dir, keep, d)
         self.layout = AdapterLayout.of(model)
         self.adapter_config = self.layout.config(cfg, base_model)
@@ -222,10 +246,17 @@ def merge_adapter(hf: dict[str, torch.Tensor], folder: str | Path) -> dict[str, 
         tensors = load_file(folder / ADAPTER_WEIGHTS)
     except (OSError, json.JSONDecodeError, SafetensorError) as err:
         raise ValueError(f"{folder}: not a readable PEFT adapter folder ({err})") from None
-    if cfg.get("peft_type") != "LORA" or cfg.get("bias", "none") != "none" or cfg.get("use_rslora") \
-            or cfg.get("use_dora") or cfg.get("fan_in_fan_out"):
-        raise ValueError(f"{folder / ADAPTER_CONFIG}: only plain LoRA adapters merge here (peft_type LORA, bias "
-                         "none, no rsLoRA, DoRA or fan_in_fan_out)")
+    if (
+        cfg.get("peft_type") != "LORA"
+        or cfg.get("bias", "none") != "none"
+        or cfg.get("use_rslora")
+        or cfg.get("use_dora")
+        or cfg.get("fan_in_fan_out")
+    ):
+        raise ValueError(
+            f"{folder / ADAPTER_CONFIG}: only plain LoRA adapters merge here (peft_type LORA, bias "
+            "none, no rsLoRA, DoRA or fan_in_fan_out)"
+        )
 
     def pattern(values: dict, module: str, default):
         return next((v for k, v in values.items() if re.match(rf"(.*\.)?({k})$", module)), default)
@@ -245,8 +276,10 @@ def merge_adapter(hf: dict[str, torch.Tensor], folder: str | Path) -> dict[str, 
         r = pattern(cfg.get("rank_pattern") or {}, module, cfg["r"])
         alpha = pattern(cfg.get("alpha_pattern") or {}, module, cfg["lora_alpha"])
         if not a.shape[0] == b.shape[1] == r or (b.shape[0], a.shape[1]) != tuple(weight.shape):
-            raise ValueError(f"adapter module {module}: A {tuple(a.shape)} and B {tuple(b.shape)} of rank {r} do not "
-                             f"fit the base weight {tuple(weight.shape)}")
+            raise ValueError(
+                f"adapter module {module}: A {tuple(a.shape)} and B {tuple(b.shape)} of rank {r} do not "
+                f"fit the base weight {tuple(weight.shape)}"
+            )
         out[f"{module}.weight"] = (weight.float() + (alpha / r) * (b @ a)).to(weight.dtype)
     return out
 
@@ -277,8 +310,9 @@ def check_base(base: str | Path, adapter: str | Path, hf_config: dict) -> None:
     except (OSError, json.JSONDecodeError, AttributeError) as err:
         raise ValueError(f"{adapter}: not a readable PEFT adapter folder ({err})") from None
     if not recorded:
-        log.warning("%s names no base model (base_model_name_or_path): merged onto %s unchecked",
-                    adapter / ADAPTER_CONFIG, base)
+        log.warning(
+            "%s names no base model (base_model_name_or_path): merged onto %s unchecked", adapter / ADAPTER_CONFIG, base
+        )
         return
     same_folder = Path(recorded).expanduser().is_dir() and Path(recorded).expanduser().resolve() == base.resolve()
     if same_folder or model_names(recorded) & model_names(base, hf_config):
@@ -290,8 +324,14 @@ def check_base(base: str | Path, adapter: str | Path, hf_config: dict) -> None:
     )
 
 
-def export_merged(base: str | Path, adapter: str | Path, out: str | Path,
-                  dtype: torch.dtype | str | None = None, *, check_base_model: bool = True) -> Path:
+def export_merged(
+    base: str | Path,
+    adapter: str | Path,
+    out: str | Path,
+    dtype: torch.dtype | str | None = None,
+    *,
+    check_base_model: bool = True,
+) -> Path:
     """A full HF checkpoint at `out`: the base model folder with the adapter folder (a published
     `weights/step_N` of a LoRA run, whose checksum is verified, or any PEFT LoRA adapter) merged
     in, with the base's config, tokenizer files and the tensors its family carries untrained.

@@ -41,8 +41,13 @@ def _rng_state() -> dict:
     """This process's RNG states, as what `torch.load(weights_only=True)` reads: tensors, ints,
     floats, strings, tuples (numpy's key array as an int64 tensor, not a pickled ndarray)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    numpy_state = {
+        "name": name,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }
     state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -60,7 +65,9 @@ def _set_rng_state(state: dict) -> None:
 
 def _refusal(err: pickle.UnpicklingError) -> str:
     """torch's reason for refusing a file under weights_only=True, in one line."""
-    found = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\. Please|$)", str(err), re.MULTILINE)
+    found = re.search(
+        r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\. Please|$)", str(err), re.MULTILINE
+    )
     return found.group(1) if found else f"{type(err).__name__}: {str(err)[:200]}"
 
 
@@ -99,8 +106,13 @@ class Checkpointer:
         torch.save({"rng": _rng_state()}, tmp / f"rank{self.d.rank}.pt")
         self.d.barrier()
         if self.d.is_main:
-            meta = {"step": step, "world_size": self.d.world_size, "layout": self.layout,
-                    "scheduler": scheduler.state_dict(), "data": data}
+            meta = {
+                "step": step,
+                "world_size": self.d.world_size,
+                "layout": self.layout,
+                "scheduler": scheduler.state_dict(),
+                "data": data,
+            }
             rundir.write_meta(tmp, meta)
             rundir.publish(tmp, final)
             self._drop_newer(step)
@@ -125,11 +137,18 @@ class Checkpointer:
         if meta["world_size"] != self.d.world_size:
             log.warning(
                 "%s was written by %d ranks, resuming on %d: model and optimizer are resharded, "
-                "per-rank RNG states are not restored", path, meta["world_size"], self.d.world_size,
+                "per-rank RNG states are not restored",
+                path,
+                meta["world_size"],
+                self.d.world_size,
             )
         if meta.get("layout", self.layout) != self.layout:
-            log.info("%s was written with the layout %s, resuming with %s: DCP reshards model and optimizer",
-                     path, meta.get("layout"), self.layout)
+            log.info(
+                "%s was written with the layout %s, resuming with %s: DCP reshards model and optimizer",
+                path,
+                meta.get("layout"),
+                self.layout,
+            )
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
@@ -145,7 +164,9 @@ class Checkpointer:
                     "(numpy's was a pickled array), or not by primerl, and reading it could run code from it; "
                     "resuming WITHOUT this rank's RNG states (model, optimizer, schedule and data position are "
                     "restored; the run goes on, but not bit for bit as an uninterrupted one would)",
-                    rank_file, _refusal(err))
+                    rank_file,
+                    _refusal(err),
+                )
             else:
                 _set_rng_state(rank_state["rng"])
         return meta

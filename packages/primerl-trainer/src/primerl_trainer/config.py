@@ -112,8 +112,10 @@ class ParallelConfig(Config):
             raise ValueError(f"{where}.cp = {self.cp} does not divide the trainer's {ranks} ranks ({ranks_key})")
         dp = ranks // self.cp
         if self.dp is not None and self.dp != dp:
-            raise ValueError(f"{where}.dp x {where}.cp = {self.dp} x {self.cp} = {self.dp * self.cp}, but the "
-                             f"trainer has {ranks} ranks ({ranks_key}); they must multiply to it")
+            raise ValueError(
+                f"{where}.dp x {where}.cp = {self.dp} x {self.cp} = {self.dp * self.cp}, but the "
+                f"trainer has {ranks} ranks ({ranks_key}); they must multiply to it"
+            )
         if ranks % self.ep:
             raise ValueError(f"{where}.ep = {self.ep} does not divide the trainer's {ranks} ranks ({ranks_key})")
         return dp, self.cp, self.ep
@@ -132,8 +134,9 @@ class LoRAConfig(Config):
     """The update is scaled by alpha / r."""
     dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     """Dropout on the adapter's input (training only)."""
-    targets: list[str] = msgspec.field(default_factory=lambda: [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    targets: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     """Linear layers by the last part of their name (a glob, e.g. "*_proj"); every layer's that matches."""
     experts: bool = False
     """Also adapt every MoE layer's routed experts: each expert's gate, up and down projections
@@ -186,11 +189,15 @@ class TrainerConfig(Config):
 
     def __post_init__(self) -> None:
         if not self.freeze_vision and self.lora is not None:
-            raise ValueError("trainer.freeze_vision = false with trainer.lora: LoRA freezes the base model, the "
-                             "vision tower included (and never adapts it); drop one of them")
+            raise ValueError(
+                "trainer.freeze_vision = false with trainer.lora: LoRA freezes the base model, the "
+                "vision tower included (and never adapts it); drop one of them"
+            )
         if self.weights.transport == "memory" and self.lora is not None:
-            raise ValueError("trainer.weights.transport = \"memory\" with trainer.lora: adapters travel by folder "
-                             "only (for now); use transport = \"folder\"")
+            raise ValueError(
+                'trainer.weights.transport = "memory" with trainer.lora: adapters travel by folder '
+                'only (for now); use transport = "folder"'
+            )
 
 
 class SFTDataConfig(Config):

@@ -76,10 +76,12 @@ def ulysses_attention(
         k_BCGK, v_BCGK = k_BCGK.repeat_interleave(r, dim=2), v_BCGK.repeat_interleave(r, dim=2)
     q, k, v = (_tokens_to_heads(x, p, group) for x in (q_BCHK, k_BCGK, v_BCGK))
     if q.shape[1] != seqs.doc_ids_BT.shape[1]:
-        raise ValueError(f"the chunks make rows of {q.shape[1]} tokens; the row's boundaries are for {seqs.doc_ids_BT.shape[1]}")
+        raise ValueError(
+            f"the chunks make rows of {q.shape[1]} tokens; the row's boundaries are for {seqs.doc_ids_BT.shape[1]}"
+        )
     if sinks_H is not None:
         hp, r = h // p, dist.get_rank(group)
-        sinks_H = sinks_H[r * hp:(r + 1) * hp]
+        sinks_H = sinks_H[r * hp : (r + 1) * hp]
     return _heads_to_tokens(attention(q, k, v, seqs, backend, window=window, sinks_H=sinks_H), p, group)
 
 
@@ -117,7 +119,7 @@ def chunk_of(x_BT: torch.Tensor, group=None) -> torch.Tensor:
     t = x_BT.shape[1]
     if t % p:
         raise ValueError(f"rows of {t} tokens cannot be split over a context-parallel group of {p}")
-    return x_BT[:, r * (t // p):(r + 1) * (t // p)]
+    return x_BT[:, r * (t // p) : (r + 1) * (t // p)]
 
 
 class _GatherRow(torch.autograd.Function):
@@ -133,7 +135,7 @@ class _GatherRow(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_BT: torch.Tensor):
-        return grad_BT[:, ctx.rank * ctx.c:(ctx.rank + 1) * ctx.c], None
+        return grad_BT[:, ctx.rank * ctx.c : (ctx.rank + 1) * ctx.c], None
 
 
 def row_logprobs(model, ids_BT, pos_BT, targets_BT, temps_BT, group) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,11 +71,15 @@ def image_inputs(mb: MicroBatch, spec: ImageSpec | None, device: torch.device) -
     if spec is None:
         raise ValueError(f"the row holds {len(mb.image_sizes)} images but the model has no vision tower")
     patches, grids = zip(*(patchify(image, spec) for image in mb.images()))
-    return {"pixel_values": torch.from_numpy(np.concatenate(patches)).to(device), "image_grid_thw": torch.tensor(grids, device=device)}
+    return {
+        "pixel_values": torch.from_numpy(np.concatenate(patches)).to(device),
+        "image_grid_thw": torch.tensor(grids, device=device),
+    }
 
 
-def token_logprobs(model, mb: MicroBatch, device: torch.device, cp_group=None,
-                   images: ImageSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    model, mb: MicroBatch, device: torch.device, cp_group=None, images: ImageSpec | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(pi, entropy) [T]: pi[t] = log p(token t | tokens < t) at token t's temperature; 0 for t = 0.
 
     Computed inside the model's forward by the chunked path (no full logits). With a
@@ -111,13 +115,17 @@ def make_publisher(cfg: TrainerRunConfig | SFTRunConfig, model: torch.nn.Module,
         try:
             return AdapterPublisher(cfg.run_dir, model, tcfg.lora, cfg.model.name, tcfg.weights.keep, dtype, d)
         except ValueError as err:
-            raise SetupError(f"trainer.lora.publish = \"adapter\": {err}") from None
+            raise SetupError(f'trainer.lora.publish = "adapter": {err}') from None
     # RL publishes for servers, whose layers read a block-FP8 source (MiniMax-M2, GLM-5-FP8) in
     # FP8: its weights go out in that format again; SFT's folders stay plain (trained further).
     fp8 = fp8_weights(loaded.folder, loaded.hf_config) if isinstance(cfg, TrainerRunConfig) else None
     if fp8 and d.is_main:
-        log.info("the model's checkpoint is block FP8 (%s): its %d FP8 weights are published quantised the same way, "
-                 "as the servers' layers read them", fp8[0], len(fp8[1]))
+        log.info(
+            "the model's checkpoint is block FP8 (%s): its %d FP8 weights are published quantised the same way, "
+            "as the servers' layers read them",
+            fp8[0],
+            len(fp8[1]),
+        )
     folders = FolderPublisher(cfg.run_dir, loaded.folder, loaded.hf_config, tcfg.weights.keep, dtype, d, fp8=fp8)
     if tcfg.weights.transport == "memory" and isinstance(cfg, TrainerRunConfig):  # SFT publishes folders only
         from primerl_trainer.transfer import MemoryPublisher
@@ -156,14 +164,18 @@ class Session:
                 log.info("the optimizer's settings from the config replace the checkpoint's: %s", ", ".join(changed))
         self.publisher = make_publisher(cfg, self.model, loaded, d)
         self.model_folder = loaded.folder
-        self.image_spec = ImageSpec.from_folder(loaded.folder) if getattr(self.model, "visual", None) is not None else None
+        self.image_spec = (
+            ImageSpec.from_folder(loaded.folder) if getattr(self.model, "visual", None) is not None else None
+        )
         """The model's image settings (its preprocessor_config.json); None for a text model."""
         self.metrics = MetricsLogger(self.run_dir, cfg.wandb, msgspec.to_builtins(cfg), d.is_main, job=job)
         self.peak = peak_flops(d.device)
         self.steps_skipped = 0
         """Steps of this process whose loss or gradient norm was not finite (no optimizer step)."""
 
-    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, empty: bool = False) -> dict[str, float | None]:
+    def train_step(
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn, empty: bool = False
+    ) -> dict[str, float | None]:
         """Forward/backward over this rank's micro-batches, clip, AdamW, schedule.
 
         `empty` (the same on every rank): the step has no token to learn from (the filters left
@@ -190,7 +202,10 @@ class Session:
         count = self.mesh.row_share  # a row's loss, metrics, tokens and FLOPs count once per CP group
         # Summed on the device, copied to the host once (not one sync per metric and micro-batch).
         local = (torch.stack([sum(s[k] for s in sums).float() for k in keys]) * count).tolist()
-        local += [count * sum(mb.num_tokens for mb in rows), count * sum(train_flops(self.args, mb.seq_lens) for mb in rows)]
+        local += [
+            count * sum(mb.num_tokens for mb in rows),
+            count * sum(train_flops(self.args, mb.seq_lens) for mb in rows),
+        ]
         *totals, tokens, flops = all_reduce_sum(local, d)  # every rank sees the same sums
         total = dict(zip(keys, totals))
         loss_value = total.pop("loss")
@@ -201,9 +216,14 @@ class Session:
         skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
         if skipped:
             self.steps_skipped += 1
-            log.error("step skipped: the %s is not finite (loss %s, grad norm %s); the weights are unchanged "
-                      "(%d steps skipped so far)", "loss" if not math.isfinite(loss_value) else "gradient norm",
-                      loss_value, grad_norm, self.steps_skipped)
+            log.error(
+                "step skipped: the %s is not finite (loss %s, grad norm %s); the weights are unchanged "
+                "(%d steps skipped so far)",
+                "loss" if not math.isfinite(loss_value) else "gradient norm",
+                loss_value,
+                grad_norm,
+                self.steps_skipped,
+            )
         elif empty:
             log.info("nothing to train on this step (no loss tokens): no optimizer step, the weights are unchanged")
         else:

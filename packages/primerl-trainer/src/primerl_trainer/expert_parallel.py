@@ -73,7 +73,7 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh) -> int:
             raise ValueError(f"{module.num_experts} experts cannot be split over an expert-parallel group of {size}")
         experts, local = module.experts, module.num_experts // size
         for name, p in list(experts.named_parameters(recurse=False)):
-            shard = p.detach()[rank * local:(rank + 1) * local].clone()
+            shard = p.detach()[rank * local : (rank + 1) * local].clone()
             dt = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
             setattr(experts, name, nn.Parameter(dt, requires_grad=p.requires_grad))
         experts.forward = _dispatch(experts, group, size, local)

@@ -61,17 +61,26 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     `linear_fc1`, are easy to match by accident); freeze every other parameter. Returns the
     adapted layers' names; a ValueError when nothing is (naming the targets and the linear
     layers there are)."""
-    chosen = [(name, m) for name, m in model.named_modules()
-              if type(m) is nn.Linear and not name.startswith(VISION_PREFIX)
-              and any(fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], t) for t in cfg.targets)]
-    experts = [(name, m) for name, m in model.named_modules()
-               if cfg.experts and isinstance(m, GroupedExperts) and not name.startswith(VISION_PREFIX)]
+    chosen = [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear
+        and not name.startswith(VISION_PREFIX)
+        and any(fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], t) for t in cfg.targets)
+    ]
+    experts = [
+        (name, m)
+        for name, m in model.named_modules()
+        if cfg.experts and isinstance(m, GroupedExperts) and not name.startswith(VISION_PREFIX)
+    ]
     if cfg.experts and not experts:
         raise ValueError("trainer.lora.experts = true, but the model has no MoE layer")
     if not chosen and not experts:
         kinds = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"trainer.lora.targets = {cfg.targets} matches no linear layer of the model "
-                         f"(its linear layers: {', '.join(kinds)})")
+        raise ValueError(
+            f"trainer.lora.targets = {cfg.targets} matches no linear layer of the model "
+            f"(its linear layers: {', '.join(kinds)})"
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     for _, linear in chosen:
@@ -90,10 +99,11 @@ def _adapt_experts(experts: GroupedExperts, cfg: LoRAConfig) -> None:
         e, fan_in, fan_out = w.shape
         a = torch.empty(e, fan_in, cfg.rank, device=w.device, dtype=w.dtype)
         with torch.no_grad():
-            a.uniform_(-fan_in**-0.5, fan_in**-0.5)
+            a.uniform_(-(fan_in**-0.5), fan_in**-0.5)
         experts.register_parameter(f"lora_A_{name}", nn.Parameter(a))
-        experts.register_parameter(f"lora_B_{name}", nn.Parameter(torch.zeros(e, cfg.rank, fan_out, device=w.device,
-                                                                              dtype=w.dtype)))
+        experts.register_parameter(
+            f"lora_B_{name}", nn.Parameter(torch.zeros(e, cfg.rank, fan_out, device=w.device, dtype=w.dtype))
+        )
     experts.lora_scale = cfg.alpha / cfg.rank
 
 
@@ -117,9 +127,14 @@ def fold(state: dict[str, torch.Tensor], model: nn.Module, dtype: torch.dtype | 
             a, b = state.pop(f"{name}.lora_A.weight"), state.pop(f"{name}.lora_B.weight")
             pairs = [(f"{name}.weight", b.float() @ a.float())]
         elif isinstance(module, GroupedExperts) and module.lora_scale:
-            pairs = [(f"{name}.{w}", torch.bmm(state.pop(f"{name}.lora_A_{w}").float(),
-                                               state.pop(f"{name}.lora_B_{w}").float()))
-                     for w, _ in module.named_parameters(recurse=False) if w.startswith("w_")]
+            pairs = [
+                (
+                    f"{name}.{w}",
+                    torch.bmm(state.pop(f"{name}.lora_A_{w}").float(), state.pop(f"{name}.lora_B_{w}").float()),
+                )
+                for w, _ in module.named_parameters(recurse=False)
+                if w.startswith("w_")
+            ]
         else:
             continue
         scale = module.lora_scale

@@ -23,8 +23,20 @@ from primerl_protocol.rundir import RunDir, append_record
 
 log = logging.getLogger("primerl.trainer")
 
-NAMESPACES = ("trainer", "moe", "time", "reward", "metric", "rollouts", "filter", "off_policy", "batch", "policy",
-              "servers", "eval")
+NAMESPACES = (
+    "trainer",
+    "moe",
+    "time",
+    "reward",
+    "metric",
+    "rollouts",
+    "filter",
+    "off_policy",
+    "batch",
+    "policy",
+    "servers",
+    "eval",
+)
 """Every metric is `<namespace>/<name>` (docs/metrics.md): the trainer's step (`trainer/`), the
 experts' load (`moe/`), the step's time split in seconds, trainer and orchestrator (`time/`), the
 environments' rewards and metrics (`reward/`, `metric/`) and the orchestrator's rollouts, filters,
@@ -40,9 +52,14 @@ def namespaced(metrics: dict) -> dict:
 
 # Shown on the console, in this order, with these formats (everything goes to the files).
 CONSOLE = [
-    ("trainer/loss", "loss {:.4f}"), ("trainer/mismatch_kl", "kl {:.2e}"), ("trainer/entropy", "ent {:.3f}"),
-    ("trainer/grad_norm", "grad {:.3f}"), ("trainer/lr", "lr {:.2e}"), ("trainer/tokens_per_s", "{:,.0f} tok/s"),
-    ("trainer/mfu", "mfu {:.1%}"), ("trainer/peak_mem_gib", "mem {:.1f}G"),
+    ("trainer/loss", "loss {:.4f}"),
+    ("trainer/mismatch_kl", "kl {:.2e}"),
+    ("trainer/entropy", "ent {:.3f}"),
+    ("trainer/grad_norm", "grad {:.3f}"),
+    ("trainer/lr", "lr {:.2e}"),
+    ("trainer/tokens_per_s", "{:,.0f} tok/s"),
+    ("trainer/mfu", "mfu {:.1%}"),
+    ("trainer/peak_mem_gib", "mem {:.1f}G"),
 ]
 TIMES = ("time/data", "time/fwd_bwd", "time/optimizer", "time/publish")
 """The trainer's part of the step's time split, shown on its console line."""
@@ -51,7 +68,11 @@ TIMES = ("time/data", "time/fwd_bwd", "time/optimizer", "time/publish")
 def _wandb_mode(mode: str) -> str:
     if mode != "auto":
         return mode
-    has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").exists() and "api.wandb.ai" in (Path.home() / ".netrc").read_text()
+    has_key = (
+        bool(os.environ.get("WANDB_API_KEY"))
+        or (Path.home() / ".netrc").exists()
+        and "api.wandb.ai" in (Path.home() / ".netrc").read_text()
+    )
     return "online" if has_key else "offline"
 
 
@@ -91,8 +112,21 @@ def run_id(run_dir: Path) -> str:
     return made
 
 
-SAMPLE_COLUMNS = ("step", "policy_step", "env", "group_id", "sample_id", "prompt", "completion", "reward",
-                  "rewards", "advantage", "error", "truncated", "completion_tokens")
+SAMPLE_COLUMNS = (
+    "step",
+    "policy_step",
+    "env",
+    "group_id",
+    "sample_id",
+    "prompt",
+    "completion",
+    "reward",
+    "rewards",
+    "advantage",
+    "error",
+    "truncated",
+    "completion_tokens",
+)
 """Columns of the W&B samples table (primerl_protocol.rollouts.RolloutSample's fields; `rewards` as JSON)."""
 
 

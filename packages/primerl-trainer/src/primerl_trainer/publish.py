@@ -33,8 +33,14 @@ from primerl_trainer.lora import adapted_weights, fold
 
 # Files of a HF model folder that travel with the weights (tokenizer, generation settings).
 SIDE_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
 )
 
 
@@ -106,7 +112,9 @@ class StepFolders:
         files = self.write(state, tmp)
         return self.commit(tmp, step, files, {"gather": t1 - t0}, t1)
 
-    def commit(self, tmp: Path, step: int, files: list[str], timing: dict[str, float], written_from: float) -> PolicyReady:
+    def commit(
+        self, tmp: Path, step: int, files: list[str], timing: dict[str, float], written_from: float
+    ) -> PolicyReady:
         """Mark the staging folder `tmp` of `step` complete and put it in place (rank 0)."""
         t2 = time.monotonic()
         digest = write_marker(tmp, step, files, time.time(), format=self.format)
@@ -129,7 +137,7 @@ class StepFolders:
 
     def prune(self) -> None:
         """Remove all but the newest `keep` folders and those `keep_every` keeps."""
-        for n, folder in rundir.complete_steps(self.root, None)[:-self.keep]:
+        for n, folder in rundir.complete_steps(self.root, None)[: -self.keep]:
             if not (self.keep_every and (n + 1) % self.keep_every == 0):
                 shutil.rmtree(folder, ignore_errors=True)
 
@@ -141,8 +149,16 @@ class StepFolders:
 
 
 class FolderPublisher(StepFolders):
-    def __init__(self, run_dir: str | Path, source: Path, hf_config: dict, keep: int, dtype: torch.dtype, d: Dist,
-                 fp8: FP8Layout | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        source: Path,
+        hf_config: dict,
+        keep: int,
+        dtype: torch.dtype,
+        d: Dist,
+        fp8: FP8Layout | None = None,
+    ):
         super().__init__(run_dir, keep, d)
         # hf_config: the source folder's config.json (published as published_config of it)
         self.source, self.hf_config, self.dtype = source, hf_config, dtype

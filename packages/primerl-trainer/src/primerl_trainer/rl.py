@@ -59,8 +59,15 @@ class TrainerError(RuntimeError):
     """The trainer cannot go on (no data, bad state); the message says why and what is kept."""
 
 
-def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_row_tokens: int,
-                   vision: ModelImages | None = None, cp: int = 1) -> str | None:
+def validate_batch(
+    batch: TrainBatch,
+    step: int,
+    d: Dist,
+    vocab_size: int,
+    max_row_tokens: int,
+    vision: ModelImages | None = None,
+    cp: int = 1,
+) -> str | None:
     """Why this rank's batch cannot be trained on (naming the sample), or None. `vision`: the
     model's image settings and image token id (None: a text model, whose rows hold no images);
     `cp`: the context-parallel degree (rows with images are not split)."""
@@ -69,8 +76,10 @@ def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_r
     if batch.rank != d.rank or batch.num_ranks != d.world_size:
         why = f"batch for rank {batch.rank} of {batch.num_ranks} arrived at rank {d.rank} of {d.world_size}"
         if batch.num_ranks != d.world_size:
-            why += (f": the orchestrator packs for its transport.trainer_ranks ({batch.num_ranks}); give it the "
-                    f"trainer's {d.world_size}")
+            why += (
+                f": the orchestrator packs for its transport.trainer_ranks ({batch.num_ranks}); give it the "
+                f"trainer's {d.world_size}"
+            )
         return why
     if not batch.micro_batches:
         return f"batch for step {step} has no micro-batches"
@@ -90,19 +99,25 @@ def validate_batch(batch: TrainBatch, step: int, d: Dist, vocab_size: int, max_r
             seq = int(trained_start[0])
             return f"micro-batch {i}, sample {int(mb.sample_ids[seq])}: its first token is marked for training but has no context"
         # Non-finite numbers here would reach the weights through the loss (NaN > 0 is False).
-        for name, bad in (("temperatures", ~(mb.temperatures > 0) | ~np.isfinite(mb.temperatures)),
-                          ("advantages", ~np.isfinite(mb.advantages)),
-                          ("inference_logprobs", ~np.isfinite(mb.inference_logprobs))):
+        for name, bad in (
+            ("temperatures", ~(mb.temperatures > 0) | ~np.isfinite(mb.temperatures)),
+            ("advantages", ~np.isfinite(mb.advantages)),
+            ("inference_logprobs", ~np.isfinite(mb.inference_logprobs)),
+        ):
             if bad.any():
                 t = _first_bad(bad)
                 what = "a positive finite number" if name == "temperatures" else "a finite number"
-                return (f"micro-batch {i}, sample {_sample_at(mb, t)}: {name} holds {getattr(mb, name)[t]} "
-                        f"at token {t}, not {what}")
+                return (
+                    f"micro-batch {i}, sample {_sample_at(mb, t)}: {name} holds {getattr(mb, name)[t]} "
+                    f"at token {t}, not {what}"
+                )
         if (problem := _images_problem(mb, vision)) is not None:
             return f"micro-batch {i}, {problem}"
         if cp > 1 and len(mb.image_sizes):
-            return (f"micro-batch {i} holds images, and rows with images are not split over context-parallel "
-                    f"ranks yet: set trainer.parallel.cp = 1 (it is {cp})")
+            return (
+                f"micro-batch {i} holds images, and rows with images are not split over context-parallel "
+                f"ranks yet: set trainer.parallel.cp = 1 (it is {cp})"
+            )
     return None
 
 
@@ -114,9 +129,9 @@ def _images_problem(mb: MicroBatch, vision: ModelImages | None) -> str | None:
     spec, token = vision
     bounds, taken = mb.cu_seqlens(), 0
     for s in range(len(mb.seq_lens)):
-        ids = mb.input_ids[bounds[s]: bounds[s + 1]]
+        ids = mb.input_ids[bounds[s] : bounds[s + 1]]
         mine = len(placeholder_runs(ids, token))
-        if (problem := tokens_problem(ids, sizes[taken: taken + mine], spec, token)) is not None:
+        if (problem := tokens_problem(ids, sizes[taken : taken + mine], spec, token)) is not None:
             return f"sample {int(mb.sample_ids[s])}: {problem}"
         taken += mine
     if taken != len(sizes):
@@ -149,11 +164,14 @@ class StepData:
 class BatchSource:
     """This rank's batches, validated in agreement with the other ranks."""
 
-    def __init__(self, cfg: TrainerRunConfig, d: Dist, vocab_size: int, max_row_tokens: int,
-                 vision: ModelImages | None = None):
+    def __init__(
+        self, cfg: TrainerRunConfig, d: Dist, vocab_size: int, max_row_tokens: int, vision: ModelImages | None = None
+    ):
         t = cfg.transport
         self.vision, self.cp = vision, cfg.trainer.parallel.cp
-        self.receiver = Receiver(t.batch_endpoint(d.rank), BatchMessage, channel=f"batches/rank{d.rank}", settings=t.sockets)
+        self.receiver = Receiver(
+            t.batch_endpoint(d.rank), BatchMessage, channel=f"batches/rank{d.rank}", settings=t.sockets
+        )
         self.timeout_s = t.sockets.recv_timeout_s
         self.d, self.vocab_size, self.max_row_tokens = d, vocab_size, max_row_tokens
 
@@ -166,8 +184,11 @@ class BatchSource:
         their problems), else train."""
         start = time.monotonic()
         msg = self._receive(step)
-        problem = None if msg is None else validate_batch(msg, step, self.d, self.vocab_size, self.max_row_tokens,
-                                                          self.vision, self.cp)
+        problem = (
+            None
+            if msg is None
+            else validate_batch(msg, step, self.d, self.vocab_size, self.max_row_tokens, self.vision, self.cp)
+        )
         if self.agree(step, msg, problem) == _STOP:
             log.info("stopping: %s", read_note("stopping"))
             return None
@@ -183,8 +204,11 @@ class BatchSource:
         verdict, most, minus_fewest = all_reduce_maxes([vote, rows, -rows], self.d)
         if verdict == _TRAIN and most != -minus_fewest:
             counts = all_gather_objects(rows, self.d)
-            reason = ("the ranks got different numbers of micro-batches ("
-                      + ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts)) + "), which must be equal")
+            reason = (
+                "the ranks got different numbers of micro-batches ("
+                + ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
+                + "), which must be equal"
+            )
         elif verdict == _REFUSE:
             problems = all_gather_objects(problem, self.d)
             reason = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
@@ -220,7 +244,10 @@ class BatchSource:
                 case Heartbeat():
                     continue
                 case Shutdown(reason=reason):
-                    post_note("stopping", f"the orchestrator is shutting down ({reason or 'no reason given'}; told rank {self.d.rank})")
+                    post_note(
+                        "stopping",
+                        f"the orchestrator is shutting down ({reason or 'no reason given'}; told rank {self.d.rank})",
+                    )
                     return None
                 case TrainBatch() if msg.step < step:
                     log.warning("dropped a batch for step %d (stale: expecting step %d)", msg.step, step)
@@ -287,7 +314,8 @@ def train(cfg: TrainerRunConfig) -> None:
     source = BatchSource(cfg, d, session.args.vocab_size, row_tokens, vision)
     policy = (
         Sender(cfg.transport.policy_endpoint(), PolicyMessage, channel="policy", settings=cfg.transport.sockets)
-        if d.is_main else None
+        if d.is_main
+        else None
     )
     if policy is not None and hasattr(session.publisher, "announce"):
         # weights in memory: the publisher announces each policy before it streams it
@@ -312,21 +340,27 @@ def train(cfg: TrainerRunConfig) -> None:
                 break
             batch = data.batch
             scale = LossScale(tokens=batch.num_loss_tokens, sequences=batch.num_sequences)
-            stats = session.train_step(batch.micro_batches, rl_loss(cfg.trainer.loss, scale, d.device, session.mesh.cp_group,
-                                                                    session.image_spec),
-                                       empty=batch.num_loss_tokens == 0)
+            stats = session.train_step(
+                batch.micro_batches,
+                rl_loss(cfg.trainer.loss, scale, d.device, session.mesh.cp_group, session.image_spec),
+                empty=batch.num_loss_tokens == 0,
+            )
             ready, publish_s = session.publish(step, unchanged=bool(stats["step_skipped"] or stats["step_empty"]))
             if ready is not None:
                 tell(policy, ready)
             checkpointed = session.maybe_checkpoint(step, {"next_step": step + 1, "orchestrator": batch.state})
-            session.log(step, {
-                **batch.metrics,
-                **stats,
-                "policy_lag_s": time.time() - batch.created_at,
-                "time/data": data.wait_s,
-                "time/publish": publish_s,
-                **session.publisher.counts,
-            }, batch.samples)
+            session.log(
+                step,
+                {
+                    **batch.metrics,
+                    **stats,
+                    "policy_lag_s": time.time() - batch.created_at,
+                    "time/data": data.wait_s,
+                    "time/publish": publish_s,
+                    **session.publisher.counts,
+                },
+                batch.samples,
+            )
             step += 1
         if step > session.start_step and not checkpointed:
             session.maybe_checkpoint(step - 1, {"next_step": step, "orchestrator": batch.state}, final=True)

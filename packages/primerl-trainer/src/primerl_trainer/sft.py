@@ -107,8 +107,10 @@ def train(cfg: SFTRunConfig) -> None:
     samples, dropped = load_samples(cfg.data.path, tokenizer, row_tokens, vision)
     eval_samples = load_samples(cfg.data.eval_path, tokenizer, row_tokens, vision)[0] if cfg.data.eval_path else []
     if session.mesh.cp_group is not None and any(s.images for s in samples + eval_samples):
-        raise DataError(f"{cfg.data.path}: rows with images under context parallelism are not supported: "
-                        "set trainer.parallel.cp = 1")
+        raise DataError(
+            f"{cfg.data.path}: rows with images under context parallelism are not supported: "
+            "set trainer.parallel.cp = 1"
+        )
     batches = Batches(samples, cfg.data.batch_size, cfg.seed, cfg.data.shuffle, session.data_state)
     max_steps = cfg.max_steps or max(1, len(samples) // cfg.data.batch_size)
     log.info("SFT on %d samples (%d dropped), %d steps", len(samples), sum(dropped.values()), max_steps)

@@ -77,8 +77,9 @@ def read_rows(path: str) -> list[dict]:
     try:
         return list(datasets.load_dataset(path, split="train"))
     except Exception as err:  # offline, no such dataset, no train split: named, not a traceback
-        raise DataError(f"{path}: no such file, and `datasets` cannot load it by name "
-                        f"({type(err).__name__}: {err})") from None
+        raise DataError(
+            f"{path}: no such file, and `datasets` cannot load it by name ({type(err).__name__}: {err})"
+        ) from None
 
 
 def _messages(row: dict, where: str) -> list[dict]:
@@ -113,8 +114,10 @@ def tokenize(tokenizer, messages: list[dict], where: str) -> tuple[list[int], li
         start = len(render(messages[:i], True)) if i else 0
         upto = render(messages[: i + 1], False)
         if ids[: len(upto)] != upto:
-            raise DataError(f"{where}: the chat template renders message {i} differently in longer conversations; "
-                            "cannot tell which tokens are the assistant's")
+            raise DataError(
+                f"{where}: the chat template renders message {i} differently in longer conversations; "
+                "cannot tell which tokens are the assistant's"
+            )
         for t in range(start, len(upto)):
             mask[t] = True
     return ids, mask
@@ -154,14 +157,17 @@ def split_images(messages: list[dict], where: str) -> tuple[list[dict], list[obj
     return out, urls
 
 
-def with_images(ids: list[int], mask: list[bool], images: list[Image], spec: ImageSpec, image_token_id: int,
-                where: str) -> tuple[list[int], list[bool]]:
+def with_images(
+    ids: list[int], mask: list[bool], images: list[Image], spec: ImageSpec, image_token_id: int, where: str
+) -> tuple[list[int], list[bool]]:
     """`ids` with each image's single image token widened to its image_tokens (as the
     processor widens it), none of them trained on."""
     slots = [t for t, token in enumerate(ids) if token == image_token_id]
     if len(slots) != len(images):
-        raise DataError(f"{where}: {len(images)} images but the chat template renders {len(slots)} image tokens "
-                        f"(id {image_token_id}); each image part must render as one")
+        raise DataError(
+            f"{where}: {len(images)} images but the chat template renders {len(slots)} image tokens "
+            f"(id {image_token_id}); each image part must render as one"
+        )
     out_ids, out_mask, start = [], [], 0
     for slot, image in zip(slots, images, strict=True):
         n = image_tokens(grid_of(image.height, image.width, spec), spec)
@@ -184,8 +190,7 @@ def decode_images(urls: list[object], spec: ImageSpec, where: str) -> list[Image
     return images
 
 
-def load_samples(path: str, tokenizer, seq_len: int,
-                 vision: ModelImages | None = None) -> tuple[list[Sample], Counter]:
+def load_samples(path: str, tokenizer, seq_len: int, vision: ModelImages | None = None) -> tuple[list[Sample], Counter]:
     """Token samples of a data file; samples longer than seq_len are dropped and counted.
     `vision`: the model's image settings and image token id (None: a text model, which
     refuses rows with images)."""
@@ -194,8 +199,10 @@ def load_samples(path: str, tokenizer, seq_len: int,
         where = f"{path}, row {i}"
         messages, urls = split_images(_messages(row, where), where)
         if urls and vision is None:
-            raise DataError(f"{where}: {len(urls)} images, but the model has no vision tower (a text model): "
-                            "give a vision-language model or rows without images")
+            raise DataError(
+                f"{where}: {len(urls)} images, but the model has no vision tower (a text model): "
+                "give a vision-language model or rows without images"
+            )
         images = decode_images(urls, vision[0], where) if urls else []
         ids, mask = tokenize(tokenizer, messages, where)
         if vision is not None:  # also: a text row must not hold image tokens without images
@@ -206,8 +213,9 @@ def load_samples(path: str, tokenizer, seq_len: int,
         if not any(mask):
             dropped["nothing_to_train"] += 1
             continue
-        samples.append(Sample(sample_id=i, token_ids=ids, loss_mask=mask, inference_logprobs=[0.0] * len(ids),
-                              images=images))
+        samples.append(
+            Sample(sample_id=i, token_ids=ids, loss_mask=mask, inference_logprobs=[0.0] * len(ids), images=images)
+        )
     if not samples:
         raise DataError(f"{path}: no usable samples ({dict(dropped) or 'the file is empty'})")
     if dropped:

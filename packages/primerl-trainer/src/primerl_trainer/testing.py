@@ -57,7 +57,9 @@ def free_port_block(n: int) -> int:
     raise RuntimeError("no free port block")
 
 
-def synthetic_micro_batch(vocab: int, seed: int, prompt: int = 6, completion: int = 10, num_seqs: int = 2) -> MicroBatch:
+def synthetic_micro_batch(
+    vocab: int, seed: int, prompt: int = 6, completion: int = 10, num_seqs: int = 2
+) -> MicroBatch:
     """Rows of `num_seqs` samples; sample i gets advantage +1 if i is even, else -1."""
     rng = np.random.default_rng(seed)
     n = prompt + completion
@@ -81,13 +83,25 @@ def synthetic_batches(step: int, num_ranks: int, vocab: int, micro_batches: int 
     loss_tokens = sum(int(mb.loss_mask.sum()) for mbs in per_rank for mb in mbs)
     seqs = sum(len(mb.seq_lens) for mbs in per_rank for mb in mbs)
     return [
-        TrainBatch(step=step, rank=r, num_ranks=num_ranks, micro_batches=mbs, num_loss_tokens=loss_tokens, num_sequences=seqs)
+        TrainBatch(
+            step=step, rank=r, num_ranks=num_ranks, micro_batches=mbs, num_loss_tokens=loss_tokens, num_sequences=seqs
+        )
         for r, mbs in enumerate(per_rank)
     ]
 
 
-def write_trainer_config(path: Path, model: str | Path, run_dir: str | Path, port: int, max_steps: int, trainer, *,
-                         seq_len: int = 64, recv_timeout_s: float = 120.0, wandb: str = "disabled") -> Path:
+def write_trainer_config(
+    path: Path,
+    model: str | Path,
+    run_dir: str | Path,
+    port: int,
+    max_steps: int,
+    trainer,
+    *,
+    seq_len: int = 64,
+    recv_timeout_s: float = 120.0,
+    wandb: str = "disabled",
+) -> Path:
     """A trainer run config (TOML at `path`) whose sockets meet a FakeOrchestrator made with the
     same `port` (policy at `port`, batches at `port + 1`); `trainer` is its TrainerConfig."""
     from primerl_protocol.config import ModelConfig, TransportConfig, WandbConfig, to_toml
@@ -95,10 +109,15 @@ def write_trainer_config(path: Path, model: str | Path, run_dir: str | Path, por
     from primerl_trainer.config import TrainerRunConfig
 
     cfg = TrainerRunConfig(
-        model=ModelConfig(name=str(model)), seq_len=seq_len, max_steps=max_steps, run_dir=str(run_dir),
-        transport=TransportConfig(batch_port=port + 1, policy_port=port,
-                                  sockets=SocketSettings(recv_timeout_s=recv_timeout_s, linger_ms=0)),
-        wandb=WandbConfig(mode=wandb), trainer=trainer,
+        model=ModelConfig(name=str(model)),
+        seq_len=seq_len,
+        max_steps=max_steps,
+        run_dir=str(run_dir),
+        transport=TransportConfig(
+            batch_port=port + 1, policy_port=port, sockets=SocketSettings(recv_timeout_s=recv_timeout_s, linger_ms=0)
+        ),
+        wandb=WandbConfig(mode=wandb),
+        trainer=trainer,
     )
     path.write_text(to_toml(cfg))
     return path
@@ -110,10 +129,14 @@ class FakeOrchestrator:
     def __init__(self, host: str, batch_port: int, policy_port: int, num_ranks: int):
         settings = SocketSettings(linger_ms=0, send_timeout_s=60.0)
         self.senders = [
-            Sender(f"tcp://{host}:{batch_port + r}", BatchMessage, channel=f"batches/rank{r}", bind=True, settings=settings)
+            Sender(
+                f"tcp://{host}:{batch_port + r}", BatchMessage, channel=f"batches/rank{r}", bind=True, settings=settings
+            )
             for r in range(num_ranks)
         ]
-        self.policy = Receiver(f"tcp://{host}:{policy_port}", PolicyMessage, channel="policy", bind=True, settings=settings)
+        self.policy = Receiver(
+            f"tcp://{host}:{policy_port}", PolicyMessage, channel="policy", bind=True, settings=settings
+        )
 
     def send(self, batches: list) -> None:
         for sender, batch in zip(self.senders, batches):
@@ -138,28 +161,53 @@ class FakeOrchestrator:
         self.policy.close(0)
 
 
-def launch_trainer(config: Path, num_ranks: int, log_file: Path, entry: tuple[str, ...] = ("-m", "primerl.trainer_entry"),
-                   env: dict[str, str] | None = None) -> subprocess.Popen:
+def launch_trainer(
+    config: Path,
+    num_ranks: int,
+    log_file: Path,
+    entry: tuple[str, ...] = ("-m", "primerl.trainer_entry"),
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
     """The real trainer under torchrun, in the background; output goes to `log_file`.
     `entry`: what torchrun runs on each rank (a test's own entry script, say), given `@ config`;
     `env`: extra environment variables."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={num_ranks}",
-        f"--master-port={free_port_block(1)}", *entry, "@", str(config),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={num_ranks}",
+        f"--master-port={free_port_block(1)}",
+        *entry,
+        "@",
+        str(config),
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.Popen(cmd, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def run_on_ranks(entry: Path, out: Path, num_ranks: int = 2, timeout_s: float = 600, args: tuple[str, ...] = ()) -> list:
+def run_on_ranks(
+    entry: Path, out: Path, num_ranks: int = 2, timeout_s: float = 600, args: tuple[str, ...] = ()
+) -> list:
     """Run the script `entry OUT *args` under torchrun on `num_ranks` CPU ranks and return what
     each rank saved to OUT/rank_R.pt (torch.save); AssertionError with the output if it fails."""
     import torch
 
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={num_ranks}",
-                           f"--master-port={free_port_block(1)}", str(entry), str(out), *args],
-                          capture_output=True, text=True, timeout=timeout_s,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={num_ranks}",
+            f"--master-port={free_port_block(1)}",
+            str(entry),
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(Path(out) / f"rank_{r}.pt") for r in range(num_ranks)]
 

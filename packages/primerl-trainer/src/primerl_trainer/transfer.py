@@ -59,11 +59,14 @@ class MemorySender:
     """Sends the model's weights to the workers of one or more transfer groups, each hosted by
     rank 0 (`open`); every rank calls `send`, whose gathers are collectives."""
 
-    def __init__(self, model: torch.nn.Module, hf_config: dict, dtype: torch.dtype, d: Dist,
-                 fp8: FP8Layout | None = None):
+    def __init__(
+        self, model: torch.nn.Module, hf_config: dict, dtype: torch.dtype, d: Dist, fp8: FP8Layout | None = None
+    ):
         if any(".lora_" in name for name, _ in model.named_parameters()):
-            raise ValueError("trainer.weights.transport = \"memory\" does not carry LoRA adapters yet: "
-                             "use transport = \"folder\" with trainer.lora")
+            raise ValueError(
+                'trainer.weights.transport = "memory" does not carry LoRA adapters yet: '
+                'use transport = "folder" with trainer.lora'
+            )
         self.hf_config, self.dtype, self.d = hf_config, dtype, d
         self.fp8 = fp8
         """A block-FP8 source's layout: those weights travel quantised (e4m3 and weight_scale_inv),
@@ -161,11 +164,21 @@ class MemoryPublisher:
 
     format = MEMORY
 
-    def __init__(self, folders: FolderPublisher, model: torch.nn.Module, hf_config: dict, cfg: WeightsConfig,
-                 dtype: torch.dtype, d: Dist, max_steps: int):
+    def __init__(
+        self,
+        folders: FolderPublisher,
+        model: torch.nn.Module,
+        hf_config: dict,
+        cfg: WeightsConfig,
+        dtype: torch.dtype,
+        d: Dist,
+        max_steps: int,
+    ):
         if not cfg.servers:
-            raise ValueError("trainer.weights.transport = \"memory\" needs the servers' URLs in trainer.weights.servers "
-                             "(primerl rl fills them in)")
+            raise ValueError(
+                'trainer.weights.transport = "memory" needs the servers\' URLs in trainer.weights.servers '
+                "(primerl rl fills them in)"
+            )
         self.folders, self.model, self.cfg, self.d, self.max_steps = folders, model, cfg, d, max_steps
         self.sender = MemorySender(model, hf_config, dtype, d, fp8=folders.fp8)
         self.token = cfg.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
@@ -215,9 +228,13 @@ class MemoryPublisher:
                 raise RuntimeError("MemoryPublisher.announce is not set: nobody would tell the orchestrator")
             self._settle()  # the last step's update, if still in flight (overlap), goes out whole first
             self._join_missing()
-            self.last = PolicyReady(step=step, location=folder.location if folder else "",
-                                    checksum=folder.checksum if folder else "", format=MEMORY,
-                                    served=list(self.sender.links))
+            self.last = PolicyReady(
+                step=step,
+                location=folder.location if folder else "",
+                checksum=folder.checksum if folder else "",
+                format=MEMORY,
+                served=list(self.sender.links),
+            )
             self.announce(self.last)
         self.sender.send(model, step + 1, background=self.cfg.overlap)  # every rank: the gathers
         self.sending = step
@@ -231,8 +248,13 @@ class MemoryPublisher:
         _, failed = self.sender.wait()
         self.failed += len(failed)
         for url, why in failed.items():
-            log.warning("inference server %s did not receive the weights of step %d in memory: %s (it is joined "
-                        "again at the next step)", url, self.sending, why)
+            log.warning(
+                "inference server %s did not receive the weights of step %d in memory: %s (it is joined "
+                "again at the next step)",
+                url,
+                self.sending,
+                why,
+            )
 
     def close(self) -> None:
         """Rank 0: the last update goes out whole (or fails, each server within the timeout)."""
@@ -243,8 +265,11 @@ class MemoryPublisher:
     def counts(self) -> dict[str, float]:
         """Rank 0's running counts for the step's metrics: server updates that failed, rendezvous
         keys of processes without the run's secret, seconds the last update took to send."""
-        return {"weights/failed": self.failed, "weights/strangers": self.strangers,
-                **{f"time/weights_{k}": v for k, v in self.sender.last_timing.items()}}
+        return {
+            "weights/failed": self.failed,
+            "weights/strangers": self.strangers,
+            **{f"time/weights_{k}": v for k, v in self.sender.last_timing.items()},
+        }
 
     def announce_again(self, step: int) -> None:
         """A step that changed nothing: the weights are sent again under the new step (the
@@ -260,20 +285,26 @@ class MemoryPublisher:
                 urllib.request.urlopen(url + "/health", timeout=5).close()
             except OSError as err:
                 if url not in self.down:  # said once, until it is up again
-                    log.warning("inference server %s is not up (%s): no weights in memory for it until it is",
-                                url, err)
+                    log.warning("inference server %s is not up (%s): no weights in memory for it until it is", url, err)
                 self.down.add(url)
                 continue
             self.down.discard(url)
             size = 1 + self.cfg.workers_per_server  # rank 0 and the server's workers
             store = transfer.host_store(0, size, self.cfg.timeout_s)
-            body = {"host": self.host, "port": store.port, "secret": self.secret, "rank": 1, "world_size": size,
-                    "timeout_s": self.cfg.timeout_s}
+            body = {
+                "host": self.host,
+                "port": store.port,
+                "secret": self.secret,
+                "rank": 1,
+                "world_size": size,
+                "timeout_s": self.cfg.timeout_s,
+            }
             # The group's rendezvous in a thread: a server that refuses the join (or is gone) must
             # not keep rank 0 waiting for it until the group's timeout; that thread then ends by
             # itself at the timeout, its group never used.
-            opened = _in_thread(lambda: self.sender.open(url, store.port, self.secret, size, self.cfg.timeout_s,
-                                                         store=store))
+            opened = _in_thread(
+                lambda: self.sender.open(url, store.port, self.secret, size, self.cfg.timeout_s, store=store)
+            )
             try:
                 self._post(url, WEIGHTS_JOIN_ROUTE, body)  # answers once the server's workers are in
                 failure = None
@@ -287,22 +318,36 @@ class MemoryPublisher:
                 self.sender.links.pop(url, None)
                 if isinstance(failure, transfer.Stranger):  # the group met, with a member not holding the secret
                     self.strangers += len(failure.ranks)
-                log.warning("inference server %s could not join the trainer's weight transfer: %s", url,
-                            str(failure).splitlines()[0][:300])
+                log.warning(
+                    "inference server %s could not join the trainer's weight transfer: %s",
+                    url,
+                    str(failure).splitlines()[0][:300],
+                )
             if n := transfer.strangers(store, self.secret):
                 self.strangers += n
-                log.warning("%d process(es) without the run's secret tried to join the weight transfer group of %s "
-                            "(%s:%d): refused", n, url, self.host, store.port)
+                log.warning(
+                    "%d process(es) without the run's secret tried to join the weight transfer group of %s "
+                    "(%s:%d): refused",
+                    n,
+                    url,
+                    self.host,
+                    store.port,
+                )
 
     def _post(self, url: str, route: str, body: dict) -> dict:
         """POST an admin route of `url`; RuntimeError naming the route and what went wrong."""
-        req = urllib.request.Request(url + route, data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json", **bearer(self.token or "")})
+        req = urllib.request.Request(
+            url + route,
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json", **bearer(self.token or "")},
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.cfg.timeout_s + 60) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as err:
-            raise RuntimeError(f"{route} answered HTTP {err.code}: {err.read()[:300].decode(errors='replace')}") from None
+            raise RuntimeError(
+                f"{route} answered HTTP {err.code}: {err.read()[:300].decode(errors='replace')}"
+            ) from None
         except (OSError, ValueError) as err:
             raise RuntimeError(f"{route}: {type(err).__name__}: {err}") from None
 

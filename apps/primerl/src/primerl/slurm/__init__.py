@@ -170,20 +170,28 @@ def render_rl(cfg) -> Path:
     memory = cfg.trainer.weights.transport == "memory"
     cfg = _with_token(cfg)
     if memory:  # the servers' URLs are known in the job only (their nodes' addresses): given on the command line
-        weights = msgspec.structs.replace(cfg.trainer.weights, workers_per_server=cfg.inference.tensor_parallel_size,
-                                          admin_token=cfg.inference.admin_token)  # the trainer joins them with it
+        weights = msgspec.structs.replace(
+            cfg.trainer.weights,
+            workers_per_server=cfg.inference.tensor_parallel_size,
+            admin_token=cfg.inference.admin_token,
+        )  # the trainer joins them with it
         cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, weights=weights))
-    values = _inference_values(cfg) | _trainer_values(cfg) | {
-        "trainer_weights": ' "trainer.weights.servers=[${URL_LIST%,}]"' if memory else "",
-        "nodes": max(s.inference_nodes, s.trainer_nodes) if cfg.colocate else s.inference_nodes + s.trainer_nodes,
-        "trainer_offset": 0 if cfg.colocate else s.inference_nodes,
-        "sbatch_lines": _sbatch_lines(s, s.gpus_per_node),
-    }
+    values = (
+        _inference_values(cfg)
+        | _trainer_values(cfg)
+        | {
+            "trainer_weights": ' "trainer.weights.servers=[${URL_LIST%,}]"' if memory else "",
+            "nodes": max(s.inference_nodes, s.trainer_nodes) if cfg.colocate else s.inference_nodes + s.trainer_nodes,
+            "trainer_offset": 0 if cfg.colocate else s.inference_nodes,
+            "sbatch_lines": _sbatch_lines(s, s.gpus_per_node),
+        }
+    )
     roles = {"rl": None, "trainer": TrainerRunConfig, "orchestrator": OrchRunConfig, "inference": InferenceRunConfig}
     # the sockets listen on the orchestrator node's address: per-job CURVE keys admit only this job's trainer;
     # the orchestrator packs for the job's trainer ranks (unset in the config: the job's count)
-    transport = msgspec.structs.replace(cfg.transport.with_run_keys(),
-                                        trainer_ranks=s.trainer_nodes * values["ranks_per_node"])
+    transport = msgspec.structs.replace(
+        cfg.transport.with_run_keys(), trainer_ranks=s.trainer_nodes * values["ranks_per_node"]
+    )
     cfg = msgspec.structs.replace(cfg, transport=transport)
     return _render(cfg, "rl", roles, values)
 
@@ -209,8 +217,9 @@ def submit(script: Path) -> str:
     try:
         out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
-        raise SlurmError("sbatch not found: submit from a machine with Slurm's commands, or run "
-                         f"`sbatch {script}` there") from None
+        raise SlurmError(
+            f"sbatch not found: submit from a machine with Slurm's commands, or run `sbatch {script}` there"
+        ) from None
     if out.returncode != 0:
         raise SlurmError(f"sbatch {script} failed: {out.stderr.strip() or out.stdout.strip()}")
     return out.stdout.strip().split(";")[0]

@@ -71,8 +71,10 @@ def attention(
         return _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs, window, sinks_H)
     if backend == "varlen":
         if sinks_H is not None:
-            raise ValueError("attention backend 'varlen' cannot train attention sinks (flash kernels do not "
-                             "differentiate their log-sum-exp); use 'flex' or 'auto'")
+            raise ValueError(
+                "attention backend 'varlen' cannot train attention sinks (flash kernels do not "
+                "differentiate their log-sum-exp); use 'flex' or 'auto'"
+            )
         return _varlen(q_BTHK, k_BTGK, v_BTGK, seqs, window)
     if backend == "flex":
         return _flex(q_BTHK, k_BTGK, v_BTGK, seqs, window, sinks_H)
@@ -191,8 +193,9 @@ def _varlen(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window: int | None = None)
     kwargs = dict(_VARLEN_CAUSAL)
     if window is not None:
         if "window_size" not in _VARLEN_PARAMS:
-            raise ValueError("attention backend 'varlen' takes sliding windows from torch 2.13 (window_size); "
-                             "use 'flex' or 'auto'")
+            raise ValueError(
+                "attention backend 'varlen' takes sliding windows from torch 2.13 (window_size); use 'flex' or 'auto'"
+            )
         kwargs["window_size"] = (window - 1, 0)  # the window - 1 tokens before, and the token itself
     if k_NGK.shape[1] != h:
         if "enable_gqa" in _VARLEN_PARAMS:

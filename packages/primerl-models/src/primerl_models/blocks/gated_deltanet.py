@@ -95,7 +95,8 @@ def _gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chun
     layout = Chunks(seqs, chunk)
     run = fused if q_NHK.is_cuda else plain
     strict, rhs, attn, q_decayed, k_to_end, g_end = run(_delta_chunks)(
-        q_NHK, k_NHK, v_NHV, g_NH, beta_NH, layout.slot_N, len(layout.starts_L), chunk)
+        q_NHK, k_NHK, v_NHV, g_NH, beta_NH, layout.slot_N, len(layout.starts_L), chunk
+    )
     # U and Kc: one solve with both right-hand sides side by side
     UK = unit_lower_solve(strict, rhs)
     U, Kc = UK.split([v_NHV.shape[-1], k_NHK.shape[-1]], dim=-1)
@@ -174,8 +175,9 @@ class GatedDeltaNetMixer(Mixer):
             q, k, v = (split.heads(y.reshape(b, t, -1, d)) for y, d in ((q, dk), (k, dk), (v, dv)))
             qkv_NC = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
             w_q, w_k, w_v = self.conv1d.weight[:, 0].split([key, key, s.num_v_heads * dv])
-            w = torch.cat([split.part(w_q, s.num_k_heads), split.part(w_k, s.num_k_heads),
-                           split.part(w_v, s.num_v_heads)])
+            w = torch.cat(
+                [split.part(w_q, s.num_k_heads), split.part(w_k, s.num_k_heads), split.part(w_v, s.num_v_heads)]
+            )
         hk, hv = hk // split.size, hv // split.size  # this rank's heads (all of them without CP)
         # the conv accumulates in fp32, one rounding after the SiLU: primerl's Triton kernels on
         # CUDA (kernels/conv.py), else the torch form

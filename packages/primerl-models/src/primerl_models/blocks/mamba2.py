@@ -42,8 +42,9 @@ class Mamba2Mixer(Mixer):
         super().__init__()
         self.spec, self.eps = spec, eps
         self.in_proj = nn.Linear(dim, spec.inner + spec.conv_dim + spec.num_heads, bias=False)
-        self.conv1d = nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim,
-                                bias=spec.conv_bias)
+        self.conv1d = nn.Conv1d(
+            spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim, bias=spec.conv_bias
+        )
         self.dt_bias = nn.Parameter(torch.ones(spec.num_heads))
         self.A_log = nn.Parameter(torch.zeros(spec.num_heads))
         self.D = nn.Parameter(torch.ones(spec.num_heads))
@@ -57,8 +58,10 @@ class Mamba2Mixer(Mixer):
         split = HeadSplit(backend)
         z, xbc, dt = self.in_proj(x_BTD).split([s.inner, s.conv_dim, s.num_heads], dim=-1)
         x, b_in, c_in = xbc.split([s.inner, s.n_groups * s.state_size, s.n_groups * s.state_size], dim=-1)
-        x, b_in, c_in, dt = (split.heads(y.reshape(b, t, -1, d)) for y, d in
-                             ((x, s.head_dim), (b_in, s.state_size), (c_in, s.state_size), (dt, 1)))
+        x, b_in, c_in, dt = (
+            split.heads(y.reshape(b, t, -1, d))
+            for y, d in ((x, s.head_dim), (b_in, s.state_size), (c_in, s.state_size), (dt, 1))
+        )
         rows, n_tokens = x.shape[0], x.shape[1]
         n, h, groups = rows * n_tokens, x.shape[2], b_in.shape[2]  # this rank's heads and groups
         w_x, w_b, w_c = self.conv1d.weight[:, 0].split([s.inner, s.n_groups * s.state_size, s.n_groups * s.state_size])
@@ -66,8 +69,9 @@ class Mamba2Mixer(Mixer):
         bias = None
         if self.conv1d.bias is not None:
             c_x, c_b, c_c = self.conv1d.bias.split([s.inner, s.n_groups * s.state_size, s.n_groups * s.state_size])
-            bias = torch.cat([split.part(c_x, s.num_heads), split.part(c_b, s.n_groups),
-                              split.part(c_c, s.n_groups)]).float()
+            bias = torch.cat(
+                [split.part(c_x, s.num_heads), split.part(c_b, s.n_groups), split.part(c_c, s.n_groups)]
+            ).float()
         xbc = torch.cat([x.reshape(n, -1), b_in.reshape(n, -1), c_in.reshape(n, -1)], dim=-1)
         xbc = F.silu(causal_conv(xbc.float(), w.float(), doc_positions(seqs), bias))
         x, b_in, c_in = xbc.split([h * s.head_dim, groups * s.state_size, groups * s.state_size], dim=-1)

@@ -24,6 +24,7 @@ class Mixer(nn.Module):
     def prepare(self, seqs: PackedSeqs, device: torch.device) -> None:
         """Host-side work before the layers run (default: none)."""
 
-    def forward(self, x_BTD: torch.Tensor, cos_BTR: torch.Tensor | None, sin_BTR: torch.Tensor | None,
-                seqs: PackedSeqs, backend) -> torch.Tensor:
+    def forward(
+        self, x_BTD: torch.Tensor, cos_BTR: torch.Tensor | None, sin_BTR: torch.Tensor | None, seqs: PackedSeqs, backend
+    ) -> torch.Tensor:
         raise NotImplementedError

@@ -71,12 +71,14 @@ class GroupedExperts(nn.Module):
         gate_up = torch._grouped_mm(x_AD, w_gate_up, offs=offs)
         onehot_AE = None
         if "b_gate" in weights:
-            expert_A = torch.repeat_interleave(torch.arange(len(counts_E), device=x_AD.device), counts_E,
-                                               output_size=x_AD.shape[0])
+            expert_A = torch.repeat_interleave(
+                torch.arange(len(counts_E), device=x_AD.device), counts_E, output_size=x_AD.shape[0]
+            )
             onehot_AE = (expert_A[:, None] == torch.arange(len(counts_E), device=x_AD.device)).to(dtype)
             gate_up = gate_up + onehot_AE @ torch.cat([weights["b_gate"], weights["b_up"]], dim=-1).to(dtype)
-        out = torch._grouped_mm(self._act(gate_up[:, :hidden], gate_up[:, hidden:]), weights["w_down"].to(dtype),
-                                offs=offs)
+        out = torch._grouped_mm(
+            self._act(gate_up[:, :hidden], gate_up[:, hidden:]), weights["w_down"].to(dtype), offs=offs
+        )
         return out if onehot_AE is None else out + onehot_AE @ weights["b_down"].to(dtype)
 
     lora_scale: float = 0.0
@@ -161,7 +163,9 @@ class Router(nn.Module):
         """Renormalisation and scaling of the chosen experts' weights."""
         s = self.spec
         if s.norm_topk_prob:
-            weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + (1e-20 if s.scoring == "sigmoid" else 0.0))
+            weights_NK = weights_NK / (
+                weights_NK.sum(dim=-1, keepdim=True) + (1e-20 if s.scoring == "sigmoid" else 0.0)
+            )
         if s.scaling != 1.0:
             weights_NK = weights_NK * s.scaling
         return weights_NK

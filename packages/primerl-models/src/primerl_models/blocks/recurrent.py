@@ -23,8 +23,9 @@ from primerl_models.blocks.packing import PackedSeqs, doc_positions
 CHUNK = 64
 
 
-def causal_conv(x_NC: torch.Tensor, weight_CK: torch.Tensor, pos_N: torch.Tensor,
-                bias_C: torch.Tensor | None = None) -> torch.Tensor:
+def causal_conv(
+    x_NC: torch.Tensor, weight_CK: torch.Tensor, pos_N: torch.Tensor, bias_C: torch.Tensor | None = None
+) -> torch.Tensor:
     """Depthwise causal convolution over the flattened tokens that restarts at each document:
     out[n] = bias + sum_j weight[:, K-1-j] * x[n-j] over the j <= pos[n] (the document's own
     earlier tokens; torch's conv1d with K-1 zeros of left padding on each document alone)."""

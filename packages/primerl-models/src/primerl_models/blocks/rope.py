@@ -130,7 +130,9 @@ def mrope_cos_sin(
     return emb_BTR.cos(), emb_BTR.sin()
 
 
-def apply_rope(x_BTHK: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def apply_rope(
+    x_BTHK: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
     """Rotate the first R dimensions of each head (R = cos.shape[-1]); the rest pass unchanged."""
     r = cos_BTR.shape[-1]
     x_rot, x_pass = (x_BTHK, None) if r == x_BTHK.shape[-1] else (x_BTHK[..., :r], x_BTHK[..., r:])

@@ -78,19 +78,24 @@ def check_images(pixel_values_NP: torch.Tensor, grid_thw_I3: torch.Tensor, spec:
     if pixel_values_NP.dim() != 2 or pixel_values_NP.shape[1] != spec.patch_dim:
         raise ValueError(
             f"pixel_values has shape {tuple(pixel_values_NP.shape)}, expected [patches, {spec.patch_dim}] "
-            f"(channels {spec.in_channels} x frames {spec.temporal_patch_size} x {spec.patch_size}^2 pixels)")
+            f"(channels {spec.in_channels} x frames {spec.temporal_patch_size} x {spec.patch_size}^2 pixels)"
+        )
     if grid_thw_I3.dim() != 2 or grid_thw_I3.shape[1] != 3 or grid_thw_I3.is_floating_point():
-        raise ValueError(f"image_grid_thw must be integers [images, 3] (t, h, w), got {tuple(grid_thw_I3.shape)} "
-                         f"{grid_thw_I3.dtype}")
+        raise ValueError(
+            f"image_grid_thw must be integers [images, 3] (t, h, w), got {tuple(grid_thw_I3.shape)} {grid_thw_I3.dtype}"
+        )
     m = spec.spatial_merge_size
     for i, (t, h, w) in enumerate(grid_thw_I3.tolist()):
         if t < 1 or h < 1 or w < 1 or h % m or w % m:
-            raise ValueError(f"image_grid_thw[{i}] = {[t, h, w]}: t must be >= 1, h and w positive multiples of "
-                             f"the merge size {m}")
+            raise ValueError(
+                f"image_grid_thw[{i}] = {[t, h, w]}: t must be >= 1, h and w positive multiples of the merge size {m}"
+            )
     patches = int((grid_thw_I3[:, 0] * grid_thw_I3[:, 1] * grid_thw_I3[:, 2]).sum())
     if patches != pixel_values_NP.shape[0]:
-        raise ValueError(f"image_grid_thw accounts for {patches} patches (t * h * w summed over "
-                         f"{len(grid_thw_I3)} images), but pixel_values has {pixel_values_NP.shape[0]} rows")
+        raise ValueError(
+            f"image_grid_thw accounts for {patches} patches (t * h * w summed over "
+            f"{len(grid_thw_I3)} images), but pixel_values has {pixel_values_NP.shape[0]} rows"
+        )
 
 
 def frame_attention(q_NHK, k_NHK, v_NHK, layout: ImageLayout) -> torch.Tensor:
@@ -245,12 +250,14 @@ def scatter_images(x_BTD: torch.Tensor, input_ids_BT: torch.Tensor, features_ME:
     if count != features_ME.shape[0]:
         raise ValueError(
             f"input_ids hold {count} image tokens (id {spec.image_token_id}), but the images give "
-            f"{features_ME.shape[0]} features (t * h * w / {spec.spatial_merge_size}^2 each, from image_grid_thw)")
+            f"{features_ME.shape[0]} features (t * h * w / {spec.spatial_merge_size}^2 each, from image_grid_thw)"
+        )
     return x_BTD.masked_scatter(mask_BT[..., None], features_ME.to(x_BTD.dtype))
 
 
-def mrope_positions(input_ids_BT: torch.Tensor, seqs: PackedSeqs, image_grid_thw_I3: torch.Tensor,
-                    spec: Vision) -> torch.Tensor:
+def mrope_positions(
+    input_ids_BT: torch.Tensor, seqs: PackedSeqs, image_grid_thw_I3: torch.Tensor, spec: Vision
+) -> torch.Tensor:
     """int64 [3, B, T]: the (t, h, w) position of every token, as transformers' get_rope_index
     gives them, restarting at each document. A text token has t = h = w = p, p counting on from
     the token before; image i (t x h' x w' tokens, h' = h / m, w' = w / m) starting at p puts
@@ -265,8 +272,10 @@ def mrope_positions(input_ids_BT: torch.Tensor, seqs: PackedSeqs, image_grid_thw
     tokens_I = grid[:, 0] * hm * wm
     slots_S = (input_ids_BT.flatten() == spec.image_token_id).nonzero().squeeze(1)  # image tokens, in order
     if len(slots_S) != int(tokens_I.sum()):
-        raise ValueError(f"input_ids hold {len(slots_S)} image tokens (id {spec.image_token_id}), but "
-                         f"image_grid_thw gives {int(tokens_I.sum())} (t * h * w / {m}^2 each)")
+        raise ValueError(
+            f"input_ids hold {len(slots_S)} image tokens (id {spec.image_token_id}), but "
+            f"image_grid_thw gives {int(tokens_I.sum())} (t * h * w / {m}^2 each)"
+        )
     doc_N = seqs.doc_ids_BT.flatten().long()
     cu = seqs.cu_seqlens.long()
     first_I = tokens_I.cumsum(0) - tokens_I

@@ -13,10 +13,25 @@ from primerl_models.families.qwen3 import QWEN3
 from primerl_models.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE, QWEN3_5_MOE_TEXT, QWEN3_5_TEXT
 from primerl_models.families.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    LLAMA, QWEN3, QWEN3_MOE, GLM4, GLM4_MOE, MINIMAX_M2, GPT_OSS, AFMOE, LAGUNA,
-    QWEN3_5, QWEN3_5_TEXT, QWEN3_5_MOE, QWEN3_5_MOE_TEXT, NEMOTRON_H,
-)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        LLAMA,
+        QWEN3,
+        QWEN3_MOE,
+        GLM4,
+        GLM4_MOE,
+        MINIMAX_M2,
+        GPT_OSS,
+        AFMOE,
+        LAGUNA,
+        QWEN3_5,
+        QWEN3_5_TEXT,
+        QWEN3_5_MOE,
+        QWEN3_5_MOE_TEXT,
+        NEMOTRON_H,
+    )
+}
 
 
 def family_for(cfg: dict, where: str = "config.json") -> Family:

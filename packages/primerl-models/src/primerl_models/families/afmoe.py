@@ -53,15 +53,22 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     options = dict(qkv_bias=bias, o_bias=bias, qk_norm="head", gate="sigmoid")
     sliding = attention_from_hf(cfg, window=cfg.get("sliding_window") or None, **options)
     full = replace(attention_from_hf(cfg, **options), rope=None)  # global layers: no positions
-    moe = moe_from_hf(cfg, scoring="sigmoid", norm_topk_prob=True, correction_bias=True,
-                      scaling=float(cfg.get("route_scale") or 1.0),
-                      shared=shared_expert_from_hf(cfg, count_key="num_shared_experts"))
+    moe = moe_from_hf(
+        cfg,
+        scoring="sigmoid",
+        norm_topk_prob=True,
+        correction_bias=True,
+        scaling=float(cfg.get("route_scale") or 1.0),
+        shared=shared_expert_from_hf(cfg, count_key="num_shared_experts"),
+    )
     dense_mlp = DenseMLP(cfg["intermediate_size"])
     first_dense = cfg.get("num_dense_layers")
     first_dense = 1 if first_dense is None else first_dense
     attn = {"sliding_attention": sliding, "full_attention": full}
-    layers = [Layer(attn[t], dense_mlp if i < first_dense else moe, sandwich_norm=True)
-              for i, t in enumerate(layer_types(cfg))]
+    layers = [
+        Layer(attn[t], dense_mlp if i < first_dense else moe, sandwich_norm=True)
+        for i, t in enumerate(layer_types(cfg))
+    ]
     args = model_args(cfg, layers)
     if cfg.get("mup_enabled"):
         args.embed_scale = cfg["hidden_size"] ** 0.5
@@ -71,20 +78,36 @@ def args_from_hf(cfg: dict) -> ModelArgs:
 def tiny_config(shape: TinyShape) -> dict:
     layers = shape.num_layers
     cfg = tiny_common(
-        shape, "afmoe", "AfmoeForCausalLM", num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
-        moe_intermediate_size=shape.moe_intermediate_size, num_shared_experts=1, num_dense_layers=1, route_scale=1.0,
-        sliding_window=8, global_attn_every_n_layers=2, mup_enabled=False, attention_bias=False,
-        layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)], **ROUTING,
+        shape,
+        "afmoe",
+        "AfmoeForCausalLM",
+        num_experts=shape.num_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        moe_intermediate_size=shape.moe_intermediate_size,
+        num_shared_experts=1,
+        num_dense_layers=1,
+        route_scale=1.0,
+        sliding_window=8,
+        global_attn_every_n_layers=2,
+        mup_enabled=False,
+        attention_bias=False,
+        layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)],
+        **ROUTING,
     )
     return cfg
 
 
 AFMOE = Family(
-    "afmoe", "AfmoeForCausalLM", args_from_hf, tiny_config,
-    Checkpoint(renames=(
-        (".mlp.expert_bias", ".mlp.router.e_score_correction_bias"),
-        (".mlp.router.gate.", ".mlp.router."),
-        (".post_attention_layernorm.", ".post_self_attn_layernorm."),
-        (".pre_mlp_layernorm.", ".post_attention_layernorm."),
-    )),
+    "afmoe",
+    "AfmoeForCausalLM",
+    args_from_hf,
+    tiny_config,
+    Checkpoint(
+        renames=(
+            (".mlp.expert_bias", ".mlp.router.e_score_correction_bias"),
+            (".mlp.router.gate.", ".mlp.router."),
+            (".post_attention_layernorm.", ".post_self_attn_layernorm."),
+            (".pre_mlp_layernorm.", ".post_attention_layernorm."),
+        )
+    ),
 )

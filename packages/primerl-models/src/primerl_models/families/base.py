@@ -52,12 +52,20 @@ def attention_from_hf(cfg: dict, *, partial_default: float = 1.0, interleaved: b
     theta, scaling = rope_settings(cfg)
     rotary = int(k * partial_rotary_factor(cfg, partial_default))
     rope = Rope(rotary_dim=rotary, theta=theta, scaling=scaling, interleaved=interleaved)
-    return Attention(num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=k, rope=rope,
-                     **options)
+    return Attention(
+        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=k, rope=rope, **options
+    )
 
 
-def moe_from_hf(cfg: dict, *, size_key: str = "moe_intermediate_size", norm_topk_default: bool = False,
-                shared: SharedExpert | None = None, experts: dict | None = None, **routing) -> MoEMLP:
+def moe_from_hf(
+    cfg: dict,
+    *,
+    size_key: str = "moe_intermediate_size",
+    norm_topk_default: bool = False,
+    shared: SharedExpert | None = None,
+    experts: dict | None = None,
+    **routing,
+) -> MoEMLP:
     """The mixture of experts most configs describe: the expert count (`n_routed_experts`,
     `num_experts` or `num_local_experts`), `num_experts_per_tok`, each expert's size (`size_key`),
     `norm_topk_prob` (else `norm_topk_default`), `n_group`, `topk_group` and
@@ -75,8 +83,9 @@ def moe_from_hf(cfg: dict, *, size_key: str = "moe_intermediate_size", norm_topk
     return MoEMLP(Routing(**{**read, **routing}), Experts(size=cfg[size_key], **(experts or {})), shared)
 
 
-def shared_expert_from_hf(cfg: dict, *, count_key: str | None, size_key: str = "moe_intermediate_size",
-                          **options) -> SharedExpert | None:
+def shared_expert_from_hf(
+    cfg: dict, *, count_key: str | None, size_key: str = "moe_intermediate_size", **options
+) -> SharedExpert | None:
     """The shared expert: `count_key` experts of `size_key`'s width as one dense MLP (GLM-4.5:
     n_shared_experts x moe_intermediate_size), or one of `size_key` when `count_key` is None
     (Qwen3.5, Laguna: shared_expert_intermediate_size); None when the width comes to 0.

@@ -9,8 +9,9 @@ from primerl_models.families.checkpoint import Checkpoint
 
 
 def args_from_hf(cfg: dict) -> ModelArgs:
-    attn = attention_from_hf(cfg, partial_default=0.5, interleaved=True,
-                             qkv_bias=bool(cfg.get("attention_bias", True)), o_bias=False)
+    attn = attention_from_hf(
+        cfg, partial_default=0.5, interleaved=True, qkv_bias=bool(cfg.get("attention_bias", True)), o_bias=False
+    )
     layer = Layer(attn, DenseMLP(cfg["intermediate_size"]), sandwich_norm=True)
     return model_args(cfg, [layer] * cfg["num_hidden_layers"])
 

@@ -28,10 +28,20 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def args_from_hf(cfg: dict) -> ModelArgs:
-    attn = attention_from_hf(cfg, partial_default=0.5, qkv_bias=bool(cfg.get("attention_bias", False)),
-                             o_bias=False, qk_norm="head" if cfg.get("use_qk_norm") else "none")
-    moe = moe_from_hf(cfg, norm_topk_default=True, scoring="sigmoid", correction_bias=True,
-                      shared=shared_expert_from_hf(cfg, count_key="n_shared_experts"))
+    attn = attention_from_hf(
+        cfg,
+        partial_default=0.5,
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=False,
+        qk_norm="head" if cfg.get("use_qk_norm") else "none",
+    )
+    moe = moe_from_hf(
+        cfg,
+        norm_topk_default=True,
+        scoring="sigmoid",
+        correction_bias=True,
+        shared=shared_expert_from_hf(cfg, count_key="n_shared_experts"),
+    )
     first_dense = cfg.get("first_k_dense_replace", 1)
     dense = Layer(attn, DenseMLP(cfg["intermediate_size"]))
     sparse = Layer(attn, moe)
@@ -51,13 +61,23 @@ def mtp_layers(cfg: dict):
 
 def tiny_config(shape: TinyShape) -> dict:
     return tiny_common(
-        shape, "glm4_moe", "Glm4MoeForCausalLM", attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
-        n_routed_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
-        moe_intermediate_size=shape.moe_intermediate_size, n_shared_experts=1, first_k_dense_replace=1,
-        n_group=2 if shape.num_experts % 2 == 0 and shape.num_experts >= 4 else 1, topk_group=1,
-        routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
+        shape,
+        "glm4_moe",
+        "Glm4MoeForCausalLM",
+        attention_bias=True,
+        use_qk_norm=True,
+        partial_rotary_factor=0.5,
+        n_routed_experts=shape.num_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        moe_intermediate_size=shape.moe_intermediate_size,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2 if shape.num_experts % 2 == 0 and shape.num_experts >= 4 else 1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        num_nextn_predict_layers=0,
     )
 
 
-GLM4_MOE = Family("glm4_moe", "Glm4MoeForCausalLM", args_from_hf, tiny_config,
-                  Checkpoint(carried=mtp_layers))
+GLM4_MOE = Family("glm4_moe", "Glm4MoeForCausalLM", args_from_hf, tiny_config, Checkpoint(carried=mtp_layers))

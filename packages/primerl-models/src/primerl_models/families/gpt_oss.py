@@ -51,9 +51,13 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     bias = bool(cfg.get("attention_bias", True))
     full = attention_from_hf(cfg, qkv_bias=bias, o_bias=bias, sinks=True)
     sliding = attention_from_hf(cfg, qkv_bias=bias, o_bias=bias, sinks=True, window=cfg.get("sliding_window") or None)
-    moe = moe_from_hf(cfg, size_key="intermediate_size", scoring="softmax_topk", bias=True,
-                      experts=dict(bias=True, activation="clamped", limit=float(cfg.get("swiglu_limit", 7.0)),
-                                   alpha=SWIGLU_ALPHA))
+    moe = moe_from_hf(
+        cfg,
+        size_key="intermediate_size",
+        scoring="softmax_topk",
+        bias=True,
+        experts=dict(bias=True, activation="clamped", limit=float(cfg.get("swiglu_limit", 7.0)), alpha=SWIGLU_ALPHA),
+    )
     by_type = {"full_attention": Layer(full, moe), "sliding_attention": Layer(sliding, moe)}
     return model_args(cfg, [by_type[t] for t in layer_types(cfg)])
 
@@ -95,12 +99,26 @@ class GptOssCheckpoint(Checkpoint):
 def tiny_config(shape: TinyShape) -> dict:
     layers = shape.num_layers
     cfg = tiny_common(
-        shape, "gpt_oss", "GptOssForCausalLM", intermediate_size=shape.moe_intermediate_size,
-        num_local_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
-        sliding_window=8, layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-        attention_bias=True, swiglu_limit=7.0, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        shape,
+        "gpt_oss",
+        "GptOssForCausalLM",
+        intermediate_size=shape.moe_intermediate_size,
+        num_local_experts=shape.num_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        sliding_window=8,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        attention_bias=True,
+        swiglu_limit=7.0,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
     )
     del cfg["rope_theta"]  # it is in rope_parameters
     return cfg

@@ -37,9 +37,13 @@ def _rope(cfg: dict, layer_type: str, k: int) -> Rope | None:
     if params is None:
         return None  # transformers gives such layers no rotary embedding either
     if params.get("rope_type", "default") != "default":
-        unsupported(cfg, "rope_parameters", f"rope_type 'default' only, got {params.get('rope_type')!r} for {layer_type}")
-    return Rope(rotary_dim=int(k * float(params.get("partial_rotary_factor", 1.0))),
-                theta=float(params.get("rope_theta", 10000.0)))
+        unsupported(
+            cfg, "rope_parameters", f"rope_type 'default' only, got {params.get('rope_type')!r} for {layer_type}"
+        )
+    return Rope(
+        rotary_dim=int(k * float(params.get("partial_rotary_factor", 1.0))),
+        theta=float(params.get("rope_theta", 10000.0)),
+    )
 
 
 def args_from_hf(cfg: dict) -> ModelArgs:
@@ -54,17 +58,30 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     k, bias = head_dim(cfg), bool(cfg.get("attention_bias", False))
     gating = cfg.get("gating", True)
     ropes = {t: _rope(cfg, t, k) for t in set(layer_types)}
-    moe = moe_from_hf(cfg, scoring="sigmoid", norm_topk_prob=True, correction_bias=True,
-                      scaling=float(cfg.get("moe_routed_scaling_factor", 1.0)),
-                      logit_softcap=float(cfg.get("moe_router_logit_softcapping") or 0.0),
-                      shared=shared_expert_from_hf(cfg, count_key=None, size_key="shared_expert_intermediate_size"))
+    moe = moe_from_hf(
+        cfg,
+        scoring="sigmoid",
+        norm_topk_prob=True,
+        correction_bias=True,
+        scaling=float(cfg.get("moe_routed_scaling_factor", 1.0)),
+        logit_softcap=float(cfg.get("moe_router_logit_softcapping") or 0.0),
+        shared=shared_expert_from_hf(cfg, count_key=None, size_key="shared_expert_intermediate_size"),
+    )
     dense = DenseMLP(cfg["intermediate_size"])
     layers = []
     for t, mlp_type, h in zip(layer_types, mlp_types, heads):
-        attn = Attention(num_heads=h, num_kv_heads=cfg["num_key_value_heads"], head_dim=k, rope=ropes[t],
-                         qkv_bias=bias, o_bias=bias, qk_norm="head", gate="softplus",
-                         gate_per_head=gating is True or gating == "per-head",
-                         window=(cfg.get("sliding_window") or None) if t == "sliding_attention" else None)
+        attn = Attention(
+            num_heads=h,
+            num_kv_heads=cfg["num_key_value_heads"],
+            head_dim=k,
+            rope=ropes[t],
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm="head",
+            gate="softplus",
+            gate_per_head=gating is True or gating == "per-head",
+            window=(cfg.get("sliding_window") or None) if t == "sliding_attention" else None,
+        )
         layers.append(Layer(attn, moe if mlp_type == "sparse" else dense))
     return model_args(cfg, layers)
 
@@ -72,24 +89,40 @@ def args_from_hf(cfg: dict) -> ModelArgs:
 def tiny_config(shape: TinyShape) -> dict:
     n = shape.num_layers
     cfg = tiny_common(
-        shape, "laguna", "LagunaForCausalLM", num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
-        moe_intermediate_size=shape.moe_intermediate_size, shared_expert_intermediate_size=shape.moe_intermediate_size,
-        sliding_window=8, gating=True, moe_routed_scaling_factor=1.0, moe_router_logit_softcapping=0.0,
+        shape,
+        "laguna",
+        "LagunaForCausalLM",
+        num_experts=shape.num_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        moe_intermediate_size=shape.moe_intermediate_size,
+        shared_expert_intermediate_size=shape.moe_intermediate_size,
+        sliding_window=8,
+        gating=True,
+        moe_routed_scaling_factor=1.0,
+        moe_router_logit_softcapping=0.0,
         layer_types=["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(n)],
-        mlp_layer_types=["dense"] + ["sparse"] * (n - 1), num_attention_heads_per_layer=[shape.num_heads] * n,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}},
+        mlp_layer_types=["dense"] + ["sparse"] * (n - 1),
+        num_attention_heads_per_layer=[shape.num_heads] * n,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+        },
     )
     del cfg["rope_theta"]  # per layer type, in rope_parameters
     return cfg
 
 
 LAGUNA = Family(
-    "laguna", "LagunaForCausalLM", args_from_hf, tiny_config,
-    Checkpoint(renames=(
-        (".mlp.experts.e_score_correction_bias", ".mlp.router.e_score_correction_bias"),
-        (".mlp.shared_expert.", ".mlp.shared_experts."),
-        (".self_attn.g_proj.", ".self_attn.gate_proj."),
-        (".mlp.gate.", ".mlp.router."),
-    )),
+    "laguna",
+    "LagunaForCausalLM",
+    args_from_hf,
+    tiny_config,
+    Checkpoint(
+        renames=(
+            (".mlp.experts.e_score_correction_bias", ".mlp.router.e_score_correction_bias"),
+            (".mlp.shared_expert.", ".mlp.shared_experts."),
+            (".self_attn.g_proj.", ".self_attn.gate_proj."),
+            (".mlp.gate.", ".mlp.router."),
+        )
+    ),
 )

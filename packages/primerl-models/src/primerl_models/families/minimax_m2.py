@@ -42,16 +42,28 @@ def args_from_hf(cfg: dict) -> ModelArgs:
 
 def tiny_config(shape: TinyShape) -> dict:
     return tiny_common(
-        shape, "minimax_m2", "MiniMaxM2ForCausalLM", intermediate_size=shape.moe_intermediate_size,
-        num_local_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+        shape,
+        "minimax_m2",
+        "MiniMaxM2ForCausalLM",
+        intermediate_size=shape.moe_intermediate_size,
+        num_local_experts=shape.num_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
         # rotary_dim as released configs say it (vLLM reads it); the factor for transformers < 5.19
-        rotary_dim=shape.head_dim // 2, partial_rotary_factor=0.5, use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid",
-        use_routing_bias=True, attention_bias=False,
+        rotary_dim=shape.head_dim // 2,
+        partial_rotary_factor=0.5,
+        use_qk_norm=True,
+        qk_norm_type="per_layer",
+        scoring_func="sigmoid",
+        use_routing_bias=True,
+        attention_bias=False,
     )
 
 
 MINIMAX_M2 = Family(
-    "minimax_m2", "MiniMaxM2ForCausalLM", args_from_hf, tiny_config,
+    "minimax_m2",
+    "MiniMaxM2ForCausalLM",
+    args_from_hf,
+    tiny_config,
     Checkpoint(
         renames=(
             (".block_sparse_moe.e_score_correction_bias", ".mlp.router.e_score_correction_bias"),

@@ -66,24 +66,49 @@ def args_from_hf(cfg: dict) -> ModelArgs:
         unsupported(cfg, "sliding_window", "the released models attend to whole documents")
     kinds = layer_types(cfg)
     heads = cfg["num_attention_heads"]
-    attn = Attention(num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rope=None)
-    mamba = Mamba2(num_heads=cfg["mamba_num_heads"], head_dim=cfg["mamba_head_dim"], state_size=cfg["ssm_state_size"],
-                   n_groups=cfg.get("n_groups", cfg.get("mamba_n_groups", 1)),
-                   conv_kernel=cfg.get("conv_kernel", cfg.get("mamba_d_conv", 4)),
-                   conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
-                   dt_min=float(cfg.get("time_step_min", cfg.get("mamba_dt_min", 0.001))))
-    blocks = {"linear_attention": Layer(mamba, None), "full_attention": Layer(attn, None),
-              "mlp": Layer(None, DenseMLP(cfg["intermediate_size"], activation="relu2"))}
+    attn = Attention(
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rope=None,
+    )
+    mamba = Mamba2(
+        num_heads=cfg["mamba_num_heads"],
+        head_dim=cfg["mamba_head_dim"],
+        state_size=cfg["ssm_state_size"],
+        n_groups=cfg.get("n_groups", cfg.get("mamba_n_groups", 1)),
+        conv_kernel=cfg.get("conv_kernel", cfg.get("mamba_d_conv", 4)),
+        conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
+        dt_min=float(cfg.get("time_step_min", cfg.get("mamba_dt_min", 0.001))),
+    )
+    blocks = {
+        "linear_attention": Layer(mamba, None),
+        "full_attention": Layer(attn, None),
+        "mlp": Layer(None, DenseMLP(cfg["intermediate_size"], activation="relu2")),
+    }
     if "moe" in kinds:
-        shared = shared_expert_from_hf(cfg, count_key="n_shared_experts", size_key="moe_shared_expert_intermediate_size",
-                                       activation="relu2")
-        blocks["moe"] = Layer(None, moe_from_hf(cfg, norm_topk_default=True, scoring="sigmoid", correction_bias=True,
-                                                experts=dict(activation="relu2"), shared=shared))
+        shared = shared_expert_from_hf(
+            cfg, count_key="n_shared_experts", size_key="moe_shared_expert_intermediate_size", activation="relu2"
+        )
+        blocks["moe"] = Layer(
+            None,
+            moe_from_hf(
+                cfg,
+                norm_topk_default=True,
+                scoring="sigmoid",
+                correction_bias=True,
+                experts=dict(activation="relu2"),
+                shared=shared,
+            ),
+        )
     # transformers' Nemotron-H never ties the output projection to the embeddings, whatever the
     # key says. Its activations were checked above (mlp_hidden_act, mamba_hidden_act).
-    cfg = {**cfg, "num_hidden_layers": len(kinds), "rms_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
-           "tie_word_embeddings": False}
+    cfg = {
+        **cfg,
+        "num_hidden_layers": len(kinds),
+        "rms_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
+        "tie_word_embeddings": False,
+    }
     return model_args(cfg, [blocks[k] for k in kinds], act_key=None)
 
 
@@ -127,13 +152,32 @@ def tiny_config(shape: TinyShape) -> dict:
     # the MoE blocks are tested against transformers (test_linear_mixers.py).
     kinds = (["linear_attention", "mlp", "full_attention", "mlp"] * shape.num_layers)[: 2 * shape.num_layers]
     cfg = tiny_common(
-        shape, "nemotron_h", "NemotronHForCausalLM", layers_block_type=kinds, mamba_num_heads=4,
-        mamba_head_dim=shape.head_dim, ssm_state_size=16, n_groups=2, conv_kernel=4, use_conv_bias=True,
-        n_routed_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
-        moe_intermediate_size=shape.moe_intermediate_size, moe_shared_expert_intermediate_size=shape.moe_intermediate_size,
-        n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
-        mlp_hidden_act="relu2", mamba_hidden_act="silu", layer_norm_epsilon=1e-5, time_step_min=0.001,
-        attention_bias=False, mlp_bias=False, use_bias=False,
+        shape,
+        "nemotron_h",
+        "NemotronHForCausalLM",
+        layers_block_type=kinds,
+        mamba_num_heads=4,
+        mamba_head_dim=shape.head_dim,
+        ssm_state_size=16,
+        n_groups=2,
+        conv_kernel=4,
+        use_conv_bias=True,
+        n_routed_experts=shape.num_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        moe_intermediate_size=shape.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=shape.moe_intermediate_size,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        mlp_hidden_act="relu2",
+        mamba_hidden_act="silu",
+        layer_norm_epsilon=1e-5,
+        time_step_min=0.001,
+        attention_bias=False,
+        mlp_bias=False,
+        use_bias=False,
     )
     for key in ("rope_theta", "rms_norm_eps", "hidden_act"):
         del cfg[key]
@@ -142,6 +186,9 @@ def tiny_config(shape: TinyShape) -> dict:
 
 
 NEMOTRON_H = Family(
-    "nemotron_h", "NemotronHForCausalLM", args_from_hf, tiny_config,
+    "nemotron_h",
+    "NemotronHForCausalLM",
+    args_from_hf,
+    tiny_config,
     NemotronHCheckpoint(renames=((".mlp.gate.", ".mlp.router."),), expert_projs=("gate_proj", "up_proj", "down_proj")),
 )

@@ -71,13 +71,20 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     full = attention_from_hf(text, partial_default=0.25, qk_norm="head", gate="sigmoid")
     section = (text.get("rope_parameters") or {}).get("mrope_section") or (11, 11, 10)
     full = replace(full, rope=replace(full.rope, mrope_section=tuple(section)))
-    linear = GatedDeltaNet(num_k_heads=text["linear_num_key_heads"], num_v_heads=text["linear_num_value_heads"],
-                           head_k_dim=text["linear_key_head_dim"], head_v_dim=text["linear_value_head_dim"],
-                           conv_kernel=text.get("linear_conv_kernel_dim", 4))
+    linear = GatedDeltaNet(
+        num_k_heads=text["linear_num_key_heads"],
+        num_v_heads=text["linear_num_value_heads"],
+        head_k_dim=text["linear_key_head_dim"],
+        head_v_dim=text["linear_value_head_dim"],
+        conv_kernel=text.get("linear_conv_kernel_dim", 4),
+    )
     if text.get("num_experts"):
-        mlp = moe_from_hf(text, scoring="softmax", norm_topk_prob=True,
-                          shared=shared_expert_from_hf(text, count_key=None, size_key="shared_expert_intermediate_size",
-                                                       gate=True))
+        mlp = moe_from_hf(
+            text,
+            scoring="softmax",
+            norm_topk_prob=True,
+            shared=shared_expert_from_hf(text, count_key=None, size_key="shared_expert_intermediate_size", gate=True),
+        )
     else:
         mlp = DenseMLP(text["intermediate_size"])
     mixer = {"linear_attention": linear, "full_attention": full}
@@ -102,14 +109,23 @@ def vision_from_hf(cfg: dict, text_hidden: int) -> Vision:
     if rope.get("rope_type", "axial") != "axial":
         unsupported(v, "rope_parameters", "the axial 2-D RoPE")
     if v.get("out_hidden_size", text_hidden) != text_hidden:
-        raise ValueError(f"{cfg['model_type']}: vision_config.out_hidden_size ({v['out_hidden_size']}) is not the "
-                         f"text model's hidden_size ({text_hidden})")
+        raise ValueError(
+            f"{cfg['model_type']}: vision_config.out_hidden_size ({v['out_hidden_size']}) is not the "
+            f"text model's hidden_size ({text_hidden})"
+        )
     return Vision(
-        depth=v.get("depth", 27), hidden_size=v.get("hidden_size", 1152), intermediate_size=v.get("intermediate_size", 4304),
-        num_heads=v.get("num_heads", 16), out_hidden_size=text_hidden, image_token_id=cfg.get("image_token_id", 248056),
-        patch_size=v.get("patch_size", 16), temporal_patch_size=v.get("temporal_patch_size", 2),
-        in_channels=v.get("in_channels", 3), spatial_merge_size=v.get("spatial_merge_size", 2),
-        num_position_embeddings=v.get("num_position_embeddings", 2304), rope_theta=float(rope.get("rope_theta", 10000.0)),
+        depth=v.get("depth", 27),
+        hidden_size=v.get("hidden_size", 1152),
+        intermediate_size=v.get("intermediate_size", 4304),
+        num_heads=v.get("num_heads", 16),
+        out_hidden_size=text_hidden,
+        image_token_id=cfg.get("image_token_id", 248056),
+        patch_size=v.get("patch_size", 16),
+        temporal_patch_size=v.get("temporal_patch_size", 2),
+        in_channels=v.get("in_channels", 3),
+        spatial_merge_size=v.get("spatial_merge_size", 2),
+        num_position_embeddings=v.get("num_position_embeddings", 2304),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
         activation=_ACTIVATIONS[v.get("hidden_act", "gelu_pytorch_tanh")],
     )
 
@@ -125,8 +141,11 @@ class Qwen35Checkpoint(Checkpoint):
         visual = {}
         if self.nested:
             visual = {_OUR_VISUAL + k.removeprefix(_HF_VISUAL): t for k, t in hf.items() if k.startswith(_HF_VISUAL)}
-            hf = {("model." + k.removeprefix(_LM)) if k.startswith(_LM) else k: t
-                  for k, t in hf.items() if not k.startswith(_HF_VISUAL)}
+            hf = {
+                ("model." + k.removeprefix(_LM)) if k.startswith(_LM) else k: t
+                for k, t in hf.items()
+                if not k.startswith(_HF_VISUAL)
+            }
         out = super().to_ours(hf, args)
         out.update(visual)
         for name in [n for n in out if _HF_Q.match(n)]:
@@ -138,8 +157,11 @@ class Qwen35Checkpoint(Checkpoint):
         return out
 
     def to_hf(self, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        visual = {_HF_VISUAL + k.removeprefix(_OUR_VISUAL): t.contiguous()
-                  for k, t in ours.items() if k.startswith(_OUR_VISUAL)}
+        visual = {
+            _HF_VISUAL + k.removeprefix(_OUR_VISUAL): t.contiguous()
+            for k, t in ours.items()
+            if k.startswith(_OUR_VISUAL)
+        }
         ours = {k: t for k, t in ours.items() if not k.startswith(_OUR_VISUAL)}
         for name in [n for n in ours if _OUR_GATE.match(n)]:
             prefix = _OUR_GATE.match(name)[1]
@@ -164,14 +186,29 @@ def carried(cfg: dict):
 def tiny_text(shape: TinyShape, moe: bool) -> dict:
     model_type, arch = ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM") if moe else ("qwen3_5_text", "Qwen3_5ForCausalLM")
     layers = shape.num_layers
-    extra = dict(num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
-                 moe_intermediate_size=shape.moe_intermediate_size,
-                 shared_expert_intermediate_size=shape.moe_intermediate_size) if moe else {}
+    extra = (
+        dict(
+            num_experts=shape.num_experts,
+            num_experts_per_tok=shape.num_experts_per_tok,
+            moe_intermediate_size=shape.moe_intermediate_size,
+            shared_expert_intermediate_size=shape.moe_intermediate_size,
+        )
+        if moe
+        else {}
+    )
     cfg = tiny_common(
-        shape, model_type, arch, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=shape.head_dim,
-        linear_value_head_dim=shape.head_dim, linear_conv_kernel_dim=4, attention_bias=False,
+        shape,
+        model_type,
+        arch,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=shape.head_dim,
+        linear_value_head_dim=shape.head_dim,
+        linear_conv_kernel_dim=4,
+        attention_bias=False,
         layer_types=["linear_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)],
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}, **extra,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        **extra,
     )
     del cfg["rope_theta"]  # it is in rope_parameters
     return cfg
@@ -180,17 +217,44 @@ def tiny_text(shape: TinyShape, moe: bool) -> dict:
 def tiny_nested(shape: TinyShape, moe: bool) -> dict:
     """The released layout: the text keys under `text_config` (no vision tower in a tiny one)."""
     text = tiny_text(shape, moe)
-    model_type, arch = ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration") if moe else ("qwen3_5", "Qwen3_5ForConditionalGeneration")
-    return {"architectures": [arch], "model_type": model_type, "tie_word_embeddings": text["tie_word_embeddings"],
-            "torch_dtype": text["torch_dtype"], "text_config": {**text, "model_type": model_type + "_text"}}
+    model_type, arch = (
+        ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration") if moe else ("qwen3_5", "Qwen3_5ForConditionalGeneration")
+    )
+    return {
+        "architectures": [arch],
+        "model_type": model_type,
+        "tie_word_embeddings": text["tie_word_embeddings"],
+        "torch_dtype": text["torch_dtype"],
+        "text_config": {**text, "model_type": model_type + "_text"},
+    }
 
 
 _MOE_RENAMES = ((".mlp.shared_expert.", ".mlp.shared_experts."), (".mlp.gate.", ".mlp.router."))
-QWEN3_5_TEXT = Family("qwen3_5_text", "Qwen3_5ForCausalLM", args_from_hf, lambda s: tiny_text(s, moe=False),
-                      Qwen35Checkpoint(nested=False))
-QWEN3_5 = Family("qwen3_5", "Qwen3_5ForConditionalGeneration", args_from_hf, lambda s: tiny_nested(s, moe=False),
-                 Qwen35Checkpoint(nested=True, carried=carried))
-QWEN3_5_MOE_TEXT = Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", args_from_hf, lambda s: tiny_text(s, moe=True),
-                          Qwen35Checkpoint(nested=False, renames=_MOE_RENAMES))
-QWEN3_5_MOE = Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", args_from_hf,
-                     lambda s: tiny_nested(s, moe=True), Qwen35Checkpoint(nested=True, renames=_MOE_RENAMES, carried=carried))
+QWEN3_5_TEXT = Family(
+    "qwen3_5_text",
+    "Qwen3_5ForCausalLM",
+    args_from_hf,
+    lambda s: tiny_text(s, moe=False),
+    Qwen35Checkpoint(nested=False),
+)
+QWEN3_5 = Family(
+    "qwen3_5",
+    "Qwen3_5ForConditionalGeneration",
+    args_from_hf,
+    lambda s: tiny_nested(s, moe=False),
+    Qwen35Checkpoint(nested=True, carried=carried),
+)
+QWEN3_5_MOE_TEXT = Family(
+    "qwen3_5_moe_text",
+    "Qwen3_5MoeForCausalLM",
+    args_from_hf,
+    lambda s: tiny_text(s, moe=True),
+    Qwen35Checkpoint(nested=False, renames=_MOE_RENAMES),
+)
+QWEN3_5_MOE = Family(
+    "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration",
+    args_from_hf,
+    lambda s: tiny_nested(s, moe=True),
+    Qwen35Checkpoint(nested=True, renames=_MOE_RENAMES, carried=carried),
+)

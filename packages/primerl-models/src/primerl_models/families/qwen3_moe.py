@@ -23,9 +23,16 @@ def args_from_hf(cfg: dict) -> ModelArgs:
 
 def tiny_config(shape: TinyShape) -> dict:
     return tiny_common(
-        shape, "qwen3_moe", "Qwen3MoeForCausalLM", use_sliding_window=False, attention_bias=False,
-        num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
-        moe_intermediate_size=shape.moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1,
+        shape,
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        use_sliding_window=False,
+        attention_bias=False,
+        num_experts=shape.num_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        moe_intermediate_size=shape.moe_intermediate_size,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
         mlp_only_layers=[],
     )
 

@@ -42,8 +42,9 @@ def _triton_kernels():
         return rows[:, None] * C + rc[None, :]
 
     @triton.jit
-    def _pre_activation(x, w, pos, rt, rc, N, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                        WIDE: tl.constexpr):
+    def _pre_activation(
+        x, w, pos, rt, rc, N, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, WIDE: tl.constexpr
+    ):
         # sum_j w[c, j] x[t - (K - 1 - j), c] over the taps inside t's document, fp32
         m_t, m_c = rt < N, rc < C
         p = tl.load(pos + rt, mask=m_t, other=0)
@@ -51,8 +52,9 @@ def _triton_kernels():
         for j in tl.static_range(K):
             back = K - 1 - j
             ok = m_t & (p >= back)
-            xv = tl.load(x + _offsets(rt - back, rc, C, WIDE), mask=ok[:, None] & m_c[None, :],
-                         other=0.0).to(tl.float32)
+            xv = tl.load(x + _offsets(rt - back, rc, C, WIDE), mask=ok[:, None] & m_c[None, :], other=0.0).to(
+                tl.float32
+            )
             wj = tl.load(w + rc * K + j, mask=m_c, other=0.0).to(tl.float32)
             acc += xv * wj[None, :]
         return acc
@@ -69,8 +71,9 @@ def _triton_kernels():
         tl.store(y + _offsets(rt, rc, C, WIDE), (a * tl.sigmoid(a)).to(y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _backward_pre(x, w, pos, dy, da, dw_part, N, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      WIDE: tl.constexpr):
+    def _backward_pre(
+        x, w, pos, dy, da, dw_part, N, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, WIDE: tl.constexpr
+    ):
         # da = dy * silu'(a) (in da's dtype, kept for dx) and this tile's share of dw[c, j]
         rt = tl.program_id(0) * BT + tl.arange(0, BT)
         rc = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -86,8 +89,9 @@ def _triton_kernels():
         for j in tl.static_range(K):
             back = K - 1 - j
             ok = m_t & (p >= back)
-            xv = tl.load(x + _offsets(rt - back, rc, C, WIDE), mask=ok[:, None] & m_c[None, :],
-                         other=0.0).to(tl.float32)
+            xv = tl.load(x + _offsets(rt - back, rc, C, WIDE), mask=ok[:, None] & m_c[None, :], other=0.0).to(
+                tl.float32
+            )
             tl.store(part + rc * K + j, tl.sum(g * xv, axis=0), mask=m_c)
 
     @triton.jit
@@ -117,13 +121,24 @@ def conv_forward(x_NC, weight_CK, pos_N, BT: int, BC: int, num_warps: int) -> to
     y_NC = torch.empty_like(x_NC)
     if n:
         forward[(triton.cdiv(n, BT), triton.cdiv(c, BC))](
-            x_NC, weight_CK, pos_N, y_NC, n, c, K=k, BT=BT, BC=BC, WIDE=x_NC.numel() >= WIDE_OFFSETS,
-            num_warps=num_warps)
+            x_NC,
+            weight_CK,
+            pos_N,
+            y_NC,
+            n,
+            c,
+            K=k,
+            BT=BT,
+            BC=BC,
+            WIDE=x_NC.numel() >= WIDE_OFFSETS,
+            num_warps=num_warps,
+        )
     return y_NC
 
 
-def conv_backward(dy_NC, x_NC, weight_CK, pos_N, BT: int, BC: int, num_warps: int,
-                  da_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def conv_backward(
+    dy_NC, x_NC, weight_CK, pos_N, BT: int, BC: int, num_warps: int, da_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw fp32) by the two backward kernels at these tile sizes, the pre-activation's
     gradient held in `da_dtype` between them."""
     triton, _, backward_pre, backward_x = _triton_kernels()
@@ -134,8 +149,9 @@ def conv_backward(dy_NC, x_NC, weight_CK, pos_N, BT: int, BC: int, num_warps: in
     dx_NC = torch.empty_like(x_NC)
     if n:
         wide = x_NC.numel() >= WIDE_OFFSETS
-        backward_pre[grid](x_NC, weight_CK, pos_N, dy_NC, da_NC, dw_part, n, c, K=k, BT=BT, BC=BC, WIDE=wide,
-                           num_warps=num_warps)
+        backward_pre[grid](
+            x_NC, weight_CK, pos_N, dy_NC, da_NC, dw_part, n, c, K=k, BT=BT, BC=BC, WIDE=wide, num_warps=num_warps
+        )
         backward_x[grid](weight_CK, pos_N, da_NC, dx_NC, n, c, K=k, BT=BT, BC=BC, WIDE=wide, num_warps=num_warps)
     return dx_NC, dw_part.sum(0)
 
@@ -156,8 +172,9 @@ def _(x_NC, weight_CK, pos_N):
 
 @torch.library.custom_op("primerl::causal_conv_silu_bwd", mutates_args=())
 def _conv_backward_op(dy_NC: Tensor, x_NC: Tensor, weight_CK: Tensor, pos_N: Tensor) -> tuple[Tensor, Tensor]:
-    dx_NC, dw_CK = conv_backward(dy_NC.contiguous(), x_NC.contiguous(), weight_CK.contiguous(), pos_N.contiguous(),
-                                 **BACKWARD)
+    dx_NC, dw_CK = conv_backward(
+        dy_NC.contiguous(), x_NC.contiguous(), weight_CK.contiguous(), pos_N.contiguous(), **BACKWARD
+    )
     return dx_NC, dw_CK.to(weight_CK.dtype)
 
 
@@ -182,6 +199,8 @@ _conv_op.register_autograd(_conv_grad, setup_context=_conv_setup)
 def causal_conv_silu(x_NC: torch.Tensor, weight_CK: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
     """silu(causal_conv(x, weight, pos)) [N, C] in x's dtype; gradients to x and weight."""
     if x_NC.ndim != 2 or weight_CK.shape[0] != x_NC.shape[1] or pos_N.shape != x_NC.shape[:1]:
-        raise ValueError(f"x must be [N, C], weight [C, K], pos [N]; got {tuple(x_NC.shape)}, "
-                         f"{tuple(weight_CK.shape)}, {tuple(pos_N.shape)}")
+        raise ValueError(
+            f"x must be [N, C], weight [C, K], pos [N]; got {tuple(x_NC.shape)}, "
+            f"{tuple(weight_CK.shape)}, {tuple(pos_N.shape)}"
+        )
     return _conv_op(x_NC, weight_CK, pos_N)

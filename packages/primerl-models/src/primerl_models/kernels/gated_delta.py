@@ -97,8 +97,18 @@ def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, scale
 def _fla_rule(q, k, v, g, beta, cu, indices, scale):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=False, cu_seqlens=cu,
-                                  chunk_indices=indices, chunk_size=CHUNK)
+    o, _ = chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        use_qk_l2norm_in_kernel=False,
+        cu_seqlens=cu,
+        chunk_indices=indices,
+        chunk_size=CHUNK,
+    )
     return o
 
 
@@ -121,9 +131,16 @@ def _stages():
     except ImportError:
         return None
     return SimpleNamespace(
-        bwd_dhu=chunk_gated_delta_rule_bwd_dhu, fwd_h=chunk_gated_delta_rule_fwd_h, dqkwg=chunk_bwd_dqkwg,
-        dv_local=chunk_bwd_dv_local, fwd_o=chunk_fwd_o, fwd_intra=chunk_gated_delta_rule_fwd_intra,
-        wy_bwd=prepare_wy_repr_bwd, cumsum=chunk_local_cumsum, rcp_ln2=RCP_LN2)
+        bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
+        fwd_h=chunk_gated_delta_rule_fwd_h,
+        dqkwg=chunk_bwd_dqkwg,
+        dv_local=chunk_bwd_dv_local,
+        fwd_o=chunk_fwd_o,
+        fwd_intra=chunk_gated_delta_rule_fwd_intra,
+        wy_bwd=prepare_wy_repr_bwd,
+        cumsum=chunk_local_cumsum,
+        rcp_ln2=RCP_LN2,
+    )
 
 
 # The rule through fla's stages as two custom ops, [1, N, heads, dim] operands (one packed row,
@@ -137,8 +154,9 @@ Tensor = torch.Tensor
 
 
 @torch.library.custom_op("primerl::gated_delta_rule_fwd", mutates_args=())
-def _rule_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu: Tensor, indices: Tensor,
-                  scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _rule_forward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu: Tensor, indices: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o, g's chunk sums, A, w, h, v_new)."""
     f = _stages()
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
@@ -158,14 +176,32 @@ def _like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 @_rule_forward.register_fake
 def _(q, k, v, g, beta, cu, indices, scale):
     (_, n, heads, dv), dk = v.shape, k.shape[-1]
-    return (_like(v), _like(g, torch.float32), k.new_empty(1, n, heads, CHUNK), k.new_empty(1, n, heads, dk),
-            k.new_empty(1, indices.shape[0], heads, dk, dv), _like(v))
+    return (
+        _like(v),
+        _like(g, torch.float32),
+        k.new_empty(1, n, heads, CHUNK),
+        k.new_empty(1, n, heads, dk),
+        k.new_empty(1, indices.shape[0], heads, dk, dv),
+        _like(v),
+    )
 
 
 @torch.library.custom_op("primerl::gated_delta_rule_bwd", mutates_args=())
-def _rule_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, a: Tensor, w: Tensor,
-                   h: Tensor, v_new: Tensor, cu: Tensor, indices: Tensor,
-                   scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _rule_backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    a: Tensor,
+    w: Tensor,
+    h: Tensor,
+    v_new: Tensor,
+    cu: Tensor,
+    indices: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dg, dbeta) from the forward's kept intermediates (g: its chunk sums)."""
     f = _stages()
     q, k, v, beta, do = (t.contiguous() for t in (q, k, v, beta, do))
@@ -222,17 +258,48 @@ def _register_dqkwg() -> None:
         def is_available(cls) -> bool:
             return REPLACE_DQKWG and triton_miscompiles_dqkwg()
 
-        def chunk_bwd_dqkwg_verifier(self, q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None,
-                                     scale=None, state_v_first=False, cu_seqlens=None, chunk_size=64,
-                                     chunk_indices=None):
+        def chunk_bwd_dqkwg_verifier(
+            self,
+            q,
+            k,
+            v,
+            do,
+            h,
+            dh,
+            w=None,
+            g=None,
+            g_gamma=None,
+            dv=None,
+            scale=None,
+            state_v_first=False,
+            cu_seqlens=None,
+            chunk_size=64,
+            chunk_indices=None,
+        ):
             if g is None or g_gamma is not None or w is None or dv is None or state_v_first:
                 return False, "primerl's dqkwg kernel covers the gated delta rule only"
             if k.shape[-1] > MAX_KEY_DIM:
                 return False, f"primerl's dqkwg kernel holds key heads of up to {MAX_KEY_DIM}"
             return True, None
 
-        def chunk_bwd_dqkwg(self, q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None,
-                            state_v_first=False, cu_seqlens=None, chunk_size=64, chunk_indices=None):
+        def chunk_bwd_dqkwg(
+            self,
+            q,
+            k,
+            v,
+            do,
+            h,
+            dh,
+            w=None,
+            g=None,
+            g_gamma=None,
+            dv=None,
+            scale=None,
+            state_v_first=False,
+            cu_seqlens=None,
+            chunk_size=64,
+            chunk_indices=None,
+        ):
             return dqkwg(q, k, v, do, h, dh, w, g, dv, scale, cu_seqlens, chunk_size, chunk_indices)
 
     register("common")(PrimerlDqkwg)
@@ -269,8 +336,29 @@ def dqkwg(q, k, v, do, h, dh, w, g, dv, scale, cu_seqlens, chunk_size, chunk_ind
     dg = torch.empty(b, t, hv, dtype=torch.float32, device=g.device)
     block_k = max(16, 1 << (kd - 1).bit_length())
     kernel[(n_chunks, hv)](
-        q, k, v, do, h, dh, dv, g, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale,
-        HK=hk, HV=hv, K=kd, V=vd, BT=chunk_size, BK=block_k, BV=64)
+        q,
+        k,
+        v,
+        do,
+        h,
+        dh,
+        dv,
+        g,
+        dq,
+        dk,
+        dw,
+        dg,
+        cu_seqlens,
+        chunk_indices,
+        scale,
+        HK=hk,
+        HV=hv,
+        K=kd,
+        V=vd,
+        BT=chunk_size,
+        BK=block_k,
+        BV=64,
+    )
     if hk != hv:
         dq = dq.view(b, t, hk, hv // hk, kd).sum(3)
         dk = dk.view(b, t, hk, hv // hk, kd).sum(3)
@@ -284,11 +372,33 @@ def _dqkwg_triton():
 
     @triton.autotune(
         configs=[triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)],
-        key=["HK", "HV", "K", "V", "BT"])
+        key=["HK", "HV", "K", "V", "BT"],
+    )
     @triton.jit
-    def primerl_dqkwg(q, k, v, do, h, dh, dv, g, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale,
-               HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    def primerl_dqkwg(
+        q,
+        k,
+        v,
+        do,
+        h,
+        dh,
+        dv,
+        g,
+        dq,
+        dk,
+        dw,
+        dg,
+        cu_seqlens,
+        chunk_indices,
+        scale,
+        HK: tl.constexpr,
+        HV: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+    ):
         # One program per (chunk, value head). Every product whose transpose is needed is
         # computed as such from memory (v do^T beside do v^T; h and dh read as [V, K]), so no
         # accumulator is transposed in registers: that is what Triton 3.4-3.7.0 miscompiles on

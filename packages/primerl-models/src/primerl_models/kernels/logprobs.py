@@ -27,8 +27,9 @@ def _triton_kernels():
     import triton.language as tl
 
     @triton.jit
-    def _stats_kernel(logits_ptr, stride, temps_ptr, targets_ptr, logprob_ptr, entropy_ptr, lse_ptr, V,
-                      BLOCK: tl.constexpr):
+    def _stats_kernel(
+        logits_ptr, stride, temps_ptr, targets_ptr, logprob_ptr, entropy_ptr, lse_ptr, V, BLOCK: tl.constexpr
+    ):
         # one row: m the running max of z, s = sum exp(z - m), t = sum exp(z - m) z
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
@@ -56,7 +57,6 @@ def _triton_kernels():
         tl.store(lse_ptr + row, lse)
         tl.store(entropy_ptr + row, entropy)
         tl.store(logprob_ptr + row, target_z - lse)
-
 
     @triton.jit
     def _grad_kernel(logits_ptr, stride, temps_ptr, targets_ptr, lse_ptr, grad_ptr, V, BLOCK: tl.constexpr):
@@ -87,8 +87,18 @@ def forward_stats(logits_CV: torch.Tensor, temp_C1: torch.Tensor, target_C1: tor
     _, stats_kernel, _ = _triton_kernels()
     out = torch.empty(3, c, dtype=torch.float32, device=logits_CV.device)
     if c:
-        stats_kernel[(c,)](logits_CV, logits_CV.stride(0), temp_C1.contiguous(), target_C1.contiguous(),
-                           out[0], out[1], out[2], logits_CV.shape[1], BLOCK=BLOCK_V, num_warps=8)
+        stats_kernel[(c,)](
+            logits_CV,
+            logits_CV.stride(0),
+            temp_C1.contiguous(),
+            target_C1.contiguous(),
+            out[0],
+            out[1],
+            out[2],
+            logits_CV.shape[1],
+            BLOCK=BLOCK_V,
+            num_warps=8,
+        )
     return out[0], out[1], out[2]
 
 
@@ -99,7 +109,15 @@ def logits_grad(logits_CV, temp_C1, target_C1, lse_C1, grad_C1):
     triton, _, grad_kernel = _triton_kernels()
     if c:
         grid = (c, triton.cdiv(logits_CV.shape[1], BLOCK_V))
-        grad_kernel[grid](logits_CV, logits_CV.stride(0), temp_C1.contiguous(), target_C1.contiguous(),
-                          lse_C1.contiguous(), grad_C1.contiguous(), logits_CV.shape[1], BLOCK=BLOCK_V,
-                          num_warps=8)
+        grad_kernel[grid](
+            logits_CV,
+            logits_CV.stride(0),
+            temp_C1.contiguous(),
+            target_C1.contiguous(),
+            lse_C1.contiguous(),
+            grad_C1.contiguous(),
+            logits_CV.shape[1],
+            BLOCK=BLOCK_V,
+            num_warps=8,
+        )
     return logits_CV

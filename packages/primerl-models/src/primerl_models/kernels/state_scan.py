@@ -24,7 +24,7 @@ def _scan_loop(a, x, keep_L, reverse: bool, transpose: bool) -> torch.Tensor:
     h, n, k, v = x.shape
     y = x.new_zeros(h, k, v)
     out = torch.empty_like(x)
-    for i in (range(n - 1, -1, -1) if reverse else range(n)):
+    for i in range(n - 1, -1, -1) if reverse else range(n):
         a_i = a[:, i].transpose(-1, -2) if transpose else a[:, i]
         y = keep_L[i] * (x[:, i] + a_i @ y)
         out[:, i] = y
@@ -37,9 +37,30 @@ def _triton_scan():
     import triton.language as tl
 
     @triton.jit
-    def kernel(a_ptr, x_ptr, keep_ptr, y_ptr, n, K, V, s_ah, s_al, s_ar, s_ac, s_xh, s_xl, s_xk, s_xv,
-               KP: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr, TRANSPOSE: tl.constexpr,
-               SHIFT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    def kernel(
+        a_ptr,
+        x_ptr,
+        keep_ptr,
+        y_ptr,
+        n,
+        K,
+        V,
+        s_ah,
+        s_al,
+        s_ar,
+        s_ac,
+        s_xh,
+        s_xl,
+        s_xk,
+        s_xv,
+        KP: tl.constexpr,
+        BV: tl.constexpr,
+        REVERSE: tl.constexpr,
+        TRANSPOSE: tl.constexpr,
+        SHIFT: tl.constexpr,
+        PRECISION: tl.constexpr,
+        STAGES: tl.constexpr,
+    ):
         # One program per (head, block of BV value columns) walks the chunks in order, its
         # block of the state [K, BV] held in registers from step to step. The transitions do
         # not depend on the state, so their loads run STAGES steps ahead of the products.
@@ -88,10 +109,24 @@ def _scan(a, x, keep_L, reverse: bool, transpose: bool, shift: bool = False) -> 
     t = SCAN_TUNING
     kp = max(16, triton.next_power_of_2(k))
     kernel[(h, triton.cdiv(v, t["bv"]))](
-        a, x, keep_L.contiguous(), y, n, k, v, *a.stride(), *x.stride(),
-        KP=kp, BV=t["bv"], REVERSE=reverse, TRANSPOSE=transpose, SHIFT=int(shift), PRECISION=t["precision"],
+        a,
+        x,
+        keep_L.contiguous(),
+        y,
+        n,
+        k,
+        v,
+        *a.stride(),
+        *x.stride(),
+        KP=kp,
+        BV=t["bv"],
+        REVERSE=reverse,
+        TRANSPOSE=transpose,
+        SHIFT=int(shift),
+        PRECISION=t["precision"],
         STAGES=t["stages"],
-        num_warps=t["num_warps"])
+        num_warps=t["num_warps"],
+    )
     return y
 
 

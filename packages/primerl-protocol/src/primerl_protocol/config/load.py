@@ -64,9 +64,7 @@ def split_args(args: typing.Sequence[str]) -> tuple[list[Path], list[tuple[str, 
             key, _, value = tok.partition("=")
             overrides.append((_check_key(key, tok), value))
         else:
-            raise ConfigError(
-                f"cannot read argument {tok!r}: expected `@ file.toml`, `key=value` or `--key value`"
-            )
+            raise ConfigError(f"cannot read argument {tok!r}: expected `@ file.toml`, `key=value` or `--key value`")
         i += 1
     return files, overrides
 
@@ -102,7 +100,9 @@ def read_toml(path: Path) -> dict:
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: invalid TOML: {err}") from None
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text (TOML files are UTF-8): byte {err.start} is {err.object[err.start:err.start + 1]!r}") from None
+        raise ConfigError(
+            f"{path}: not UTF-8 text (TOML files are UTF-8): byte {err.start} is {err.object[err.start : err.start + 1]!r}"
+        ) from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot be read: {err.strerror}") from None
 
