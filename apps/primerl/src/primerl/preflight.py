@@ -89,7 +89,7 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_block(host: str, n: int, avoid: set[int] = frozenset()) -> int:
+def free_block(host: str, n: int, avoid: set[int] | frozenset[int] = frozenset()) -> int:
     """A port p such that p .. p + n - 1 are free on `host` now (and not in `avoid`)."""
     high = max(_ephemeral_low() - n, 10000 + n)
     rng = random.Random()

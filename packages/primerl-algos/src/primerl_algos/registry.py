@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 F = TypeVar("F", bound=Callable)
 
@@ -54,4 +54,4 @@ class Registry(Generic[F]):
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise ValueError(f"{self.kind} plugin {name!r}: {module_name} has no callable {attr!r}")
-        return fn
+        return cast(F, fn)  # a plugin's signature is checked where it is called

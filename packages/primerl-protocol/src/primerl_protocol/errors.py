@@ -14,6 +14,7 @@ def split_validation_error(err: Exception) -> tuple[str, str]:
     returned names the field itself. The path is "" for the root.
     """
     m = _PATH_RE.match(str(err))
+    assert m is not None  # the pattern matches every string (its path part is optional)
     path, detail = (m.group("path") or "").lstrip("."), m.group("detail")
     unknown = re.match(r"Object contains unknown field `([^`]*)`", detail)
     if unknown:
