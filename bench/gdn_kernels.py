@@ -22,8 +22,8 @@ import json
 import torch
 from attention import timed
 from primerl_models.blocks.gated_deltanet import gated_delta_rule, l2norm, l2norm_rounded
-from primerl_models.blocks.packing import PackedSeqs
 from primerl_models.kernels import gated_delta
+from primerl_models.packing import PackedSeqs
 
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 

@@ -67,7 +67,7 @@ def rule_profile(heads: int, tokens: int, dim: int, tf32: bool) -> dict:
     (`tf32`: the chunks' fp32 matmuls on TF32 tensor cores, torch's global switch)."""
     torch.backends.cuda.matmul.allow_tf32 = tf32
     from primerl_models.blocks.gated_deltanet import gated_delta_rule, l2norm
-    from primerl_models.blocks.packing import PackedSeqs
+    from primerl_models.packing import PackedSeqs
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -14,10 +14,10 @@ import transformers
 from primerl_models import PackedSeqs, carried_tensors, load_model, read_config, save_hf
 from primerl_models.blocks.gated_deltanet import gated_delta_rule
 from primerl_models.blocks.mamba2 import ssd_scan
-from primerl_models.blocks.packing import doc_positions
 from primerl_models.blocks.recurrent import causal_conv
 from primerl_models.families import FAMILIES
 from primerl_models.families.base import TinyShape
+from primerl_models.packing import doc_positions
 from primerl_models.testing import qwen35_draw, save_transformers, save_with_mtp
 from safetensors.torch import load_file
 

@@ -20,7 +20,6 @@ from primerl_models.args import (
     Vision,
 )
 from primerl_models.blocks.attention import BACKENDS, attention
-from primerl_models.blocks.packing import PackedSeqs
 from primerl_models.families import FAMILIES, family_for
 from primerl_models.hf import (
     build_model,
@@ -36,6 +35,7 @@ from primerl_models.hf import (
 )
 from primerl_models.logprobs import chunked_logprobs
 from primerl_models.model import Transformer
+from primerl_models.packing import PackedSeqs
 
 __all__ = [
     "BACKENDS",

@@ -31,10 +31,10 @@ from primerl_models.blocks.mixer import Mixer
 from primerl_models.blocks.mlp import dense_mlp
 from primerl_models.blocks.moe import MoE
 from primerl_models.blocks.norms import RMSNorm
-from primerl_models.blocks.packing import PackedSeqs
 from primerl_models.blocks.rope import attention_factor, inv_freq, mrope_cos_sin, rope_cos_sin
 from primerl_models.blocks.vision import VisionTower, mrope_positions, scatter_images
 from primerl_models.logprobs import chunked_logprobs
+from primerl_models.packing import PackedSeqs
 
 MIXERS: dict[type, tuple[str, Callable[..., Mixer]]] = {
     Attention: ("self_attn", SelfAttention),

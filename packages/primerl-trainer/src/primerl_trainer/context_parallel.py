@@ -32,7 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 from primerl_models.blocks.attention import Backend, attention
-from primerl_models.blocks.packing import PackedSeqs
+from primerl_models.packing import PackedSeqs
 
 from primerl_trainer.distributed import all_to_all
 

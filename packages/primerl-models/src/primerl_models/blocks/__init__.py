@@ -1,7 +1,6 @@
 """The blocks a decoder layer is made of, one module per kind; model.py assembles them from a
 layer's specs (args.py), whose fields are the only settings they read.
 
-    packing.py         PackedSeqs: the document boundaries of packed rows, shared by every block
     mixer.py           Mixer: what a token mixer is to the layer (its call, positions, prepare)
     attention.py       SelfAttention and the causal attention back-ends (sdpa, varlen, flex)
     gated_deltanet.py  Gated DeltaNet (Qwen3.5) and its exact chunked delta rule
@@ -12,5 +11,6 @@ layer's specs (args.py), whose fields are the only settings they read.
     norms.py, rope.py  RMSNorms; rotary embeddings (1-D and multi-axis)
     vision.py          the vision tower of a vision-language model and where its tokens go
 
-Kernels (Triton, custom ops) live in ../kernels, each naming the torch form here it replaces.
+What every block shares, the document boundaries of packed rows (PackedSeqs), is ../packing.py;
+kernels (Triton, custom ops) live in ../kernels, each naming the torch form here it replaces.
 """

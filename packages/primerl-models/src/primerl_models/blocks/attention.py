@@ -4,7 +4,7 @@ back-ends.
 
 A packed row holds several documents end to end; position ids restart at 0 at each document,
 and attention never crosses a boundary. `PackedSeqs.from_position_ids` finds the boundaries
-once per forward (packing.py); `attention(q, k, v, seqs, backend)` runs one of:
+once per forward (primerl_models/packing.py); `attention(q, k, v, seqs, backend)` runs one of:
 
   sdpa    torch SDPA. One document per row: is_causal (flash on GPU). Several: each document
           gathered into a row of its own (right-padded to the longest; is_causal is then
@@ -42,8 +42,8 @@ from torch import nn
 from primerl_models.args import Attention as AttentionSpec
 from primerl_models.blocks.mixer import Mixer
 from primerl_models.blocks.norms import RMSNorm
-from primerl_models.blocks.packing import PackedSeqs
 from primerl_models.blocks.rope import apply_rope
+from primerl_models.packing import PackedSeqs
 
 Backend = Literal["auto", "sdpa", "varlen", "flex"]
 

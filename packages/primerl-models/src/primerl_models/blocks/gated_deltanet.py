@@ -17,7 +17,6 @@ from torch import nn
 from primerl_models.args import GatedDeltaNet
 from primerl_models.blocks.mixer import Mixer
 from primerl_models.blocks.norms import GatedRMSNorm
-from primerl_models.blocks.packing import PackedSeqs, doc_positions
 from primerl_models.blocks.recurrent import (
     CHUNK,
     Chunks,
@@ -31,6 +30,7 @@ from primerl_models.blocks.recurrent import (
 )
 from primerl_models.kernels import conv, gated_delta
 from primerl_models.kernels.state_scan import chunk_states
+from primerl_models.packing import PackedSeqs, doc_positions
 
 FAST_KERNELS = True
 """Gated DeltaNet layers on CUDA: the conv through primerl's Triton kernels (kernels/conv.py)

@@ -13,9 +13,9 @@ from torch import nn
 
 from primerl_models.args import Mamba2
 from primerl_models.blocks.mixer import Mixer
-from primerl_models.blocks.packing import PackedSeqs, doc_positions
 from primerl_models.blocks.recurrent import CHUNK, Chunks, HeadSplit, causal_conv, segment_sums
 from primerl_models.kernels.state_scan import chunk_states
+from primerl_models.packing import PackedSeqs, doc_positions
 
 
 def ssd_scan(c_NHS, b_NHS, v_NHP, a_NH, seqs: PackedSeqs, chunk: int = CHUNK) -> torch.Tensor:

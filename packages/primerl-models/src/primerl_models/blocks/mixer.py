@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from primerl_models.args import Rope
-from primerl_models.blocks.packing import PackedSeqs
+from primerl_models.packing import PackedSeqs
 
 
 class Mixer(nn.Module):

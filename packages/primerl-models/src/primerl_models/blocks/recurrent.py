@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from primerl_models.blocks.packing import PackedSeqs, doc_positions
+from primerl_models.packing import PackedSeqs, doc_positions
 
 CHUNK = 64
 

@@ -33,8 +33,8 @@ from torch import nn
 
 from primerl_models.args import Vision
 from primerl_models.blocks.attention import _varlen_fn
-from primerl_models.blocks.packing import PackedSeqs
 from primerl_models.blocks.rope import apply_rope
+from primerl_models.packing import PackedSeqs
 
 
 @dataclass

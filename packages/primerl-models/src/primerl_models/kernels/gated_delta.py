@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
-from primerl_models.blocks.packing import PackedSeqs
+from primerl_models.packing import PackedSeqs
 
 CHUNK = 64
 MAX_KEY_DIM = 128
