@@ -173,6 +173,10 @@ CASES = {
             name: str = "x"
         open("c.toml", "w").write('lr = 0.5\\n')
         assert load_config(Root, ["@", "c.toml", "name=y"]) == Root(lr=0.5, name="y")
+        import numpy as np
+        from primerl_protocol.images import ImageSpec, patchify
+        patches, grid = patchify(np.zeros((256, 256, 3), np.uint8), ImageSpec())  # numpy alone, no torch
+        assert grid == (1, 16, 16) and patches.shape == (256, 3 * 2 * 16 * 16)
         """,
     ),
     "primerl-models": (
@@ -181,7 +185,6 @@ CASES = {
         """
         import torch
         from primerl_models import chunked_logprobs, load_model
-        from primerl_models.images import ImageSpec, patchify
         from primerl_models.tiny import build_tiny_model
         for family in ("qwen3", "qwen3_moe", "llama"):
             model = load_model(build_tiny_model(family, family)).eval()
@@ -190,8 +193,6 @@ CASES = {
             with torch.no_grad():
                 logits = model.logits(ids, pos)
             assert logits.shape == (1, 4, model.args.vocab_size) and torch.isfinite(logits).all(), family
-        patches, grid = patchify(torch.zeros(256, 256, 3, dtype=torch.uint8), ImageSpec())  # the size rule: primerl-protocol's
-        assert grid == (1, 16, 16) and patches.shape == (256, 3 * 2 * 16 * 16)
         """,
     ),
     "primerl-algos": (
