@@ -171,7 +171,8 @@ def test_the_servers_lora_rank_fits_the_published_adapters_before_anything_start
     smallest vLLM takes that holds the adapter's largest module (GLM-4's gate_up_proj holds two
     adapted layers: twice the rank); one set too low, or targets that match nothing, stop the
     run before it starts, naming the keys."""
-    from primerl.launch import RunError, fit_lora_rank
+    from primerl.errors import RunError
+    from primerl.launch import fit_lora_rank
     from primerl_models.families import FAMILIES, TinyShape
 
     shape = TinyShape(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)

@@ -6,7 +6,8 @@ import os
 import msgspec
 import pytest
 from primerl.configs import RLConfig
-from primerl.launch import RunError, gpu_plan, trainer_threads
+from primerl.errors import RunError
+from primerl.launch import gpu_plan, trainer_threads
 from primerl_inference.config import InferenceConfig
 from primerl_protocol.config import ModelConfig, TransportConfig
 

@@ -18,7 +18,8 @@ import pytest
 from click.testing import CliRunner
 from primerl.cli import main
 from primerl.configs import RLConfig
-from primerl.launch import CheckError, prepare
+from primerl.errors import CheckError
+from primerl.launch import prepare
 from primerl.resume import LOCK, RunLock, _start_ticks
 from primerl.testing import leftovers
 from primerl_protocol import rundir

@@ -114,7 +114,7 @@ def config_command(
 def _slurm_job(prog: str, render, config, submit: bool) -> None:
     """Write the job (what does not fit the cluster, or a pre-start check, exits 2), submit it
     if asked (sbatch failing exits 1)."""
-    from primerl.launch import CheckError
+    from primerl.errors import CheckError
     from primerl.slurm import SlurmError
     from primerl.slurm import submit as sbatch
 
@@ -211,7 +211,7 @@ def _check_here(prog: str, config, ports: bool | None = True, envs: tuple[str, l
     directory, the servers' ports (True: unset ones chosen free; False: unset means the default,
     8000; None: not checked), the environments `envs` names. A refusal exits 2, naming the key.
     Returns `config` with its ports."""
-    from primerl.launch import CheckError
+    from primerl.errors import CheckError
     from primerl.preflight import check_block, check_environments, check_run_dir, with_ports
 
     try:
@@ -265,7 +265,8 @@ def _run_inference(config: InferenceRunConfig) -> None:
 
 
 def _run_rl(config: RLConfig) -> None:
-    from primerl.launch import CheckError, RunError, run_rl
+    from primerl.errors import CheckError, RunError
+    from primerl.launch import run_rl
 
     try:
         with stop_on_signals():
@@ -359,6 +360,7 @@ def _run_eval(config: EvalConfig) -> None:
         if inference is None:
             urls, token = config.inference.server_urls(), config.inference.resolved_admin_token()
         else:  # start our own servers for the eval
+            assert config.model is not None, "EvalRunConfig.__post_init__ sets the model (given, or the run's)"
             servers = launch(inference, config.model.name, config.seq_len, config.run_dir)
             urls, token = servers.urls, inference.resolved_admin_token()
         compat.install()  # the process runs environments: primerl's patches of their packages, once

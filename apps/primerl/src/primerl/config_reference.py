@@ -149,7 +149,9 @@ def render() -> str:
                 f"{', '.join(f'`{k}`' for k in unused)}.",
                 "",
             ]
-        for path, struct, instance in _sections(mi.type_info(root), "", None):
+        info = mi.type_info(root)
+        assert isinstance(info, mi.StructType), f"{command}: its config {root.__name__} is not a msgspec Struct"
+        for path, struct, instance in _sections(info, "", None):
             if path and (path, struct.cls) in documented:
                 continue
             rows = _table(path, struct, instance, unused)

@@ -50,15 +50,9 @@ from primerl_protocol.rundir import RunDir
 from primerl_protocol.serving import ADMIN_TOKEN_ENV
 
 from primerl.configs import OrchRunConfig, RLConfig, TrainerRunConfig
-
-
-class RunError(RuntimeError):
-    """The run cannot start, or one of its processes failed (says which, and why)."""
-
-
-class CheckError(RunError):
-    """What the user gave is wrong, found before anything started (a pre-start check): the
-    command exits 2, as for a config error (primerl.cli)."""
+from primerl.errors import CheckError, RunError
+from primerl.preflight import check_environments, check_run_dir, with_ports
+from primerl.resume import RunLock, plan_resume
 
 
 @dataclass
@@ -280,8 +274,6 @@ def trainer_threads(cfg: RLConfig, trainer_gpus: list[int]) -> int:
 def run_rl(cfg: RLConfig) -> None:
     """Run the whole RL run; raises RunError naming the failed process (CheckError: refused
     before anything started, the run directory as it was)."""
-    from primerl.preflight import check_run_dir
-    from primerl.resume import RunLock
 
     with RunLock(check_run_dir(cfg.run_dir)) as lock:
         if lock.took_over:
@@ -295,8 +287,6 @@ def prepare(cfg: RLConfig) -> tuple[RLConfig, str, list[int]]:
     resolved config (free ports chosen, the run's admin token and socket keys) written to
     configs/rl.toml, the previous one kept as configs/rl.prev.toml. Returns it, the device
     and the trainer's GPUs."""
-    from primerl.preflight import check_environments, with_ports
-    from primerl.resume import plan_resume
 
     given = cfg
     cfg = check(cfg)
@@ -342,7 +332,10 @@ def _run(cfg: RLConfig, device: str, trainer_gpus: list[int]) -> None:
             "PYTHONUNBUFFERED": "1",
         }
         if cfg.trainer.weights.transport == "memory":  # it joins the servers through their admin routes
-            trainer_env[ADMIN_TOKEN_ENV] = cfg.inference.resolved_admin_token()
+            token = cfg.inference.resolved_admin_token()
+            if token is None:  # prepare() sets one; a config that reaches here without it is a bug to name
+                raise RunError("inference.admin_token: unset, and the trainer needs it to join the servers")
+            trainer_env[ADMIN_TOKEN_ENV] = token
         if trainer_gpus:
             trainer_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, trainer_gpus))
         else:

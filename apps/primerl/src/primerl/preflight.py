@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 from primerl_protocol.rundir import RunDir
 
-from primerl.launch import CheckError
+from primerl.errors import CheckError
 
 
 def check_run_dir(run_dir: str, key: str = "run_dir") -> Path:

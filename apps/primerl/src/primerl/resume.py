@@ -37,7 +37,7 @@ from pathlib import Path
 from primerl_protocol import rundir
 from primerl_protocol.config import to_toml
 
-from primerl.launch import CheckError
+from primerl.errors import CheckError
 
 LOCK = "primerl.lock"
 PREVIOUS = "rl.prev"
