@@ -85,15 +85,10 @@ def interpreter() -> tuple[str, list[str], list[str]]:
     return exe, binds, hidden
 
 
-def bwrap_argv(
-    bwrap: str, command: list[str], *, seccomp_fd: int, scratch_mb: int, info_fd: int | None = None
-) -> list[str]:
-    """The bwrap command line that runs `command` in the sandbox (see the module docstring).
-
-    Start it with an empty environment: bwrap's --clearenv clears the command's, but the
-    sandbox's PID 1 is a fork of bwrap, and its /proc/1/environ is bwrap's own.
-    """
-    argv = [
+def namespace_args(bwrap: str) -> list[str]:
+    """bwrap and its namespaces: everything unshared (the network included), uid/gid 65534
+    inside, no further user namespaces, a new session, no environment, killed with its parent."""
+    return [
         bwrap,
         "--unshare-all",
         "--unshare-user",
@@ -108,11 +103,29 @@ def bwrap_argv(
         "--new-session",
         "--clearenv",
     ]
+
+
+def system_bind(path: str) -> list[str]:
+    """`path` read-only as on the host: a symlink as the same symlink (/lib -> usr/lib), nothing
+    when it does not exist."""
+    if os.path.islink(path):
+        return ["--symlink", os.readlink(path), path]
+    if os.path.isdir(path):
+        return ["--ro-bind", path, path]
+    return []
+
+
+def bwrap_argv(
+    bwrap: str, command: list[str], *, seccomp_fd: int, scratch_mb: int, info_fd: int | None = None
+) -> list[str]:
+    """The bwrap command line that runs `command` in the sandbox (see the module docstring).
+
+    Start it with an empty environment: bwrap's --clearenv clears the command's, but the
+    sandbox's PID 1 is a fork of bwrap, and its /proc/1/environ is bwrap's own.
+    """
+    argv = namespace_args(bwrap)
     for path in ["/usr/lib", "/usr/lib64", "/lib", "/lib64"]:
-        if os.path.islink(path):
-            argv += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            argv += ["--ro-bind", path, path]
+        argv += system_bind(path)
     _, binds, hidden = interpreter()
     for path in binds:
         argv += ["--ro-bind", path, path]
@@ -154,8 +167,10 @@ SYSCALLS = {
 
 
 @functools.cache
-def seccomp_filter() -> bytes:
-    """The filter as bwrap's --seccomp reads it: an array of struct sock_filter."""
+def seccomp_filter(forks: bool = False) -> bytes:
+    """The filter as bwrap's --seccomp reads it: an array of struct sock_filter. With `forks`
+    (the agent sandbox, whose shell must start processes; RLIMIT_NPROC bounds them there, see
+    primerl_sandbox.workspace) only fork's refusal goes: the other ABIs and shmget stay refused."""
     machine = platform.machine()
     if machine not in SYSCALLS:
         raise SandboxUnavailable(f"the code sandbox's seccomp filter knows {sorted(SYSCALLS)}, not {machine}")
@@ -167,7 +182,10 @@ def seccomp_filter() -> bytes:
     ]
     if machine == "x86_64":
         program.append((JGE, "eperm", 0, 0x40000000))  # the x32 ABI's numbers
-    program += [(JEQ, "enosys", 0, clone3), (JEQ, "clone", 0, clone)]
+    if forks:
+        refused = refused[-1:]  # shmget (the last of each machine's list)
+    else:
+        program += [(JEQ, "enosys", 0, clone3), (JEQ, "clone", 0, clone)]
     program += [(JEQ, "eperm", 0, nr) for nr in refused]
     program += [
         (RET, 0, 0, ALLOW),
@@ -202,10 +220,10 @@ def _assemble(program: list) -> bytes:
     return b"".join(struct.pack("=HBBI", op, offset(jt, i), offset(jf, i), k) for i, (op, jt, jf, k) in enumerate(code))
 
 
-def seccomp_pipe() -> int:
+def seccomp_pipe(forks: bool = False) -> int:
     """A pipe's read end holding the filter, for bwrap's --seccomp (the caller closes it)."""
     read, write = os.pipe()
-    os.write(write, seccomp_filter())
+    os.write(write, seccomp_filter(forks))
     os.close(write)
     return read
 

@@ -12,7 +12,7 @@ class EnvConfig(Config):
     """One verifiers environment and its arguments."""
 
     id: str
-    """Built-in name (reverse-text, alphabet-sort, math, tool-use, code, shapes), an installed taskset
+    """Built-in name (reverse-text, alphabet-sort, math, tool-use, code, shapes, swe), an installed taskset
     package's id, or the path of a local module (a .py file or a package folder)."""
     args: dict[str, Any] = {}
     """Fields of the taskset's config (verifiers `TasksetConfig`), e.g. `num_tasks`."""

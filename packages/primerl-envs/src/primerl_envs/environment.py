@@ -42,6 +42,7 @@ BUILTIN = {
     "tool-use": "primerl-tool-use",
     "code": "primerl-code",
     "shapes": "primerl-shapes",
+    "swe": "primerl-swe",
 }
 """primerl's built-in environments: short name -> verifiers taskset id (a top-level module)."""
 
