@@ -75,7 +75,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logits_NV = hidden_ND.new_empty(n, w_VD.shape[0]) if keep_logits else None
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            logits_CV = torch.mm(hidden_ND[s:e], w_VD.T, out=logits_NV[s:e]) if keep_logits else hidden_ND[s:e] @ w_VD.T
+            if logits_NV is not None:  # keep_logits
+                logits_CV = torch.mm(hidden_ND[s:e], w_VD.T, out=logits_NV[s:e])
+            else:
+                logits_CV = hidden_ND[s:e] @ w_VD.T
             logprobs_N[s:e], entropy_N[s:e], lse_N[s:e] = forward_stats(
                 logits_CV, temps_N[s:e, None], targets_N[s:e, None]
             )

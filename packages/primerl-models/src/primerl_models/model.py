@@ -19,6 +19,7 @@ Legend: B batch, T tokens, D hidden, H heads, G kv heads, K head_dim, R rotary d
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -45,11 +46,12 @@ MIXERS: dict[type, tuple[str, Callable[..., Mixer]]] = {
 checkpoints convert by renames) and its builder (spec, dim, eps, zero_centered). A new kind of
 mixer is a spec, a `Mixer` (blocks/mixer.py) and a row here."""
 
-MLPS: dict[type, Callable[[int, object], nn.Module]] = {
+MLPS: dict[type, Callable[[int, Any], nn.Module]] = {
     DenseMLP: lambda dim, spec: dense_mlp(dim, spec.intermediate_size, spec.activation),
     MoEMLP: lambda dim, spec: MoE(dim, spec),
 }
-"""Each MLP spec -> its builder (dim, spec); the module is a layer's `mlp`."""
+"""Each MLP spec -> its builder (dim, spec), which takes a spec of its key's type; the module is a
+layer's `mlp`."""
 
 
 def mixer_name(spec) -> str:
@@ -85,8 +87,9 @@ class DecoderLayer(nn.Module):
         return None if self.mixer_name is None else getattr(self, self.mixer_name)
 
     def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend: Backend) -> torch.Tensor:
-        if self.spec.mixer is not None:
-            mixed = self.mixer(self.input_layernorm(x_BTD), cos_BTR, sin_BTR, seqs, backend)
+        mixer = self.mixer
+        if mixer is not None:
+            mixed = mixer(self.input_layernorm(x_BTD), cos_BTR, sin_BTR, seqs, backend)
             if self.spec.sandwich_norm:
                 mixed = self.post_self_attn_layernorm(mixed)
             x_BTD = x_BTD + mixed
@@ -111,9 +114,8 @@ class Transformer(nn.Module):
         them (chunked_logprobs' keep_logits: faster, [tokens x vocab] more memory)."""
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         zero_centered = args.zero_centered_norms
-        self.layers = nn.ModuleList(
-            DecoderLayer(spec, args.hidden_size, args.rms_norm_eps, zero_centered) for spec in args.layers
-        )
+        layers = [DecoderLayer(spec, args.hidden_size, args.rms_norm_eps, zero_centered) for spec in args.layers]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, zero_centered)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.visual = None if args.vision is None else VisionTower(args.vision)
@@ -121,10 +123,17 @@ class Transformer(nn.Module):
             self.visual.requires_grad_(not args.freeze_vision)
         self._rope_specs = list(
             dict.fromkeys(
-                layer.mixer.rope for layer in self.layers if layer.mixer is not None and layer.mixer.rope is not None
+                layer.mixer.rope for layer in layers if layer.mixer is not None and layer.mixer.rope is not None
             )
         )
         self._inv_freq: dict[tuple[Rope, torch.device], torch.Tensor] = {}
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """`layers`, typed: the DecoderLayers built here (parallelism and checkpointing change
+        them in place)."""
+        # cast: nn.ModuleList yields plain Modules to the type checker
+        return cast("list[DecoderLayer]", list(self.layers))
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -133,10 +142,11 @@ class Transformer(nn.Module):
 
     def _ropes(
         self, position_ids_BT: torch.Tensor, mrope_3BT: torch.Tensor | None = None
-    ) -> dict[Rope, tuple[torch.Tensor, torch.Tensor]]:
+    ) -> dict[Rope | None, tuple[torch.Tensor | None, torch.Tensor | None]]:
         """cos, sin of each distinct RoPE of the layers (most models have one), from the 1-D
-        positions or, when given, the (t, h, w) ones."""
-        out = {}
+        positions or, when given, the (t, h, w) ones; (None, None) for the layers without
+        positions (key None)."""
+        out: dict[Rope | None, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         for spec in self._rope_specs:
             key = (spec, position_ids_BT.device)
             if key not in self._inv_freq:
@@ -149,6 +159,7 @@ class Transformer(nn.Module):
                 )
             else:
                 out[spec] = mrope_cos_sin(mrope_3BT, self._inv_freq[key], spec.mrope_section, attention_factor(spec))
+        out[None] = (None, None)  # layers without positions
         return out
 
     def _embed(self, input_ids_BT, seqs: PackedSeqs, pixel_values_NP, image_grid_thw_I3, mrope_3BT):
@@ -167,12 +178,12 @@ class Transformer(nn.Module):
             raise ValueError("pixel_values and image_grid_thw come together (the patches and each image's grid)")
         if pixel_values_NP is None:
             return x_BTD, mrope_3BT
-        if self.visual is None:
+        spec = self.args.vision
+        if self.visual is None or spec is None:  # both or neither (built from args.vision)
             raise ValueError(
                 f"{self.args.model_type}: pixel_values given, but the model has no vision tower "
                 "(its config.json has no vision_config)"
             )
-        spec = self.args.vision
         x_BTD = scatter_images(x_BTD, input_ids_BT, self.visual(pixel_values_NP, image_grid_thw_I3), spec)
         if mrope_3BT is None:
             mrope_3BT = mrope_positions(input_ids_BT, seqs, image_grid_thw_I3, spec)
@@ -212,8 +223,7 @@ class Transformer(nn.Module):
             seqs = PackedSeqs.from_position_ids(position_ids_BT)
         x_BTD, mrope_3BT = self._embed(input_ids_BT, seqs, pixel_values, image_grid_thw, mrope_positions)
         ropes = self._ropes(position_ids_BT, mrope_3BT)
-        ropes[None] = (None, None)  # layers without positions
-        mixers = [layer.mixer for layer in self.layers]
+        mixers = [layer.mixer for layer in self.decoder_layers]
         for mixer in mixers:  # host-side layouts a mixer needs (host syncs), outside the compiled layers
             if mixer is not None:
                 mixer.prepare(seqs, x_BTD.device)

@@ -89,6 +89,16 @@ def bpe_tokenizer(corpus: list[str], vocab_size: int):
     return tok
 
 
+def _special_ids(tok, tokens: list[str]) -> dict[str, int]:
+    """The ids of special tokens the tokenizer was built with."""
+    ids = {}
+    for t in tokens:
+        i = tok.token_to_id(t)
+        assert i is not None, f"{t} is one of the tokenizer's special tokens"
+        ids[t] = i
+    return ids
+
+
 def write_tokenizer(
     folder: Path, tok, chat_template: str, max_length: int, unk: str | None, specials: list[str]
 ) -> None:
@@ -183,7 +193,7 @@ def build_tiny_model(
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, router_bias_std, generator=torch.Generator().manual_seed(seed + 1))
 
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids = _special_ids(tok, SPECIAL_TOKENS)
     config = config | {
         "bos_token_id": None,
         "eos_token_id": ids["<|im_end|>"],
@@ -291,7 +301,7 @@ def build_tiny_vlm(
         raise ValueError(f"tokenizer must be 'chars' or 'bpe', got {tokenizer!r}")
     tok = char_tokenizer(alphabet) if tokenizer == "chars" else bpe_tokenizer(corpus or VLM_CORPUS, 512)
     tok.add_special_tokens(VLM_SPECIAL_TOKENS)
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + VLM_SPECIAL_TOKENS}
+    ids = _special_ids(tok, SPECIAL_TOKENS + VLM_SPECIAL_TOKENS)
     rotary = 0.25
     freqs = int(head_dim * rotary) // 2  # mrope sections share these: t, h, w
     text = transformers.Qwen3_5TextConfig(

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,10 @@ from primerl_models.blocks.norms import RMSNorm
 from primerl_models.blocks.rope import apply_rope
 from primerl_models.packing import PackedSeqs
 
-Backend = Literal["auto", "sdpa", "varlen", "flex"]
+BackendName = Literal["auto", "sdpa", "varlen", "flex"]
+Backend = BackendName | Callable[..., torch.Tensor]
+"""A back-end by name, or attention supplied from outside: `backend(q, k, v, seqs, window=,
+sinks_H=) -> out`."""
 
 
 BACKENDS = ("auto", "sdpa", "varlen", "flex")
@@ -81,7 +85,7 @@ def attention(
     raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
 
 
-def _auto(q_BTHK, seqs: PackedSeqs, window, sinks_H) -> str:
+def _auto(q_BTHK, seqs: PackedSeqs, window, sinks_H) -> BackendName:
     if not q_BTHK.is_cuda:
         return "sdpa"
     if sinks_H is not None:
@@ -154,7 +158,7 @@ def _sdpa_padded(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window: int | None, s
     return out_SHMK.transpose(1, 2).reshape(s_ * m, h, kd).index_select(0, at_N).view(b, t, h, kd)
 
 
-def _load_varlen():
+def _load_varlen() -> Callable[..., torch.Tensor] | None:
     """torch's varlen attention, where it can run: CUDA kernels only, so a CPU-only torch build
     does not import it at all (importing it pulls in torch._dynamo: 1.4 s of every CPU process's
     start-up, the trainer's and `primerl rl`'s own checks included). The build, not the device,
@@ -165,7 +169,9 @@ def _load_varlen():
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch < 2.10
         return None
-    return varlen_attn
+    # cast: it returns the output alone unless asked for its auxiliaries (return_aux, which we
+    # never pass), and its keywords differ between torch releases (see _VARLEN_CAUSAL)
+    return cast("Callable[..., torch.Tensor]", varlen_attn)
 
 
 _VARLEN = _load_varlen()
@@ -177,7 +183,7 @@ _VARLEN = _load_varlen()
 _VARLEN_PARAMS = inspect.signature(_VARLEN).parameters if _VARLEN is not None else {}
 
 
-_VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
+_VARLEN_CAUSAL: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
 
 
 def _varlen_fn():
@@ -260,13 +266,16 @@ class SelfAttention(Mixer):
         b, t, _ = x_BTD.shape
         q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         if self.spec.qk_norm == "full":
+            assert self.q_norm is not None and self.k_norm is not None, "built for qk_norm 'full'"
             q, k = self.q_norm(q), self.k_norm(k)
         q_BTHK = q.view(b, t, self.num_heads, self.head_dim)
         k_BTGK = k.view(b, t, self.num_kv_heads, self.head_dim)
         v_BTGK = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.spec.qk_norm == "head":
+            assert self.q_norm is not None and self.k_norm is not None, "built for qk_norm 'head'"
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         if self.spec.rope is not None:  # else no positions (cos, sin are None)
+            assert cos_BTR is not None and sin_BTR is not None, "the model gives each RoPE's cos and sin"
             interleaved = self.spec.rope.interleaved
             q_BTHK = apply_rope(q_BTHK, cos_BTR, sin_BTR, interleaved)
             k_BTGK = apply_rope(k_BTGK, cos_BTR, sin_BTR, interleaved)

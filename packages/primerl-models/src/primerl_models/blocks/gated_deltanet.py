@@ -28,7 +28,7 @@ from primerl_models.blocks.recurrent import (
     segment_sums,
     to_chunks,
 )
-from primerl_models.kernels import conv, gated_delta
+from primerl_models.kernels import compiler_disabled, conv, gated_delta
 from primerl_models.kernels.state_scan import chunk_states
 from primerl_models.packing import PackedSeqs, doc_positions
 
@@ -74,7 +74,7 @@ def l2norm_rounded(x: torch.Tensor) -> torch.Tensor:
     return l2norm(x.float()).to(x.dtype)
 
 
-@torch.compiler.disable  # eager inside compiled layers: a host sync and a Triton kernel
+@compiler_disabled  # eager inside compiled layers: a host sync and a Triton kernel
 def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, chunk: int = CHUNK) -> torch.Tensor:
     """o [N, H, V] of S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
     o_t = S_t^T q_t, with S = 0 at each document's first token. Inputs fp32 (q already scaled).

@@ -34,6 +34,14 @@ def ssd_scan(c_NHS, b_NHS, v_NHP, a_NH, seqs: PackedSeqs, chunk: int = CHUNK) ->
         return layout.join((c * G.exp()[..., None]) @ states + attn @ v)
 
 
+class _NormWeight(nn.Module):
+    """The gated RMSNorm's weight alone (HF's `norm.weight`; the norm itself is in the forward)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+
 class Mamba2Mixer(Mixer):
     """The layer (HF names): in_proj, conv1d (with bias), dt_bias, A_log, D, norm (RMSNorm per
     group of y * silu(z)), out_proj. A Mixer (mixer.py) that takes no positions."""
@@ -48,8 +56,7 @@ class Mamba2Mixer(Mixer):
         self.dt_bias = nn.Parameter(torch.ones(spec.num_heads))
         self.A_log = nn.Parameter(torch.zeros(spec.num_heads))
         self.D = nn.Parameter(torch.ones(spec.num_heads))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(spec.inner))
+        self.norm = _NormWeight(spec.inner)
         self.out_proj = nn.Linear(spec.inner, dim, bias=False)
 
     def forward(self, x_BTD, cos_BTR, sin_BTR, seqs: PackedSeqs, backend) -> torch.Tensor:

@@ -24,6 +24,11 @@ def _use_grouped_mm(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
+    # torch's private grouped GEMM, which its typing does not re-export (present where _use_grouped_mm)
+    return torch._grouped_mm(a, b, offs=offs)  # pyright: ignore[reportPrivateImportUsage]
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts: w_gate, w_up [E, D, F]; w_down [E, F, D]; with expert_bias, b_gate,
     b_up [E, F] and b_down [E, D]. Every parameter is stacked on dim 0 (expert parallelism
@@ -65,10 +70,10 @@ class GroupedExperts(nn.Module):
         dtype, hidden = x_AD.dtype, weights["w_up"].shape[-1]
         offs = counts_E.cumsum(0).to(torch.int32)
         if "w_gate" not in weights:
-            up = torch._grouped_mm(x_AD, weights["w_up"].to(dtype), offs=offs)
-            return torch._grouped_mm(self._act(None, up), weights["w_down"].to(dtype), offs=offs)
+            up = _grouped_mm(x_AD, weights["w_up"].to(dtype), offs=offs)
+            return _grouped_mm(self._act(None, up), weights["w_down"].to(dtype), offs=offs)
         w_gate_up = torch.cat([weights["w_gate"].to(dtype), weights["w_up"].to(dtype)], dim=-1)
-        gate_up = torch._grouped_mm(x_AD, w_gate_up, offs=offs)
+        gate_up = _grouped_mm(x_AD, w_gate_up, offs=offs)
         onehot_AE = None
         if "b_gate" in weights:
             expert_A = torch.repeat_interleave(
@@ -76,9 +81,7 @@ class GroupedExperts(nn.Module):
             )
             onehot_AE = (expert_A[:, None] == torch.arange(len(counts_E), device=x_AD.device)).to(dtype)
             gate_up = gate_up + onehot_AE @ torch.cat([weights["b_gate"], weights["b_up"]], dim=-1).to(dtype)
-        out = torch._grouped_mm(
-            self._act(gate_up[:, :hidden], gate_up[:, hidden:]), weights["w_down"].to(dtype), offs=offs
-        )
+        out = _grouped_mm(self._act(gate_up[:, :hidden], gate_up[:, hidden:]), weights["w_down"].to(dtype), offs=offs)
         return out if onehot_AE is None else out + onehot_AE @ weights["b_down"].to(dtype)
 
     lora_scale: float = 0.0
@@ -110,6 +113,7 @@ class GroupedExperts(nn.Module):
         for e, x_e in enumerate(torch.split(x_AD, counts_E.tolist())):
             gate, up = (x_e @ w["w_gate"][e] if "w_gate" in w else None), x_e @ w["w_up"][e]
             if biased:
+                assert gate is not None, "expert biases come with gated experts (GPT-OSS)"
                 gate, up = gate + w["b_gate"][e], up + w["b_up"][e]
             y = self._act(gate, up) @ w["w_down"][e]
             out.append(y + w["b_down"][e] if biased else y)
@@ -120,6 +124,8 @@ class Router(nn.Module):
     """Scores the experts for each token and picks its top_k, in fp32 (small logit differences
     decide which experts run). `weight` [E, D]; with a correction bias, the fp32 buffer
     `e_score_correction_bias` [E] (a buffer, not trained: it balances load in pre-training)."""
+
+    e_score_correction_bias: torch.Tensor | None
 
     def __init__(self, dim: int, spec: Routing):
         super().__init__()
@@ -176,6 +182,8 @@ class MoE(nn.Module):
     `tokens_per_expert` holds the last forward's assignments per expert (for load-balance
     metrics). It is overwritten, not accumulated, so that the recomputation of activation
     checkpointing (same routing) does not count tokens twice."""
+
+    tokens_per_expert: torch.Tensor
 
     def __init__(self, dim: int, spec: MoEMLP):
         super().__init__()

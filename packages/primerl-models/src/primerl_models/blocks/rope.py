@@ -34,7 +34,7 @@ def attention_factor(rope: Rope) -> float:
     """The factor cos and sin are multiplied by (YaRN's attention temperature; 1 otherwise)."""
     if _rope_type(rope) != "yarn":
         return 1.0
-    s = rope.scaling
+    s = rope.scaling or {}
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
     if s.get("mscale") and s.get("mscale_all_dim"):
@@ -42,11 +42,12 @@ def attention_factor(rope: Rope) -> float:
     return _yarn_factor(s["factor"])
 
 
-def _yarn(freq: torch.Tensor, rope: Rope) -> torch.Tensor:
+def _yarn(freq: torch.Tensor, rope: Rope, s: dict) -> torch.Tensor:
     """YaRN (arXiv:2309.00071): frequencies that turn fewer than beta_slow times over the
     original context are interpolated (divided by factor), those that turn more than beta_fast
-    times are kept, with a linear ramp between the two dimensions in between."""
-    s, r = rope.scaling, rope.rotary_dim
+    times are kept, with a linear ramp between the two dimensions in between. `s`: the rope's
+    scaling dict."""
+    r = rope.rotary_dim
     factor, original = s["factor"], s["original_max_position_embeddings"]
     fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
@@ -74,7 +75,7 @@ def inv_freq(rope: Rope) -> torch.Tensor:
     if rope_type == "default":
         return freq.float()
     if rope_type == "yarn":
-        return _yarn(freq, rope)
+        return _yarn(freq, rope, scaling)
     if rope_type != "llama3":
         raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
     factor = scaling["factor"]

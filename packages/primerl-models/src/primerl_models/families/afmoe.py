@@ -16,6 +16,7 @@ Checkpoint: per-expert matrices under `mlp.experts.<e>` as most families; the ro
 """
 
 from dataclasses import replace
+from typing import Any
 
 from primerl_models.args import DenseMLP, Layer, ModelArgs
 from primerl_models.families.base import (
@@ -50,7 +51,7 @@ def args_from_hf(cfg: dict) -> ModelArgs:
         if cfg.get(key, value) != value:
             unsupported(cfg, key, f"{value!r} only, the routing transformers implements")
     bias = bool(cfg.get("attention_bias", False))
-    options = dict(qkv_bias=bias, o_bias=bias, qk_norm="head", gate="sigmoid")
+    options: dict[str, Any] = dict(qkv_bias=bias, o_bias=bias, qk_norm="head", gate="sigmoid")  # Attention's fields
     sliding = attention_from_hf(cfg, window=cfg.get("sliding_window") or None, **options)
     full = replace(attention_from_hf(cfg, **options), rope=None)  # global layers: no positions
     moe = moe_from_hf(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from primerl_models.args import Attention, Experts, ModelArgs, MoEMLP, Rope, Routing, SharedExpert
 from primerl_models.families.checkpoint import Checkpoint
@@ -134,7 +135,7 @@ def layer_kinds(cfg: dict, key: str, allowed: tuple[str, ...], default: list[str
 ATTENTION_KINDS = ("sliding_attention", "full_attention")
 
 
-def unsupported(cfg: dict, key: str, why: str) -> None:
+def unsupported(cfg: dict, key: str, why: str) -> NoReturn:
     raise ValueError(f"{cfg.get('model_type')}: `{key}` = {cfg.get(key)!r} is not supported ({why})")
 
 

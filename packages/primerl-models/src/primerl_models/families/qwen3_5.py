@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
@@ -46,7 +47,7 @@ _HF_Q = re.compile(r"^(layers\.\d+\.self_attn\.)q_proj\.weight$")
 _OUR_GATE = re.compile(r"^(layers\.\d+\.self_attn\.)gate_proj\.weight$")
 _LM = "model.language_model."
 _HF_VISUAL, _OUR_VISUAL = "model.visual.", "visual."
-_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+_ACTIVATIONS: dict[str, Literal["gelu_tanh", "gelu"]] = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 def text_config(cfg: dict) -> dict:
@@ -70,6 +71,7 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     kinds = layer_kinds(text, "layer_types", KINDS, default)
     full = attention_from_hf(text, partial_default=0.25, qk_norm="head", gate="sigmoid")
     section = (text.get("rope_parameters") or {}).get("mrope_section") or (11, 11, 10)
+    assert full.rope is not None, "attention_from_hf gives every attention a RoPE"
     full = replace(full, rope=replace(full.rope, mrope_section=tuple(section)))
     linear = GatedDeltaNet(
         num_k_heads=text["linear_num_key_heads"],
@@ -148,10 +150,10 @@ class Qwen35Checkpoint(Checkpoint):
             }
         out = super().to_ours(hf, args)
         out.update(visual)
-        for name in [n for n in out if _HF_Q.match(n)]:
+        for name, match in [(n, m) for n in out if (m := _HF_Q.match(n))]:
             layer = args.layers[int(name.split(".")[1])].mixer
             q_gate = out.pop(name).view(layer.num_heads, 2, layer.head_dim, -1)
-            prefix = _HF_Q.match(name)[1]
+            prefix = match[1]
             out[prefix + "q_proj.weight"] = q_gate[:, 0].reshape(layer.num_heads * layer.head_dim, -1).contiguous()
             out[prefix + "gate_proj.weight"] = q_gate[:, 1].reshape(layer.num_heads * layer.head_dim, -1).contiguous()
         return out
@@ -163,8 +165,8 @@ class Qwen35Checkpoint(Checkpoint):
             if k.startswith(_OUR_VISUAL)
         }
         ours = {k: t for k, t in ours.items() if not k.startswith(_OUR_VISUAL)}
-        for name in [n for n in ours if _OUR_GATE.match(n)]:
-            prefix = _OUR_GATE.match(name)[1]
+        for name, match in [(n, m) for n in ours if (m := _OUR_GATE.match(n))]:
+            prefix = match[1]
             gate = ours.pop(name)
             q = ours[prefix + "q_proj.weight"]
             head_dim = ours[prefix + "q_norm.weight"].shape[0]

@@ -8,3 +8,20 @@ reference on every other device and in the tests:
 
 Each imports Triton (or fla) only when first used on CUDA.
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar, cast
+
+import torch
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def compiler_disabled(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """`torch.compiler.disable(fn)` (eager inside compiled code), keeping fn's signature."""
+    # cast: torch.compiler.disable is unannotated, so the checker infers the union of everything
+    # it can return (a decorator too); called with a function it returns that function, wrapped.
+    return cast("Callable[_P, _R]", torch.compiler.disable(fn))

@@ -17,11 +17,19 @@ Legend: N tokens (rows flattened), C channels, K taps.
 from __future__ import annotations
 
 import functools
+from typing import Any, TypedDict
 
 import torch
 
-FORWARD = dict(BT=32, BC=128, num_warps=4)
-BACKWARD = dict(BT=128, BC=64, num_warps=4)
+
+class Tiles(TypedDict):
+    BT: int
+    BC: int
+    num_warps: int
+
+
+FORWARD = Tiles(BT=32, BC=128, num_warps=4)
+BACKWARD = Tiles(BT=128, BC=64, num_warps=4)
 """Tile sizes and warps of the forward and of the two backward kernels: the fastest of
 bench/conv_kernels.py's sweep on an H200 (forward 0.18 ms vs 0.24 at 64 x 128; backward 0.84 vs
 0.96)."""
@@ -30,10 +38,12 @@ WIDE_OFFSETS = 2**31
 
 
 @functools.cache
-def _triton_kernels():
-    """(triton, forward, backward 1, backward 2) kernels, built on first use (CUDA torch only)."""
-    import triton
-    import triton.language as tl
+def _triton_kernels() -> tuple[Any, Any, Any, Any]:
+    """(triton, forward, backward 1, backward 2) kernels, built on first use (CUDA torch only).
+    Any: Triton's module and JIT functions (launched as kernel[grid](...)), which the type checker
+    cannot see where Triton is not installed."""
+    import triton  # pyright: ignore[reportMissingImports]
+    import triton.language as tl  # pyright: ignore[reportMissingImports]
 
     @triton.jit
     def _offsets(rows, rc, C, WIDE: tl.constexpr):

@@ -25,9 +25,11 @@ from __future__ import annotations
 import functools
 import re
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
+from primerl_models.kernels import compiler_disabled
 from primerl_models.packing import PackedSeqs
 
 CHUNK = 64
@@ -51,7 +53,7 @@ def available() -> bool:
     global _AVAILABLE
     if _AVAILABLE is None:
         try:
-            import fla.ops.gated_delta_rule  # noqa: F401
+            import fla.ops.gated_delta_rule  # noqa: F401  # pyright: ignore[reportMissingImports]
         except ImportError:
             _AVAILABLE = False
         else:
@@ -74,9 +76,9 @@ def chunk_indices(seqs: PackedSeqs) -> tuple[torch.Tensor, torch.Tensor]:
     return seqs.chunk_layouts[key]
 
 
-@torch.compiler.disable  # a host sync (the number of chunks)
+@compiler_disabled  # a host sync (the number of chunks)
 def _build_chunk_indices(seqs: PackedSeqs) -> None:
-    from fla.ops.utils import prepare_chunk_indices
+    from fla.ops.utils import prepare_chunk_indices  # pyright: ignore[reportMissingImports]
 
     cu = seqs.cu_seqlens.long()
     seqs.chunk_layouts[("fla", CHUNK)] = (cu, prepare_chunk_indices(cu, CHUNK))
@@ -87,15 +89,15 @@ def gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, seqs: PackedSeqs, scale
     L2-normalised q and k, q scaled by `scale`; the state restarts at each document. Through
     the custom ops below: no graph break inside a compiled layer."""
     cu, indices = chunk_indices(seqs)
-    x = [t[None] for t in (q_NHK, k_NHK, v_NHV, g_NH.float(), beta_NH)]
+    q, k, v, g, beta = (t[None] for t in (q_NHK, k_NHK, v_NHV, g_NH.float(), beta_NH))
     if KEEP_STATES and stages_found():
-        return _rule_forward(*x, cu, indices, scale)[0][0]
-    return _fla_rule(*x, cu, indices, scale)[0]
+        return _rule_forward(q, k, v, g, beta, cu, indices, scale)[0][0]
+    return _fla_rule(q, k, v, g, beta, cu, indices, scale)[0]
 
 
-@torch.compiler.disable  # fla's own autograd Function
+@compiler_disabled  # fla's own autograd Function
 def _fla_rule(q, k, v, g, beta, cu, indices, scale):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # pyright: ignore[reportMissingImports]
 
     o, _ = chunk_gated_delta_rule(
         q,
@@ -122,12 +124,21 @@ def _stages():
     """fla's stage functions of the chunked rule (fla 0.6's layout), or None where they moved:
     then fla's public function runs."""
     try:
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-        from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
-        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
-        from fla.ops.utils import chunk_local_cumsum
-        from fla.ops.utils.constant import RCP_LN2
+        from fla.ops.common.chunk_delta_h import (  # pyright: ignore[reportMissingImports]
+            chunk_gated_delta_rule_bwd_dhu,
+            chunk_gated_delta_rule_fwd_h,
+        )
+        from fla.ops.common.chunk_o import (  # pyright: ignore[reportMissingImports]
+            chunk_bwd_dqkwg,
+            chunk_bwd_dv_local,
+            chunk_fwd_o,
+        )
+        from fla.ops.gated_delta_rule.chunk_fwd import (  # pyright: ignore[reportMissingImports]
+            chunk_gated_delta_rule_fwd_intra,
+        )
+        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd  # pyright: ignore[reportMissingImports]
+        from fla.ops.utils import chunk_local_cumsum  # pyright: ignore[reportMissingImports]
+        from fla.ops.utils.constant import RCP_LN2  # pyright: ignore[reportMissingImports]
     except ImportError:
         return None
     return SimpleNamespace(
@@ -159,6 +170,7 @@ def _rule_forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o, g's chunk sums, A, w, h, v_new)."""
     f = _stages()
+    assert f is not None, "gated_delta_rule calls this op only when stages_found()"
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     span = dict(cu_seqlens=cu, chunk_indices=indices)
     g = f.cumsum(g, chunk_size=CHUNK, scale=f.rcp_ln2, **span)
@@ -204,6 +216,7 @@ def _rule_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dg, dbeta) from the forward's kept intermediates (g: its chunk sums)."""
     f = _stages()
+    assert f is not None, "the backward of _rule_forward, which ran with fla's stages"
     q, k, v, beta, do = (t.contiguous() for t in (q, k, v, beta, do))
     span = dict(cu_seqlens=cu, chunk_indices=indices, chunk_size=CHUNK)
     dv = f.dv_local(q=q, k=k, g=g, do=do, scale=scale, **span)
@@ -241,14 +254,14 @@ _rule_forward.register_autograd(_rule_grad, setup_context=_rule_setup)
 @functools.cache
 def triton_miscompiles_dqkwg() -> bool:
     """Hopper with 3.4 <= Triton < 3.7.1: fla's own dq/dk/dg kernel is refused there (#640)."""
-    import triton
+    import triton  # pyright: ignore[reportMissingImports]
 
     version = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:3])
     return torch.cuda.get_device_capability()[0] == 9 and (3, 4, 0) <= version < (3, 7, 1)
 
 
 def _register_dqkwg() -> None:
-    from fla.backends import BaseBackend, register
+    from fla.backends import BaseBackend, register  # pyright: ignore[reportMissingImports]
 
     class PrimerlDqkwg(BaseBackend):
         backend_type = "primerl"
@@ -318,7 +331,7 @@ def dqkwg(q, k, v, do, h, dh, w, g, dv, scale, cu_seqlens, chunk_size, chunk_ind
 
     dq and dk per value head, then summed over the value heads that share a key head. Shapes are
     fla's: [B, T, heads, dim], one row when `cu_seqlens` is given."""
-    from fla.ops.utils import prepare_chunk_indices
+    from fla.ops.utils import prepare_chunk_indices  # pyright: ignore[reportMissingImports]
 
     kernel = _dqkwg_triton()
     q, k, v, do, h, dh, w, g, dv = (x.contiguous() for x in (q, k, v, do, h, dh, w, g, dv))
@@ -366,9 +379,10 @@ def dqkwg(q, k, v, do, h, dh, w, g, dv, scale, cu_seqlens, chunk_size, chunk_ind
 
 
 @functools.cache
-def _dqkwg_triton():
-    import triton
-    import triton.language as tl
+def _dqkwg_triton() -> Any:
+    """The autotuned JIT kernel (Any: Triton's types, which the checker cannot see without Triton)."""
+    import triton  # pyright: ignore[reportMissingImports]
+    import triton.language as tl  # pyright: ignore[reportMissingImports]
 
     @triton.autotune(
         configs=[triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)],

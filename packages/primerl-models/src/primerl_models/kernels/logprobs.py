@@ -14,6 +14,7 @@ C tokens in the chunk, V vocab.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -21,10 +22,11 @@ BLOCK_V = 4096
 
 
 @functools.cache
-def _triton_kernels():
-    """(triton, stats kernel, grad kernel), built on first use (Triton comes with CUDA torch only)."""
-    import triton
-    import triton.language as tl
+def _triton_kernels() -> tuple[Any, Any, Any]:
+    """(triton, stats kernel, grad kernel), built on first use (Triton comes with CUDA torch only).
+    Any: Triton's module and JIT functions, which the type checker cannot see without Triton."""
+    import triton  # pyright: ignore[reportMissingImports]
+    import triton.language as tl  # pyright: ignore[reportMissingImports]
 
     @triton.jit
     def _stats_kernel(

@@ -14,6 +14,7 @@ Legend: H heads, L chunks, K key dim, V value dim.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -32,9 +33,11 @@ def _scan_loop(a, x, keep_L, reverse: bool, transpose: bool) -> torch.Tensor:
 
 
 @functools.cache
-def _triton_scan():
-    import triton
-    import triton.language as tl
+def _triton_scan() -> tuple[Any, Any]:
+    """(triton, the scan's JIT kernel), built on first use (Any: Triton's types, which the type
+    checker cannot see without Triton)."""
+    import triton  # pyright: ignore[reportMissingImports]
+    import triton.language as tl  # pyright: ignore[reportMissingImports]
 
     @triton.jit
     def kernel(
