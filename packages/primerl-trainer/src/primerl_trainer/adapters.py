@@ -28,10 +28,12 @@ the tensor; such a model is published merged (trainer.lora.publish = "merged").
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,14 +86,16 @@ class AdapterLayout:
         self.pieces, self.r = pieces, rank
 
     @classmethod
-    def of(cls, model: nn.Module, convert=None) -> AdapterLayout:
+    def of(
+        cls, model: nn.Module, convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    ) -> AdapterLayout:
         """The layout of `model`'s adapters under HF names; `convert(our state dict)` -> HF's
-        (default: the family's checkpoint rules). ValueError naming what cannot be an adapter."""
+        (default: the family's checkpoint rules, for a Transformer). ValueError naming what
+        cannot be an adapter."""
         if convert is None:
-
-            def convert(state):
-                return to_hf(state, model.args)
-
+            if not isinstance(model, Transformer):
+                raise TypeError(f"{type(model).__name__} is not a Transformer: pass `convert` (our names -> HF's)")
+            convert = functools.partial(to_hf, args=model.args)
         if any(isinstance(m, GroupedExperts) and m.lora_scale for m in model.modules()):
             raise ValueError(
                 "adapters on MoE experts (trainer.lora.experts) cannot be published as a PEFT adapter "
@@ -351,9 +355,10 @@ def export_merged(
     if dtype is None:
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     if isinstance(dtype, str):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        named = getattr(torch, dtype, None)
+        if not isinstance(named, torch.dtype):
             raise ValueError(f"{dtype!r} is not a torch dtype (bfloat16, float16, float32)")
-        dtype = getattr(torch, dtype)
+        dtype = named
     carried = carried_tensors(base, cfg, dtype)
     hf = dequantize(read_tensors(base, keep=lambda name: name not in carried), cfg, dtype, str(base))
     merged = merge_adapter({k: v.to(dtype) for k, v in hf.items()}, adapter)

@@ -24,9 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from primerl_protocol import rundir
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from primerl_trainer.distributed import Dist
 
@@ -40,7 +42,9 @@ class SetupError(RuntimeError):
 def _rng_state() -> dict:
     """This process's RNG states, as what `torch.load(weights_only=True)` reads: tensors, ints,
     floats, strings, tuples (numpy's key array as an int64 tensor, not a pickled ndarray)."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = np.random.get_state(legacy=True)
+    assert isinstance(state, tuple), "numpy's global RandomState is MT19937: its legacy state is a tuple"
+    name, keys, pos, has_gauss, gauss = state
     numpy_state = {
         "name": name,
         "keys": torch.from_numpy(keys.astype(np.int64)),
@@ -48,10 +52,10 @@ def _rng_state() -> dict:
         "has_gauss": int(has_gauss),
         "gauss": float(gauss),
     }
-    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
+    out = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
 
 
 def _set_rng_state(state: dict) -> None:
@@ -102,7 +106,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self.d.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         torch.save({"rng": _rng_state()}, tmp / f"rank{self.d.rank}.pt")
         self.d.barrier()
         if self.d.is_main:
@@ -125,7 +129,7 @@ class Checkpointer:
         SetupError naming the folder if anything in it cannot be loaded."""
         try:
             return self._load(path, model, optimizer, scheduler)
-        except (Exception, dcp.CheckpointException) as err:  # the latter is a BaseException
+        except (Exception, CheckpointException) as err:  # the latter is a BaseException
             last = (str(err).strip().splitlines() or [""])[-1]  # DCP's errors carry each rank's traceback
             raise SetupError(
                 f"cannot resume from checkpoint {path} ({type(err).__name__}: {last}); the orchestrator resumes "
@@ -151,7 +155,7 @@ class Checkpointer:
             )
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
+        dcp_load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(meta["scheduler"])
         rank_file = path / f"rank{self.d.rank}.pt"

@@ -91,7 +91,8 @@ class UlyssesAttention:
     rank's chunk with `seqs=` the whole rows' boundaries (`chunk_of`)."""
 
     def __init__(self, group=None, backend: Backend = "auto"):
-        self.group, self.backend = group, backend
+        self.group = group
+        self.backend: Backend = backend
 
     def __call__(self, q, k, v, seqs: PackedSeqs, window: int | None = None, sinks_H=None):
         return ulysses_attention(q, k, v, seqs, self.backend, self.group, window, sinks_H)

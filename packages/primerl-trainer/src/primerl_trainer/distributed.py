@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def all_gather_objects(value, d: Dist) -> list:
 NOTE_KINDS = ("failed", "stopping")
 
 
-def _store() -> dist.Store:
+def _store() -> Store:
     # The default group's store (the TCPStore the group was made with): it answers without a
     # collective, so it works while other ranks are stuck in one. Torch has no public getter.
     return dist.distributed_c10d._get_default_store()

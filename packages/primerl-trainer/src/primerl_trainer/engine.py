@@ -12,8 +12,10 @@ checkpoints and resuming, weight publishing, metrics, and the step itself.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import operator
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -187,7 +189,8 @@ class Session:
             torch.cuda.reset_peak_memory_stats()
         self.model.train()
         rows = self.mesh.group_rows(micro_batches)
-        sums, routed = [], None
+        sums: list[dict[str, torch.Tensor]] = []
+        routed = None
         for mb in rows:
             loss, m = loss_fn(self.model, mb)
             # Each loss is already its share of the global batch's loss; FSDP2 sums the
@@ -201,7 +204,9 @@ class Session:
         keys = sorted(sums[0])
         count = self.mesh.row_share  # a row's loss, metrics, tokens and FLOPs count once per CP group
         # Summed on the device, copied to the host once (not one sync per metric and micro-batch).
-        local = (torch.stack([sum(s[k] for s in sums).float() for k in keys]) * count).tolist()
+        local = (
+            torch.stack([functools.reduce(operator.add, [s[k] for s in sums]).float() for k in keys]) * count
+        ).tolist()
         local += [
             count * sum(mb.num_tokens for mb in rows),
             count * sum(train_flops(self.args, mb.seq_lens) for mb in rows),
@@ -209,7 +214,7 @@ class Session:
         *totals, tokens, flops = all_reduce_sum(local, d)  # every rank sees the same sums
         total = dict(zip(keys, totals))
         loss_value = total.pop("loss")
-        lr = self.sched.get_last_lr()[0]
+        lr = float(self.sched.get_last_lr()[0])  # a float (build_optimizer's lr); torch's type allows a tensor
         # The grad norm is global (every rank's shards) and the loss summed over ranks, so every
         # rank takes the same decision. A non-finite one would put NaN into the weights (and
         # AdamW's moments, for good): no optimizer step, no schedule step, nothing learnt.
@@ -233,7 +238,7 @@ class Session:
         t2 = time.monotonic()
         return {
             "loss": loss_value,
-            **mean_metrics([total]),
+            **mean_metrics([{**total}]),  # a copy: mean_metrics takes dict[str, Tensor | float] (invariant)
             "grad_norm": grad_norm,
             "lr": lr,
             "step_skipped": float(skipped),

@@ -77,6 +77,6 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh) -> int:
             dt = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
             setattr(experts, name, nn.Parameter(dt, requires_grad=p.requires_grad))
         experts.forward = _dispatch(experts, group, size, local)
-        experts._primerl_ep = (size, rank)
+        setattr(experts, "_primerl_ep", (size, rank))  # a marker (getattr above), not a module attribute
         sharded += 1
     return sharded

@@ -30,6 +30,12 @@ if TYPE_CHECKING:  # the module runs on torch alone (bench/model_step.py on a GP
 class LoRALinear(nn.Linear):
     """nn.Linear plus a low-rank update (see the module docstring)."""
 
+    # Set by `_adapt` on the nn.Linear it turns into one (declared here for the type checker).
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+    lora_scale: float
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
         return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.lora_scale
@@ -41,6 +47,7 @@ class LoRALinear(nn.Linear):
 
 def _adapt(linear: nn.Linear, cfg: LoRAConfig) -> None:
     linear.__class__ = LoRALinear
+    assert isinstance(linear, LoRALinear)  # what the line above made it (the checker cannot follow __class__)
     w = linear.weight
     linear.lora_A = nn.Linear(linear.in_features, cfg.rank, bias=False, device=w.device, dtype=w.dtype)
     linear.lora_B = nn.Linear(cfg.rank, linear.out_features, bias=False, device=w.device, dtype=w.dtype)

@@ -18,8 +18,12 @@ import os
 import secrets
 import tomllib
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal, overload
 
 from primerl_protocol.rundir import RunDir, append_record
+
+if TYPE_CHECKING:
+    from primerl_protocol.config import WandbConfig
 
 log = logging.getLogger("primerl.trainer")
 
@@ -65,7 +69,7 @@ TIMES = ("time/data", "time/fwd_bwd", "time/optimizer", "time/publish")
 """The trainer's part of the step's time split, shown on its console line."""
 
 
-def _wandb_mode(mode: str) -> str:
+def _wandb_mode(mode: Literal["auto", "online", "offline", "disabled"]) -> Literal["online", "offline", "disabled"]:
     if mode != "auto":
         return mode
     has_key = (
@@ -80,7 +84,11 @@ SECRETS = ("admin_token", "curve")
 """Config keys whose values are credentials, wherever they sit."""
 
 
-def redacted(config):
+@overload
+def redacted(config: dict) -> dict: ...
+@overload
+def redacted(config: object) -> object: ...
+def redacted(config: object) -> object:
     """`config` with the value of every key in SECRETS (at any depth) replaced by "<redacted>"."""
     if isinstance(config, dict):
         return {k: ("<redacted>" if k in SECRETS and v is not None else redacted(v)) for k, v in config.items()}
@@ -139,7 +147,9 @@ def samples_table(samples: list):
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, wandb_cfg, config_dict: dict, is_main: bool, job: str = "trainer"):
+    def __init__(
+        self, run_dir: str | Path, wandb_cfg: WandbConfig, config_dict: dict, is_main: bool, job: str = "trainer"
+    ):
         self.is_main = is_main
         self.path = RunDir(run_dir).metrics
         self.run = None

@@ -81,5 +81,6 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     total = torch.linalg.vector_norm(torch.stack(norms))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     local = [g.to_local() if isinstance(g, DTensor) else g for grads in by_mesh.values() for g in grads]
-    torch._foreach_mul_(local, coef.to(local[0].device))
+    # the op torch's clip_grad_norm_ uses; torch leaves its _foreach_ ops out of torch.__all__
+    torch._foreach_mul_(local, coef.to(local[0].device))  # pyright: ignore[reportPrivateImportUsage]
     return float(total)

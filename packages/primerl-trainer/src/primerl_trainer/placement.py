@@ -42,7 +42,7 @@ import torch.distributed as dist
 from primerl_models import ModelArgs, MoEMLP, Transformer, load_model, read_config, resolve_model_folder
 from primerl_models.blocks.moe import MoE
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from primerl_trainer.config import ParallelConfig, SFTRunConfig, TrainerRunConfig
@@ -90,7 +90,7 @@ class Mesh:
         row). The orchestrator packs per rank; a group trains on what its ranks were sent."""
         if self.cp == 1:
             return rows
-        parts = [None] * self.cp
+        parts: list[list] = [[] for _ in range(self.cp)]  # all_gather_object puts each rank's rows in
         dist.all_gather_object(parts, rows, group=self.cp_group)
         return [row for part in parts for row in part]
 
@@ -170,7 +170,7 @@ def apply_activation_checkpointing(model: Transformer, every: int = 1) -> int:
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         layer.forward = forward
-        layer._primerl_checkpointed = True
+        setattr(layer, "_primerl_checkpointed", True)  # a marker (getattr above), not a module attribute
         wrapped += 1
     return wrapped
 
@@ -186,35 +186,41 @@ def parallelize(
     cpu_offload: bool = False,
 ) -> Transformer:
     """Place `model` on `mesh` (default: FSDP2 over all ranks, nothing else), in place."""
+    experts = None
     if mesh is not None and mesh.ep > 1:
-        shard_experts(model, mesh.experts["ep"])
+        assert mesh.experts is not None, "build_mesh makes the experts' mesh whenever ep > 1"
+        experts = mesh.experts
+        shard_experts(model, experts["ep"])
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_layers:
         for layer in model.layers:
             layer.compile()
     if mesh is not None and mesh.cp > 1:
-        model.attn_backend = UlyssesAttention(mesh.cp_group, model.attn_backend)
+        ulysses = UlyssesAttention(mesh.cp_group, model.attn_backend)
+        # a callable back-end (attention() takes one), which primerl_models' `Backend` type leaves out
+        model.attn_backend = ulysses
     use_bf16 = bf16 and device.type == "cuda"
-    policy = dict(
-        mp_policy=MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16 if use_bf16 else torch.float32, reduce_dtype=torch.float32
-        ),
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if use_bf16 else torch.float32, reduce_dtype=torch.float32
     )
-    if cpu_offload:
-        policy["offload_policy"] = CPUOffloadPolicy()
+    offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()  # the latter: fully_shard's default
     dense = None if mesh is None else mesh.dense
-    if mesh is not None and mesh.ep > 1:
+
+    def shard(module: torch.nn.Module, on: DeviceMesh | None) -> None:
+        _summing(fully_shard(module, mesh=on, mp_policy=mp_policy, offload_policy=offload_policy))
+
+    if experts is not None:
         for module in model.modules():
             if isinstance(module, MoE):
-                _summing(fully_shard(module.experts, mesh=mesh.experts["efsdp"], **policy))
+                shard(module.experts, experts["efsdp"])
     for layer in model.layers:
-        _summing(fully_shard(layer, mesh=dense, **policy))
-    _summing(fully_shard(model, mesh=dense, **policy))
+        shard(layer, dense)
+    shard(model, dense)
     return model
 
 
-def _summing(module):
+def _summing(module: FSDPModule) -> FSDPModule:
     """FSDP2's gradient reduction of `module` as a plain sum over its mesh (see the module's
     docstring): a divide factor of 1 and sum-only collectives, so that no version's rule for
     averaging (AVG, PREMUL_SUM, a division after the collective or on a one-rank mesh in its

@@ -51,6 +51,7 @@ from primerl_protocol.images import ModelImages, placeholder_runs, tokens_proble
 from primerl_trainer.config import TrainerRunConfig
 from primerl_trainer.distributed import Dist, all_gather_objects, all_reduce_maxes, post_note, read_note
 from primerl_trainer.engine import Session, token_logprobs
+from primerl_trainer.transfer import MemoryPublisher
 
 log = logging.getLogger("primerl.trainer")
 
@@ -192,6 +193,7 @@ class BatchSource:
         if self.agree(step, msg, problem) == _STOP:
             log.info("stopping: %s", read_note("stopping"))
             return None
+        assert msg is not None, "a rank without a batch votes _STOP, so the verdict would have been to stop"
         return StepData(msg, time.monotonic() - start)
 
     def agree(self, step: int, msg: TrainBatch | None, problem: str | None) -> float:
@@ -310,14 +312,18 @@ def train(cfg: TrainerRunConfig) -> None:
     session.publisher.keep_every = cfg.trainer.weights.keep_every  # folders kept for evals after the run
     d = session.d
     row_tokens = cfg.trainer.micro_batch_tokens or cfg.seq_len
-    vision = ModelImages(session.image_spec, session.args.vision.image_token_id) if session.image_spec else None
+    vision = (  # a model with an image spec has a vision tower (args.vision)
+        ModelImages(session.image_spec, session.args.vision.image_token_id)
+        if session.image_spec and session.args.vision is not None
+        else None
+    )
     source = BatchSource(cfg, d, session.args.vocab_size, row_tokens, vision)
     policy = (
         Sender(cfg.transport.policy_endpoint(), PolicyMessage, channel="policy", settings=cfg.transport.sockets)
         if d.is_main
         else None
     )
-    if policy is not None and hasattr(session.publisher, "announce"):
+    if policy is not None and isinstance(session.publisher, MemoryPublisher):
         # weights in memory: the publisher announces each policy before it streams it
         session.publisher.announce = lambda ready: tell(policy, ready)
     step, failed = session.start_step, True
@@ -333,6 +339,7 @@ def train(cfg: TrainerRunConfig) -> None:
             # run lost), so publish the restored weights first; the orchestrator waits for them.
             ready, _ = session.publish(step - 1)
             if ready is not None:
+                assert policy is not None, "only rank 0 gets PolicyReady, and it holds the policy socket"
                 tell(policy, ready)
         while cfg.max_steps is None or step < cfg.max_steps:
             data = source.next(step)
@@ -347,6 +354,7 @@ def train(cfg: TrainerRunConfig) -> None:
             )
             ready, publish_s = session.publish(step, unchanged=bool(stats["step_skipped"] or stats["step_empty"]))
             if ready is not None:
+                assert policy is not None, "only rank 0 gets PolicyReady, and it holds the policy socket"
                 tell(policy, ready)
             checkpointed = session.maybe_checkpoint(step, {"next_step": step + 1, "orchestrator": batch.state})
             session.log(

@@ -103,7 +103,11 @@ def train(cfg: SFTRunConfig) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(session.model_folder)
     row_tokens = cfg.trainer.micro_batch_tokens or cfg.seq_len
-    vision = None if session.image_spec is None else ModelImages(session.image_spec, session.args.vision.image_token_id)
+    vision = (  # a model with an image spec has a vision tower (args.vision)
+        None
+        if session.image_spec is None or session.args.vision is None
+        else ModelImages(session.image_spec, session.args.vision.image_token_id)
+    )
     samples, dropped = load_samples(cfg.data.path, tokenizer, row_tokens, vision)
     eval_samples = load_samples(cfg.data.eval_path, tokenizer, row_tokens, vision)[0] if cfg.data.eval_path else []
     if session.mesh.cp_group is not None and any(s.images for s in samples + eval_samples):

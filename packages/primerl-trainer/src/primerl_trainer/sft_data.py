@@ -71,7 +71,7 @@ def read_rows(path: str) -> list[dict]:
         # a file path, not a dataset name: say so, rather than what the Hub says of it
         raise DataError(f"{path}: no such file")
     try:
-        import datasets
+        import datasets  # pyright: ignore[reportMissingImports]  # optional, not a dependency: for dataset names
     except ImportError:
         raise DataError(f"{path}: no such file, and `datasets` is not installed to load it by name") from None
     try:
@@ -181,7 +181,9 @@ def decode_images(urls: list[object], spec: ImageSpec, where: str) -> list[Image
     images = []
     for k, url in enumerate(urls, 1):
         try:
-            image = decode_data_url(url, keep_encoded=True)  # held as its file; decoded per row
+            # held as its file; decoded per row. A URL that is not a string (JSON data) is refused
+            # by decode_data_url itself (an ImageError naming it), though its parameter says str.
+            image = decode_data_url(url, keep_encoded=True)  # pyright: ignore[reportArgumentType]
         except ImageError as err:
             raise DataError(f"{where}, image {k}: {err}") from None
         if (problem := kept_size_problem(image.height, image.width, spec)) is not None:
@@ -198,12 +200,14 @@ def load_samples(path: str, tokenizer, seq_len: int, vision: ModelImages | None 
     for i, row in enumerate(read_rows(path)):
         where = f"{path}, row {i}"
         messages, urls = split_images(_messages(row, where), where)
-        if urls and vision is None:
-            raise DataError(
-                f"{where}: {len(urls)} images, but the model has no vision tower (a text model): "
-                "give a vision-language model or rows without images"
-            )
-        images = decode_images(urls, vision[0], where) if urls else []
+        images: list[Image] = []
+        if urls:
+            if vision is None:
+                raise DataError(
+                    f"{where}: {len(urls)} images, but the model has no vision tower (a text model): "
+                    "give a vision-language model or rows without images"
+                )
+            images = decode_images(urls, vision[0], where)
         ids, mask = tokenize(tokenizer, messages, where)
         if vision is not None:  # also: a text row must not hold image tokens without images
             ids, mask = with_images(ids, mask, images, *vision, where)

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from primerl_protocol import (
@@ -100,7 +101,7 @@ def write_trainer_config(
     *,
     seq_len: int = 64,
     recv_timeout_s: float = 120.0,
-    wandb: str = "disabled",
+    wandb: Literal["auto", "online", "offline", "disabled"] = "disabled",
 ) -> Path:
     """A trainer run config (TOML at `path`) whose sockets meet a FakeOrchestrator made with the
     same `port` (policy at `port`, batches at `port + 1`); `trainer` is its TrainerConfig."""

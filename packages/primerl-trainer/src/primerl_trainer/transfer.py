@@ -23,7 +23,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from primerl_models.hf import FP8Layout, family_for, to_fp8
@@ -172,7 +172,7 @@ class MemoryPublisher:
         cfg: WeightsConfig,
         dtype: torch.dtype,
         d: Dist,
-        max_steps: int,
+        max_steps: int | None,  # None: the run has no last step (its folder is not due at an end)
     ):
         if not cfg.servers:
             raise ValueError(
@@ -187,7 +187,7 @@ class MemoryPublisher:
         self.host = cfg.host or _address_towards(urllib.parse.urlsplit(self.servers[0]).hostname or "127.0.0.1")
         self.last: PolicyReady | None = None
         self.last_timing: dict[str, float] = {}
-        self.announce = None
+        self.announce: Callable[[PolicyReady], None] | None = None
         """Rank 0: how PolicyReady reaches the orchestrator (rl.py sets it: its policy socket)."""
         self.down: set[str] = set()
         """Servers found not up at the last join (named once)."""
