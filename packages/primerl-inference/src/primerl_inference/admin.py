@@ -252,7 +252,7 @@ class AdminMiddleware:
             body = await _read_body(receive)
             model, receive = _model_of(body), _replay(body, receive)
         await self.gate.enter()
-        step = str(self.adapter_steps.get(model, self.weights.step)).encode()
+        step = str(self.weights.step if model is None else self.adapter_steps.get(model, self.weights.step)).encode()
 
         async def send_with_step(message):
             if message["type"] == "http.response.start":
@@ -266,6 +266,12 @@ class AdminMiddleware:
 
     # -- admin ------------------------------------------------------------------------
 
+    def _admission(self) -> tuple[Gate, asyncio.Lock]:
+        """The gate and the swap lock, for the admin routes (which __call__ reaches only after
+        it has made both)."""
+        assert self.gate is not None and self.swap_lock is not None, "__call__ makes both before any admin route"
+        return self.gate, self.swap_lock
+
     def _authorised(self, scope) -> bool:
         if not self.token:
             return False
@@ -274,6 +280,7 @@ class AdminMiddleware:
         return hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.token}".encode())
 
     async def _admin(self, scope, receive, send) -> None:
+        gate, swap_lock = self._admission()
         if not self._authorised(scope):
             return await _respond(send, 401, {"error": "missing or wrong bearer token for the admin routes"})
         route = (scope["method"], scope["path"].rstrip("/"))
@@ -288,12 +295,12 @@ class AdminMiddleware:
                         self.paused = True
                         # Shielded: a pause cancelled while it drains still holds the gate
                         # (`paused` says so, and the resume reopens it), as it always did.
-                        await asyncio.shield(self.gate.close())
+                        await asyncio.shield(gate.close())
                     result = {"paused": True}
                 case ("POST", serving.RESUME_ROUTE):
                     if self.paused:
                         self.paused = False
-                        await self.gate.open()
+                        await gate.open()
                     result = {"paused": False}
                 case ("GET", serving.POLICY_ROUTE):
                     p = self.policy
@@ -307,11 +314,11 @@ class AdminMiddleware:
                     )
                 case ("GET", serving.HEALTH_ROUTE):
                     result = HealthAnswer(
-                        ready=not self.paused and not self.swap_lock.locked(),
+                        ready=not self.paused and not swap_lock.locked(),
                         paused=self.paused,
                         step=self.policy.step,
-                        in_flight=self.gate.active,
-                        held=self.gate.held,
+                        in_flight=gate.active,
+                        held=gate.held,
                     )
                 case ("POST", serving.WEIGHTS_JOIN_ROUTE):
                     result = await self._join(scope["app"], engine, _parse(JoinTransfer, body))
@@ -331,15 +338,16 @@ class AdminMiddleware:
         await _respond(send, 200, result)
 
     async def _load_weights(self, app, engine, req: LoadWeights) -> LoadAnswer:
+        gate, swap_lock = self._admission()
         path, step, expected = req.path, req.step, req.checksum
-        async with self.swap_lock:
+        async with swap_lock:
             # Checked before anything changes: a bad folder leaves the old weights serving.
             try:
                 meta = await asyncio.to_thread(verify, path, expected)
             except ValueError as err:
                 raise AdminError(409, f"refused weights for step {step}: {err}") from None
             t0 = time.monotonic()
-            drained = await self.gate.close()  # requests in flight finish on the old weights
+            drained = await gate.close()  # requests in flight finish on the old weights
             try:
                 waited = time.monotonic() - t0
                 await engine.collective_rpc("primerl_reload_weights", kwargs={"weights_path": path})
@@ -347,7 +355,7 @@ class AdminMiddleware:
                 self.weights = self.policy = self.folder = Policy(step=step, path=path, checksum=meta["checksum"])
                 await self._drop_policy_adapters(app)
             finally:
-                await self.gate.open()
+                await gate.open()
             return LoadAnswer(
                 step=step, path=path, drain_s=waited, drained=drained, swap_s=time.monotonic() - t0 - waited
             )
@@ -355,6 +363,7 @@ class AdminMiddleware:
     async def _join(self, app, engine, req: JoinTransfer) -> dict:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        _, swap_lock = self._admission()
         if not hasattr(engine, "init_weight_transfer_engine"):
             raise AdminError(409, 'this vLLM has no weight-transfer engines: use trainer.weights.transport = "folder"')
         # Checked before any worker starts to join: with ranks beyond the group, one worker
@@ -378,7 +387,7 @@ class AdminMiddleware:
             "world_size": req.world_size,
             "timeout_s": req.timeout_s,
         }
-        async with self.swap_lock:
+        async with swap_lock:
             self.joined = False
             try:
                 await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
@@ -394,8 +403,9 @@ class AdminMiddleware:
     async def _receive_weights(self, app, engine, req: ReceiveWeights) -> ReceiveAnswer:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        gate, swap_lock = self._admission()
         step = req.step
-        async with self.swap_lock:
+        async with swap_lock:
             if not self.joined:
                 raise AdminError(
                     409,
@@ -403,7 +413,7 @@ class AdminMiddleware:
                     f"group (join it first: {serving.WEIGHTS_JOIN_ROUTE})",
                 )
             t0 = time.monotonic()
-            drained = await self.gate.close()  # requests in flight finish on the old weights
+            drained = await gate.close()  # requests in flight finish on the old weights
             waited = time.monotonic() - t0
             try:
                 try:
@@ -426,7 +436,7 @@ class AdminMiddleware:
                 self.weights = self.policy = Policy(step=step, path=None, checksum=checksum)
                 await self._drop_policy_adapters(app)
             finally:
-                await self.gate.open()
+                await gate.open()
             return ReceiveAnswer(
                 step=step,
                 checksum=checksum,
@@ -455,6 +465,7 @@ class AdminMiddleware:
         # their `model`.
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
+        _, swap_lock = self._admission()
         name, path, step = req.name, req.path, req.step
         if not os.path.isdir(path):
             raise AdminError(400, f"LoRA adapter folder {path} does not exist")
@@ -463,7 +474,7 @@ class AdminMiddleware:
             raise AdminError(
                 409, "this server does not serve LoRA adapters (start it with inference.enable_lora = true)"
             )
-        async with self.swap_lock:
+        async with swap_lock:
             t0 = time.monotonic()
             checksum = None
             if step is not None or req.checksum is not None:
@@ -501,13 +512,14 @@ class AdminMiddleware:
     async def _unload_lora(self, app, req: LoraUnload) -> dict:
         from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
 
+        _, swap_lock = self._admission()
         name = req.name
         models = getattr(app.state, "openai_serving_models", None)
         if models is None:
             raise AdminError(
                 409, "this server does not serve LoRA adapters (start it with inference.enable_lora = true)"
             )
-        async with self.swap_lock:
+        async with swap_lock:
             result = await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
             if not isinstance(result, str):
                 raise AdminError(404, f"cannot unload LoRA adapter {name!r}: {result.error.message}")

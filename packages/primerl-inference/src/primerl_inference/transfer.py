@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from primerl_protocol import transfer
 
+from primerl_inference.loading import RELOADED_AGAIN, loader
+
 try:
     import torch
     from vllm.distributed.weight_transfer.base import (
@@ -56,7 +58,7 @@ if WeightTransferEngine is not None:
             self.received: tuple[int, str, int] | None = None
             """(step, checksum, bytes) of the last update received whole."""
             self.kept: list = []
-            """Received tensors the worker loads again after the reload (worker.RELOADED_AGAIN)."""
+            """Received tensors the worker loads again after the reload (loading.RELOADED_AGAIN)."""
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             self.shutdown()
@@ -78,14 +80,12 @@ if WeightTransferEngine is not None:
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError("no transfer group: the server has not joined the trainer's (join first)")
-            from primerl_inference.worker import RELOADED_AGAIN
-
             pieces = RELOADED_AGAIN.get(type(self.model).__name__, ())
 
             def load(tensors):
                 if pieces:
                     self.kept += [(n, t.clone()) for n, t in tensors if any(p in n for p in pieces)]
-                self.model.load_weights([(n, t.to(self.device)) for n, t in tensors])
+                loader(self.model).load_weights([(n, t.to(self.device)) for n, t in tensors])
 
             with torch.no_grad():
                 checksum, size = transfer.receive_update(self.group, update_info.step, load)

@@ -52,9 +52,10 @@ def install() -> bool:
     top, qwen3_vl = sys.modules["transformers"], importlib.import_module("transformers.models.qwen3_vl")
 
     if TORCHVISION_FREE not in sys.modules:
+        # setattr: a ModuleType's attributes are not declared (these are names set on modules).
         stand_in = types.ModuleType(TORCHVISION_FREE, __doc__)
-        stand_in.smart_resize = pil.smart_resize
-        stand_in.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+        setattr(stand_in, "smart_resize", pil.smart_resize)
+        setattr(stand_in, "Qwen2VLImageProcessor", pil.Qwen2VLImageProcessorPil)
         sys.modules[TORCHVISION_FREE] = stand_in
 
     class Qwen3VLVideoProcessor(video.Qwen3VLVideoProcessor):
@@ -69,8 +70,9 @@ def install() -> bool:
     Qwen3VLVideoProcessor.__module__, Qwen3VLVideoProcessor.__qualname__ = __name__, "Qwen3VLVideoProcessor"
     if getattr(qwen3_vl.__dict__.get("Qwen3VLVideoProcessor"), "__module__", None) != __name__:
         # Where vLLM (qwen3_vl.py) and AutoVideoProcessor (by name, from `transformers`) find it.
-        qwen3_vl.Qwen3VLVideoProcessor = top.Qwen3VLVideoProcessor = Qwen3VLVideoProcessor
+        setattr(qwen3_vl, "Qwen3VLVideoProcessor", Qwen3VLVideoProcessor)
+        setattr(top, "Qwen3VLVideoProcessor", Qwen3VLVideoProcessor)
         # The base class ProcessorMixin checks a video processor against, by name from
         # `transformers`, which exports it only with torchvision.
-        top.VideoProcessorMixin = sys.modules["transformers.video_processing_utils"].VideoProcessorMixin
+        setattr(top, "VideoProcessorMixin", sys.modules["transformers.video_processing_utils"].VideoProcessorMixin)
     return True

@@ -25,14 +25,20 @@ prepacked again. Remove when vLLM's reload covers them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from primerl_protocol.transfer import BACKEND
 
 from primerl_inference import transfer
+from primerl_inference.loading import RELOADED_AGAIN, loader
+
+if TYPE_CHECKING:
+    # vLLM adds the extension to its worker class's bases: its methods run on a vLLM worker.
+    from vllm.v1.worker.gpu_worker import Worker as _Worker
+else:
+    _Worker = object
 
 transfer.register()  # vLLM's worker imports this module before it builds its weight-transfer engine
-
-RELOADED_AGAIN = {"GptOssForCausalLM": (".self_attn.sinks", ".mlp.experts.")}
-"""Model classes whose loader bypasses the weight loaders for some tensors: the checkpoint name
-pieces of those tensors, loaded again after each reload."""
 
 
 def tensors_named(folder: str | Path, pieces: tuple[str, ...]):
@@ -46,19 +52,24 @@ def tensors_named(folder: str | Path, pieces: tuple[str, ...]):
                     yield name, f.get_tensor(name)
 
 
-class WorkerExtension:
+class WorkerExtension(_Worker):
     def primerl_received_weights(self) -> tuple[int, str, int] | None:
         """After an in-memory update (transfer.py; vLLM's finish_weight_update has run): the
         same repairs as after a folder reload, then (step, checksum, bytes) of what the engine
         received whole (None: the update did not arrive whole)."""
         engine = self.weight_transfer_engine
+        if not isinstance(engine, transfer.GlooWeightTransferEngine):
+            raise RuntimeError(
+                f"this worker's weight-transfer engine is {type(engine).__name__}, not primerl's "
+                f"{BACKEND!r} (the launcher's --weight-transfer-config)"
+            )
         received, kept = engine.received, engine.kept
         engine.kept = []
         if kept:
             import torch
 
             with torch.no_grad():
-                self.model_runner.get_model().load_weights(kept)
+                loader(self.model_runner.get_model()).load_weights(kept)
         self._primerl_repack_kept_weights()
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
@@ -72,7 +83,7 @@ class WorkerExtension:
             import torch
 
             with torch.no_grad():
-                model.load_weights(tensors_named(weights_path, pieces))
+                loader(model).load_weights(tensors_named(weights_path, pieces))
         return self._primerl_repack_kept_weights()
 
     def _primerl_repack_kept_weights(self) -> int:

@@ -183,22 +183,27 @@ async def eval_run(cfg: EvalRunConfig, urls: list[str], admin_token: str | None)
     if out_path.exists():
         done = {json.loads(line).get("policy") for line in out_path.read_text().splitlines() if line.strip()}
     e = cfg.eval
+    model = cfg.model
+    assert model is not None, "EvalRunConfig.__post_init__ sets the model (the run's, when none is given)"
     results = []
+    # (policy, step, (folder, checksum, format) of the published step; None: the model itself)
+    targets: list[tuple[int, int | None, tuple[Path, str, str] | None]]
     if cfg.run is None:
-        targets = [(0, None, None, None, None)]
+        targets = [(0, None, None)]
     else:
-        targets = [(step + 1, step, *published) for step, *published in published_steps(cfg.run)]
+        targets = [(step + 1, step, (folder, digest, fmt)) for step, folder, digest, fmt in published_steps(cfg.run)]
         if not targets:
             raise ValueError(f"{cfg.run} has no published weights (weights/step_N folders)")
     async with contextlib.AsyncExitStack() as stack:
         envs = await open_environments(stack, cfg.envs.eval, cfg.seed)
-        gen = await start_generator(stack, cfg.model, urls, admin_token)
-        for policy, step, folder, digest, fmt in targets:
-            record = {"policy": policy, "step": step, "model": cfg.model.name if folder is None else str(folder)}
+        gen = await start_generator(stack, model, urls, admin_token)
+        for policy, step, published in targets:
+            record = {"policy": policy, "step": step, "model": model.name if published is None else str(published[0])}
             if policy in done:
                 log.info("%s already evaluated in %s", policy_label(record), out_path)
                 continue
-            if folder is not None:
+            if published is not None:
+                folder, digest, fmt = published
                 await gen.pool.load_weights(str(folder), policy, digest, fmt)
             metrics, first_errors = await evaluate_with_errors(
                 envs, gen, e, max_tokens=e.max_tokens or 1024, concurrency=256

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from primerl_envs.config import EnvConfig
 from primerl_envs.environment import Environment, model_context
 from primerl_protocol.config import ModelConfig
 from primerl_protocol.rollouts import Rollout
 
-from primerl_orchestrator.servers import ServerPool
+from primerl_orchestrator.servers import Server, ServerPool
 
 log = logging.getLogger("primerl.orchestrator")
 
@@ -30,6 +32,11 @@ MODEL_ERRORS = ("ProviderError", "InterceptionError")
 """verifiers' error types for a failed model call (vs. the environment's own failures)."""
 
 
+Played = TypeVar("Played", bound=list[Rollout] | None)
+"""What an episode gives: rollouts (Environment.rollouts), or None where the environment cannot
+play a whole group in one request (Environment.group_rollouts)."""
+
+
 def is_model_error(error: str | None) -> bool:
     return error is not None and any(error.startswith(t) or f"; {t}" in error for t in MODEL_ERRORS)
 
@@ -38,7 +45,8 @@ class Generator:
     def __init__(self, pool: ServerPool, model: str, tokenizer: str, *, max_retries: int = 2) -> None:
         self.pool, self.model, self.tokenizer = pool, model, tokenizer
         self.max_retries = max_retries
-        self._contexts: dict[tuple, object] = {}
+        self._contexts: dict[tuple, tuple[str, object]] = {}
+        """(server url, max_tokens, sampling) -> (the model requests name, its verifiers context)."""
         self.retries = 0
         """Rollouts run again because their server failed."""
 
@@ -118,7 +126,9 @@ class Generator:
 
         return await self._retrying(run, max_tokens, sampling, f"group {group_id} (env {env.name})")
 
-    async def _retrying(self, run, max_tokens: int, sampling: dict, what: str):
+    async def _retrying(
+        self, run: Callable[[Server, object], Awaitable[Played]], max_tokens: int, sampling: dict, what: str
+    ) -> Played:
         """`run(server, ctx)` on a leased server, again on another one while the server was at
         fault (up to max_retries times)."""
         attempt = 0
@@ -126,7 +136,7 @@ class Generator:
             async with self.pool.lease() as server:
                 rollouts = await run(server, self.context(server.url, max_tokens, sampling, server.model))
             if rollouts is None:
-                return None
+                return rollouts
             failed = next((r.error for r in rollouts if is_model_error(r.error)), None)
             if failed is None or attempt >= self.max_retries:
                 return rollouts

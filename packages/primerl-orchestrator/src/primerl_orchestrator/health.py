@@ -192,7 +192,7 @@ def empty_steps_note(m: dict[str, float], step: int) -> str | None:
     if not empty or empty % EMPTY_STEPS_WARNING:
         return None
     reasons = {k.removeprefix("filter/"): v for k, v in m.items() if k.startswith("filter/") and v}
-    top = max(reasons, key=reasons.get, default=None)
+    top = max(reasons, key=lambda k: reasons[k], default=None)
     dropped = ", ".join(f"{k} {v:.0f}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])) or "nothing"
     return (
         f"{empty} steps in a row trained nothing (step {step}: {m.get('rollouts/count', 0):.0f} rollouts, "
@@ -220,6 +220,6 @@ def console_notes(m: dict[str, float], log_path: str) -> list[str]:
             f"warning: {new} new kind(s) of rollout error at step {m['step']} (errors "
             f"{m.get('rollouts/error_rate', 0):.1%}); the first traceback of each kind is in {log_path}"
         )
-    if empty := empty_steps_note(m, m["step"]):
+    if empty := empty_steps_note(m, int(m["step"])):  # a whole number (metrics.jsonl's `step`)
         notes.append(f"warning: {empty}")
     return notes

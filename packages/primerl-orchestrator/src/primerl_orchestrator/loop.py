@@ -390,7 +390,7 @@ class Orchestrator:
             self.stale_dropped += stale
             if not self._rate_marks:
                 self._rate_marks.append((self.generation_started or t1, 0, 0))
-            self._rate_marks.append((t1, *self._finished))
+            self._rate_marks.append((t1, self._finished[0], self._finished[1]))
             t_then, rollouts_then, tokens_then = self._rate_marks[0]
             elapsed = max(t1 - t_then, 1e-9)
             metrics |= {

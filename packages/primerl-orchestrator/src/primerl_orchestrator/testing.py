@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from primerl_protocol import BatchMessage, PolicyMessage, PolicyReady, Receiver, Sender, Shutdown, TrainBatch, rundir
+from primerl_protocol.config import TransportConfig
 from primerl_protocol.weights import ADAPTER, ADAPTER_CONFIG, FULL, write_marker
 
 
@@ -39,7 +40,7 @@ class TrainedStep:
 
 @dataclass
 class TrainerDouble:
-    transport: object
+    transport: TransportConfig
     """The shared TransportConfig (endpoints, ranks, socket settings)."""
     run_dir: Path
     model: Path

@@ -205,9 +205,10 @@ class ImageError(ValueError):
     """A picture that cannot be read for training; the message says why."""
 
 
-def decode_data_url(url: str, keep_encoded: bool = False) -> Image:
+def decode_data_url(url: object, keep_encoded: bool = False) -> Image:
     """The picture of an inline `data:image/...;base64,...` URL as an Image: decoded, or with
-    `keep_encoded` checked the same way and kept as its file (a tenth of the memory or less)."""
+    `keep_encoded` checked the same way and kept as its file (a tenth of the memory or less).
+    `url` is whatever a message held: anything but such a string is refused (ImageError)."""
     if not isinstance(url, str) or not url.startswith("data:"):
         shown = url[:60] + "..." if isinstance(url, str) and len(url) > 60 else url
         raise ImageError(f"an image URL must be inline (data:image/...;base64,...), got {shown!r}")

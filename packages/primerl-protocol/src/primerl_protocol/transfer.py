@@ -26,9 +26,15 @@ import hashlib
 import hmac
 import math
 import secrets
+from typing import TYPE_CHECKING, Protocol, cast
 
 import msgspec
 import xxhash
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.distributed.distributed_c10d import BroadcastOptions, Work
+    from torch.types import Device
 
 BACKEND = "primerl_gloo"
 """The name of the servers' weight-transfer engine (vLLM's `--weight-transfer-config`)."""
@@ -130,7 +136,9 @@ def host_store(port: int, world_size: int, timeout_s: float):
 
     dist = _torch().distributed
 
-    return dist.TCPStore(
+    # torch.distributed.TCPStore is public (documented) API, but torch.distributed imports it from
+    # torch._C without re-exporting it (no __all__, no `as`), which pyright reads as private.
+    return dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
         "127.0.0.1", port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
 
@@ -165,6 +173,8 @@ def open_group(host: str, port: int, secret: str, rank: int, world_size: int, ti
     to this group again."""
     from datetime import timedelta
 
+    from torch.distributed.distributed_c10d import PrefixStore
+
     torch = _torch()
     dist = torch.distributed
 
@@ -173,9 +183,12 @@ def open_group(host: str, port: int, secret: str, rank: int, world_size: int, ti
         store = (
             host_store(port, world_size, timeout_s)
             if rank == 0
-            else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+            else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)  # pyright: ignore[reportPrivateImportUsage]  # as in host_store
         )
-    group = Group(dist.ProcessGroupGloo(dist.PrefixStore(_prefix(secret), store), rank, world_size, timeout), store)
+    pg = dist.ProcessGroupGloo(PrefixStore(_prefix(secret), store), rank, world_size, timeout)
+    # cast: torch's stub of ProcessGroupGloo (its Backend base) omits the collectives the C++
+    # class binds (broadcast, allgather), which _Collectives names.
+    group = Group(cast(_Collectives, pg), store)
     # The handshake: rank 0's nonce, then every member's HMAC of it and its rank, to all.
     nonce = torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8)
     broadcast(group, nonce)
@@ -202,11 +215,19 @@ def strangers(store, secret: str) -> int:
     return sum(1 for k in keys if not k.lstrip("/").startswith(_prefix(secret)))
 
 
+class _Collectives(Protocol):
+    """What a transfer group uses of gloo's process group (torch.distributed's ProcessGroupGloo)."""
+
+    def broadcast(self, tensors: list[Tensor], opts: BroadcastOptions, /) -> Work: ...
+
+    def allgather(self, output_tensors: list[list[Tensor]], input_tensors: list[Tensor], /) -> Work: ...
+
+
 class Group:
     """A member of a transfer group: gloo's process group and the store it met through (which
     must live as long as it does; `store.port` is the port rank 0 hosts it on)."""
 
-    def __init__(self, pg, store):
+    def __init__(self, pg: _Collectives, store):
         self.pg, self.store = pg, store
 
 
@@ -238,7 +259,7 @@ def recv_bytes(group, limit: int = MAX_HEADER_BYTES) -> bytes:
     return data.numpy().tobytes()
 
 
-def scratch(buffer, size: int, device="cpu", pin: bool = False):
+def scratch(buffer, size: int, device: Device = "cpu", pin: bool = False):
     """`size` bytes of `buffer` (a uint8 tensor kept between groups), or of a new one when it is
     too small: an update reuses one buffer, not fresh memory (and its page faults) per group."""
     torch = _torch()
@@ -248,7 +269,7 @@ def scratch(buffer, size: int, device="cpu", pin: bool = False):
     return buffer
 
 
-def pack(tensors: list[tuple[str, object]], out=None):
+def pack(tensors: list[tuple[str, Tensor]], out=None):
     """(specs, buffer) of tensors on one device: one uint8 tensor there (`out`, or the front of
     it, when it is large enough) holding them at their offsets (one copy each on the device; the
     buffer then crosses to the host in one piece)."""
@@ -260,7 +281,7 @@ def pack(tensors: list[tuple[str, object]], out=None):
     return specs, buffer
 
 
-def unpack(header: GroupHeader, buffer) -> list[tuple[str, object]]:
+def unpack(header: GroupHeader, buffer) -> list[tuple[str, Tensor]]:
     """The (name, tensor) views of a received group's buffer (checked by decode_header)."""
     torch = _torch()
 
@@ -331,7 +352,7 @@ def send_packed(groups: list[Group], step: int, update) -> tuple[str, dict[int, 
         for header, buffer in update:
             data = encode_header(header)
             to_all(lambda g: (send_bytes(g, data), broadcast(g, buffer)))
-            digest.update(memoryview(buffer.numpy()))
+            digest.update(buffer.numpy().data)  # .data: the array's memoryview
         checksum = digest.hexdigest()
         end = encode_header(GroupHeader(step=step, end=True, checksum=checksum))
         to_all(lambda g: send_bytes(g, end))
@@ -377,7 +398,7 @@ def receive_update(group, step: int, load, ahead: int = 2) -> tuple[str, int]:
                 # attention layers until the update's end (as vLLM's own NCCL consumer does).
                 buffer = torch.empty(header.nbytes, dtype=torch.uint8)
                 broadcast(group, buffer)
-                digest.update(memoryview(buffer.numpy()))
+                digest.update(buffer.numpy().data)  # .data: the array's memoryview
                 size += header.nbytes
                 received.put((header, buffer))
         except BaseException as err:  # handed to the loading side, which raises it

@@ -183,7 +183,7 @@ def decode_images(urls: list[object], spec: ImageSpec, where: str) -> list[Image
         try:
             # held as its file; decoded per row. A URL that is not a string (JSON data) is refused
             # by decode_data_url itself (an ImageError naming it), though its parameter says str.
-            image = decode_data_url(url, keep_encoded=True)  # pyright: ignore[reportArgumentType]
+            image = decode_data_url(url, keep_encoded=True)
         except ImageError as err:
             raise DataError(f"{where}, image {k}: {err}") from None
         if (problem := kept_size_problem(image.height, image.width, spec)) is not None:
