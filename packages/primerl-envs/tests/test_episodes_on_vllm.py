@@ -6,6 +6,8 @@ tokens still come from the model, sampled under that constraint, with their logp
 """
 
 import asyncio
+import base64
+import json
 import math
 import re
 
@@ -110,11 +112,82 @@ def test_tool_use_runs_tools_over_turns_and_is_cut_at_max_turns(server):
     assert all("5" in str(c) for c in tool_replies)
     assert rollout.truncated and rollout.reward == 0.0 and rollout.metrics["tool_calls"] == 3.0
     assert len(rollout.turns) == 3
+    episode_counts = {
+        k: rollout.metrics[f"episode/{k}"] for k in ("turns", "tool_calls", "tool_errors", "cut_by_limit")
+    }
+    assert episode_counts == {"turns": 3.0, "tool_calls": 3.0, "tool_errors": 0.0, "cut_by_limit": 1.0}
     samples = check_tokens(rollout)
     # later turns' prompts hold the tool results as context, never trained on
     assert len(samples[0].token_ids) > sum(samples[0].loss_mask)
     ((task, _, right),) = episode(server, cfg, lambda t: forced(f"\\boxed{{{t.data.answer}}}"))
     assert right.reward == 1.0 and not right.truncated
+    # the episode's token budget at its bound: each turn generates the same T tokens (forced);
+    # a budget of 2T allows two turns (the third is refused: 2T reached), 2T + 1 a third
+    sampled = verifiers_output_tokens(trace)
+    assert sampled % 3 == 0
+    per_turn = sampled // 3
+    for budget, turns in ((2 * per_turn, 2), (2 * per_turn + 1, 3)):
+        capped = EnvConfig(id="tool-use", args={"num_tasks": 2}, max_turns=10, max_episode_tokens=budget)
+        ((_, capped_trace, cut),) = episode(server, capped, forced(call))
+        assert cut.truncated and cut.metrics["episode/turns"] == turns, (budget, cut.metrics)
+        assert [m.role for m in capped_trace.messages].count("tool") == turns - 1  # the last turn's call never runs
+
+
+def verifiers_output_tokens(trace) -> int:
+    """The tokens verifiers counts against max_output_tokens."""
+    return trace.num_output_tokens
+
+
+def tool_call(name: str, **arguments) -> str:
+    return forced(f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>")
+
+
+def piped(script: str) -> str:
+    """`script` as a command without '<' or '>' (the shared model cannot write them)."""
+    return f"echo {base64.b64encode(script.encode()).decode()} | base64 -d | bash"
+
+
+def test_agentic_tasks_run_the_models_tool_calls_in_their_sandboxes_and_are_judged(server, tmp_path):
+    """swe, terminal and search episodes on vLLM: the model's tool call (forced) runs in the
+    rollout's own sandbox (or search index), and the judge scores what it did: the reference fix
+    applied by the model resolves the SWE instance, a wrong edit does not; the reference command
+    passes the terminal check; search finds the answer's document and the boxed answer scores 1."""
+    swe = EnvConfig(id="swe", args={"num_tasks": 2, "synthetic_dir": str(tmp_path / "swe")}, max_turns=2)
+
+    def apply_fix(task):
+        return tool_call(
+            "bash", command=f"echo {base64.b64encode(task.data.patch.encode()).decode()} | base64 -d | git apply"
+        )
+
+    ((task, trace, fixed),) = episode(server, swe, apply_fix, max_tokens=4000)
+    assert fixed.error is None and fixed.reward == 1.0, (fixed.error, trace.state)
+    assert fixed.metrics["fail_to_pass"] == 1.0 and fixed.metrics["pass_to_pass"] == 1.0
+    roles = [m.role for m in trace.messages]
+    # the model's second call comes after the last turn max_turns = 2 allows: it never runs
+    assert fixed.metrics["commands"] == roles.count("tool") == 1, roles
+    assert fixed.metrics["episode/tool_calls"] == roles.count("assistant") == 2 and fixed.truncated
+    ((task, trace, wrong),) = episode(
+        server, swe, tool_call("bash", command="echo x | tee -a toolkit/core.py"), max_tokens=200
+    )
+    assert wrong.error is None and wrong.reward == 0.0 and wrong.metrics["changed_files"] == 1.0
+    assert wrong.metrics["pass_to_pass"] == 0.0  # core.py no longer imports
+
+    terminal = EnvConfig(id="terminal", args={"num_tasks": 2, "tasks_dir": str(tmp_path / "term")}, max_turns=2)
+    ((task, trace, done),) = episode(
+        server, terminal, lambda t: tool_call("bash", command=piped(t.data.reference)), max_tokens=600
+    )
+    assert done.error is None and done.reward == 1.0, trace.state
+    ((task, trace, idle),) = episode(server, terminal, tool_call("list_files"), max_tokens=200)
+    assert idle.reward == 0.0 and "data.txt" in str(trace.tool_messages[0].content)
+
+    search = EnvConfig(id="search", args={"num_tasks": 2, "corpus_dir": str(tmp_path / "corpus")}, max_turns=2)
+    ((task, trace, looked),) = episode(
+        server, search, lambda t: tool_call("search", query=t.data.question), max_tokens=300
+    )
+    name = task.data.question.rstrip("?").split()[-1]
+    assert f"people/{name.lower()}.txt" in str(trace.tool_messages[0].content) and looked.metrics["searches"] == 1.0
+    ((task, trace, answered),) = episode(server, search, lambda t: forced(f"\\boxed{{{t.data.answers[0]}}}"))
+    assert answered.reward == 1.0 and answered.metrics["exact_match"] == 1.0
 
 
 def test_code_hidden_tests(server):

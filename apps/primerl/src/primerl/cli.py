@@ -283,8 +283,12 @@ def _run_orchestrator(config: OrchRunConfig) -> None:
     from primerl_envs.environment import EnvLoadError
     from primerl_orchestrator.loop import OrchestratorError, run
     from primerl_orchestrator.servers import NoServerError
+    from primerl_sandbox import claim_run
 
     compat.install()  # the process runs environments: primerl's patches of their packages, once
+    killed = claim_run()  # its environments' sandboxes are this run's; a dead run's are killed
+    if killed:
+        click.echo(f"primerl-orch: killed {killed} sandbox(es) a previous run left", err=True)
     try:
         run(config)
     except (OrchestratorError, NoServerError, EnvLoadError, OSError) as err:  # OSError: a socket could not bind
@@ -338,6 +342,7 @@ def _run_eval(config: EvalConfig) -> None:
     from primerl_orchestrator.evals import EvalError, eval_run, policy_label, published_steps
     from primerl_orchestrator.loop import configure_logging
     from primerl_orchestrator.servers import NoServerError
+    from primerl_sandbox import claim_run
 
     configure_logging()
     try:  # before any server starts (the config's own checks ran when it loaded)
@@ -364,6 +369,7 @@ def _run_eval(config: EvalConfig) -> None:
             servers = launch(inference, config.model.name, config.seq_len, config.run_dir)
             urls, token = servers.urls, inference.resolved_admin_token()
         compat.install()  # the process runs environments: primerl's patches of their packages, once
+        claim_run()  # its environments' sandboxes are this eval's; a dead run's are killed
         results = asyncio.run(eval_run(config, urls, token))
     except (LaunchError, NoServerError, EnvLoadError, EvalError, ValueError) as err:
         click.echo(f"primerl eval: {err}", err=True)

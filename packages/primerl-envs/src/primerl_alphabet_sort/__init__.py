@@ -48,6 +48,6 @@ class AlphabetSortTaskset(vf.Taskset[AlphabetSortTask, AlphabetSortConfig]):
             n = rng.randint(cfg.min_words, cfg.max_words)
             words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(cfg.word_length)) for _ in range(n)]
             yield AlphabetSortTask(
-                AnswerData(id=f"sort-{i}", prompt=cfg.instruction + " ".join(words), answer=" ".join(sorted(words))),
+                AnswerData(id=f"sort-{i}", prompt=cfg.instruction + " ".join(words), answer=" ".join(sorted(words))),  # pyright: ignore[reportCallIssue] (verifiers' Field(default, ...) positional defaults read as required)
                 cfg.task,
             )

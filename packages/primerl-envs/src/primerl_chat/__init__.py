@@ -89,6 +89,10 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append(message)
             if not message.get("tool_calls") or trace.stop_condition is not None:
                 return
+            limit = next_turn_refused(trace)
+            if limit is not None:  # no model turn would read the results: the tools do not run
+                trace.stop(limit)
+                return
             for tool_call in message["tool_calls"]:
                 messages.append(await _run_tool(tool_call, dispatch, servers))
 
@@ -140,6 +144,19 @@ async def close_session() -> None:
     session = _SESSIONS.pop(asyncio.get_running_loop(), None)
     if session is not None:
         await session.close()
+
+
+def next_turn_refused(trace) -> str | None:
+    """The limit (max_turns, token caps) that refuses the rollout's next model turn, if one does:
+    verifiers' interception checks the same before serving a turn. Tools called in a turn after
+    which none may follow must not run (they may change a sandbox the judge then reads)."""
+    from verifiers.v1.session import RolloutLimits
+
+    config = getattr(trace.agent, "config", None)
+    if config is None:
+        return None
+    caps = ("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens")
+    return RolloutLimits(**{k: getattr(config, k, None) for k in caps}).reached(trace)
 
 
 async def _run_tool(call: dict, dispatch: dict, servers: dict) -> dict:

@@ -97,6 +97,9 @@ class CodeTaskConfig(vf.TaskConfig):
 
 
 class CodeTask(vf.Task[CodeData, vf.State, CodeTaskConfig]):
+    config: CodeTaskConfig
+    """The task's limits (verifiers' Task makes a CodeTaskConfig when given none: config_type)."""
+
     async def _run(self, trace: vf.Trace):
         cached = trace.info.get("sandbox")
         if cached is None:
@@ -131,7 +134,7 @@ class CodeConfig(vf.TasksetConfig):
     """Sandbox limits passed to each task."""
 
 
-class CodeTaskset(vf.Taskset[CodeTask, CodeConfig]):
+class CodeTaskset(vf.Taskset[CodeTask, CodeConfig]):  # pyright: ignore[reportInvalidTypeArguments] (its config is CodeTaskConfig; verifiers' bound is invariant)
     def load(self):
         require_sandbox()
         cfg = self.config
@@ -147,4 +150,5 @@ class CodeTaskset(vf.Taskset[CodeTask, CodeConfig]):
             prompt = (
                 f"Write a Python function {signature} that {description}. Reply with the code in a ```python block."
             )
-            yield CodeTask(CodeData(id=f"code-{i}", prompt=prompt, tests=tests), cfg.task)
+            data = CodeData(id=f"code-{i}", prompt=prompt, tests=tests)  # pyright: ignore[reportCallIssue] (verifiers' Field(default, ...) positional defaults read as required)
+            yield CodeTask(data, cfg.task)

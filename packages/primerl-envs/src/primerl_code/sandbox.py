@@ -125,6 +125,7 @@ async def run_tests(
     job = (json.dumps(code) + "\n" + json.dumps([[t.fn, list(t.args)] for t in tests]) + "\n").encode()
     start = _start_unsafe if mode == UNSAFE else _start_bwrap
     proc, kill, cleanup = await start(command, file_mb)
+    stdin, _ = _pipes(proc)
     try:
         output, limit = await _exchange(proc, job, time_limit_s)
         if limit is not None:
@@ -134,7 +135,7 @@ async def run_tests(
         if proc.returncode is None:
             await kill()
         cleanup()
-        proc.stdin.close()
+        stdin.close()
     passed, answered, error = score(output, tests)
     if limit is not None:
         error = limit
@@ -186,11 +187,13 @@ async def _exchange(proc: asyncio.subprocess.Process, job: bytes, time_limit_s: 
     The wall-clock limit is `time_limit_s` plus 1 s for the sandbox's start-up.
     """
 
+    stdin, stdout = _pipes(proc)
+
     async def send() -> None:
         try:
-            proc.stdin.write(job)
-            await proc.stdin.drain()
-            proc.stdin.close()
+            stdin.write(job)
+            await stdin.drain()
+            stdin.close()
         except (BrokenPipeError, ConnectionResetError):
             pass  # the child ended (or closed stdin) before reading it all
 
@@ -198,7 +201,7 @@ async def _exchange(proc: asyncio.subprocess.Process, job: bytes, time_limit_s: 
 
     async def receive() -> str | None:
         size = 0
-        while chunk := await proc.stdout.read(65536):
+        while chunk := await stdout.read(65536):
             chunks.append(chunk)
             size += len(chunk)
             if size > OUTPUT_LIMIT:
@@ -314,9 +317,18 @@ async def _start_unsafe(command: list[str], file_mb: int):
 async def _finish(proc: asyncio.subprocess.Process) -> None:
     """Wait for a killed child: read its stdout to EOF (what the dead wrote is at most a pipe's
     worth), without which asyncio's wait() never returns once reading has stopped."""
-    while await proc.stdout.read(1 << 16):
+    _, stdout = _pipes(proc)
+    while await stdout.read(1 << 16):
         pass
     await proc.wait()
+
+
+def _pipes(proc: asyncio.subprocess.Process) -> tuple[asyncio.StreamWriter, asyncio.StreamReader]:
+    """The child's stdin and stdout (both piped by _start_unsafe and _start_bwrap)."""
+    assert proc.stdin is not None and proc.stdout is not None, (
+        "the sandbox's child is started with stdin and stdout piped"
+    )
+    return proc.stdin, proc.stdout
 
 
 def _how(returncode: int | None, mode: str) -> str:
@@ -326,7 +338,11 @@ def _how(returncode: int | None, mode: str) -> str:
         sig = returncode - 128
     if sig is None:
         return f"exit code {returncode}"
-    known = {signal.SIGXCPU: "CPU time limit", signal.SIGXFSZ: "file size limit", signal.SIGKILL: "killed"}
+    known: dict[int, str] = {
+        signal.SIGXCPU: "CPU time limit",
+        signal.SIGXFSZ: "file size limit",
+        signal.SIGKILL: "killed",
+    }
     try:
         name = known.get(sig, signal.Signals(sig).name)
     except ValueError:

@@ -74,7 +74,9 @@ def _shown(value: Any) -> str:
 
 def _normalise(choice: Mapping[str, Any]) -> Mapping[str, Any]:
     logprobs = choice.get("logprobs")
-    content = logprobs.get("content") if isinstance(logprobs, Mapping) else None
+    if not isinstance(logprobs, Mapping):
+        return choice
+    content = logprobs.get("content")
     if not isinstance(content, list) or not content:
         return choice
     if not all(isinstance(e, Mapping) and "token" not in e and "token_id" in e for e in content):

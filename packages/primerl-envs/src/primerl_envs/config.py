@@ -12,7 +12,7 @@ class EnvConfig(Config):
     """One verifiers environment and its arguments."""
 
     id: str
-    """Built-in name (reverse-text, alphabet-sort, math, tool-use, code, shapes, swe), an installed taskset
+    """Built-in name (reverse-text, alphabet-sort, math, tool-use, code, shapes, swe, terminal, search), an installed taskset
     package's id, or the path of a local module (a .py file or a package folder)."""
     args: dict[str, Any] = {}
     """Fields of the taskset's config (verifiers `TasksetConfig`), e.g. `num_tasks`."""
@@ -28,6 +28,10 @@ class EnvConfig(Config):
     `null` is verifiers' own, one process per rollout)."""
     max_turns: Positive | None = None
     """Most model calls per rollout; the rollout is cut there (marked truncated)."""
+    max_episode_tokens: Positive | None = None
+    """Most tokens the model may generate over one rollout (all its turns); the rollout is cut
+    once its turns reach it (checked between turns, so the turn that crosses it completes;
+    marked truncated). Each turn's own bound is orchestrator.sampling.max_tokens."""
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     """Wall-clock limit of one rollout in seconds; the rollout is cut there (an error)."""
     batch_groups: bool = True

@@ -26,6 +26,7 @@ import multiprocessing
 import random
 import sys
 from collections.abc import Iterator
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -33,22 +34,8 @@ from primerl_protocol.rollouts import Rollout
 
 from primerl_envs import compat
 from primerl_envs.config import EnvConfig
+from primerl_envs.registry import BUILTIN, EnvLoadError, explain
 from primerl_envs.rollouts import first_traceback, trace_to_rollout
-
-BUILTIN = {
-    "reverse-text": "primerl-reverse-text",
-    "alphabet-sort": "primerl-alphabet-sort",
-    "math": "primerl-math",
-    "tool-use": "primerl-tool-use",
-    "code": "primerl-code",
-    "shapes": "primerl-shapes",
-    "swe": "primerl-swe",
-}
-"""primerl's built-in environments: short name -> verifiers taskset id (a top-level module)."""
-
-
-class EnvLoadError(ValueError):
-    """An environment that cannot be loaded: names the environment and what was wrong."""
 
 
 def resolve_taskset_id(env_id: str) -> str:
@@ -86,6 +73,8 @@ def verifiers_config(cfg: EnvConfig):
     }
     if cfg.max_turns is not None:
         agent["max_turns"] = cfg.max_turns
+    if cfg.max_episode_tokens is not None:
+        agent["max_output_tokens"] = cfg.max_episode_tokens
     where = f"environment {cfg.display_name!r} (id {cfg.id!r})"
     try:
         plain = vf.resolve_env_config({"taskset": taskset})
@@ -97,8 +86,6 @@ def verifiers_config(cfg: EnvConfig):
     except ValidationError as e:
         raise EnvLoadError(f"{where}: bad arguments (envs.*.args): {e}") from e
     except Exception as e:  # noqa: BLE001 - the user's module: not found, a missing import, the classic API, ...
-        from primerl_envs.checks import explain
-
         raise explain(cfg, taskset_id, e) from e
 
 
@@ -187,7 +174,7 @@ class Environment:
         self.single_turn_why = "not started"
         """Why not, when not."""
         self._stack: contextlib.AsyncExitStack | None = None
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._process: BaseProcess | None = None
         self._client = None
 
     async def __aenter__(self) -> Environment:
@@ -408,9 +395,8 @@ def renderer_config(tokenizer: str, tool_parser: str | None = "qwen3"):
         config = json.loads((Path(tokenizer) / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    name = (
-        VLM_RENDERERS.get(config.get("model_type")) if isinstance(config, dict) and "vision_config" in config else None
-    )
+    model_type = config.get("model_type") if isinstance(config, dict) and "vision_config" in config else None
+    name = VLM_RENDERERS.get(model_type) if isinstance(model_type, str) else None
     if name is not None:
         return getattr(renderers, name)(enable_thinking=False)
     return (
@@ -422,7 +408,7 @@ def _client_config(base_url: str, tokenizer: str, tool_parser: str | None = "qwe
     import verifiers.v1 as vf
 
     renderer = renderer_config(tokenizer, tool_parser)
-    return vf.TrainClientConfig(
+    return vf.TrainClientConfig(  # pyright: ignore[reportCallIssue] (verifiers' Field(default, ...) positional defaults read as required)
         base_url=base_url.rstrip("/") + "/v1",
         api_key_var="PRIMERL_INFERENCE_API_KEY",
         renderer=renderer,

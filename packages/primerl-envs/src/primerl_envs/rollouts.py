@@ -136,6 +136,24 @@ def _scores(trace, errored: bool) -> tuple[dict[str, float], list[str]]:
     return metrics, list(dict.fromkeys(bad))  # a NaN recorded for a non-number is named once
 
 
+def episode_metrics(trace) -> dict[str, float]:
+    """How the episode went, for every environment: model turns, tool calls, tool results that
+    report an error (by the convention of primerl's harness and toolsets: text that starts with
+    "error"), and whether a limit (turns, tokens, time) cut it."""
+    assistant = trace.assistant_messages
+    errors = 0
+    for message in trace.tool_messages:
+        content = message.content
+        text = content if isinstance(content, str) else " ".join(getattr(p, "text", "") or "" for p in content or [])
+        errors += text.lstrip().lower().startswith("error")
+    return {
+        "episode/turns": float(len(assistant)),
+        "episode/tool_calls": float(sum(len(m.tool_calls or []) for m in assistant)),
+        "episode/tool_errors": float(errors),
+        "episode/cut_by_limit": float(trace.is_timeout or trace.stop_condition in LIMITS),
+    }
+
+
 def trace_to_rollout(
     trace,
     *,
@@ -163,6 +181,7 @@ def trace_to_rollout(
     if error is None and not turns:
         error = "no sampled tokens in the trace (no model call completed)"
     metrics, bad = _scores(trace, errored=error is not None)
+    metrics |= episode_metrics(trace)
     if bad:  # first: the filters drop such a rollout even when errored ones are kept
         error = f"{BAD_SCORE}: environment {env!r}: " + "; ".join(bad) + (f"; {error}" if error else "")
     truncated = (

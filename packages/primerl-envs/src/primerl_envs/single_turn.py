@@ -36,11 +36,14 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from primerl_protocol.rollouts import Rollout
 
 from primerl_envs.rollouts import trace_to_rollout
+
+if TYPE_CHECKING:
+    from renderers import Message
 
 HARNESS = "primerl-chat"
 TASK_HOOKS = ("setup", "finalize", "stage_verifier")
@@ -172,9 +175,11 @@ async def _sample_and_score(plan: SingleTurnPlan, task, ctx, messages: list[dict
         multiplex=client.multiplex,
     )
     prompt = ChatDialect().parse_request({"model": ctx.model, "messages": messages}).messages
+    # cast: initial_messages' chat dicts (role, content, ...) are the renderers' Message, in shape
+    chat = cast("list[Message]", messages)
     async with pool.acquire() as slot:
         renderer = slot.renderer
-        rendered = await slot.run(lambda: renderer.render(messages, add_generation_prompt=True))
+        rendered = await slot.run(lambda: renderer.render(chat, add_generation_prompt=True))
         params = {
             **sampling,
             "n": n,

@@ -66,4 +66,5 @@ class MathTaskset(vf.Taskset[MathTask, MathConfig]):
                 a, b = max(a, b), min(a, b)
                 question = template.format(name=rng.choice(NAMES), a=a, b=b)
                 answer = solve(a, b)
-            yield MathTask(AnswerData(id=f"math-{i}", prompt=cfg.instruction + question, answer=str(answer)), cfg.task)
+            data = AnswerData(id=f"math-{i}", prompt=cfg.instruction + question, answer=str(answer))  # pyright: ignore[reportCallIssue] (verifiers' Field(default, ...) positional defaults read as required)
+            yield MathTask(data, cfg.task)

@@ -46,6 +46,6 @@ class ReverseTextTaskset(vf.Taskset[ReverseTextTask, ReverseTextConfig]):
         for i in range(cfg.num_tasks):
             text = "".join(rng.choice(cfg.alphabet) for _ in range(rng.randint(cfg.min_length, cfg.max_length)))
             yield ReverseTextTask(
-                AnswerData(id=f"reverse-{i}", prompt=cfg.instruction + text, answer=text[::-1]),
+                AnswerData(id=f"reverse-{i}", prompt=cfg.instruction + text, answer=text[::-1]),  # pyright: ignore[reportCallIssue] (verifiers' Field(default, ...) positional defaults read as required)
                 cfg.task,
             )

@@ -8,8 +8,8 @@ A task opts in by listing it, and by using `SandboxState` as its state:
             return [SandboxTools(config.sandbox)]
 
 verifiers starts the toolset's server once per rollout (`python -m primerl_sandbox.tools`);
-`setup_task` starts a `Workspace` for it, copying in the task's `repo` (a folder or tar file,
-when its data has one) and running its `setup_command`; the server's exit closes it (and if
+`setup_task` starts a `Workspace` for it, copying in the task's `repo` or `workspace` (a
+folder or tar file, when its data has one) and running its `setup_command`; the server's exit closes it (and if
 the server is killed, bubblewrap's --die-with-parent does). After each tool that can change
 files, the toolset writes what changed (`Changes.to_json()`) to the rollout's state
 (`SandboxState.changes`), which verifiers syncs to the trace: scoring reads it there, after the
@@ -86,18 +86,30 @@ class SandboxTools(vf.Toolset[SandboxToolsConfig, SandboxState]):
     def __init__(self, config: SandboxToolsConfig) -> None:
         super().__init__(config)
         self.workspace: Workspace | None = None
+        self.failed: str | None = None
+        """Why the workspace could not start, if it could not."""
 
     async def setup_task(self, task) -> None:
+        """Start the rollout's workspace from its task's data (verifiers passes the data). A
+        failure does not end the server (verifiers would wait minutes for it): every tool
+        call then answers with it, and the judge sees it as the changes' error."""
+        data = getattr(task, "data", task)
         self.workspace = Workspace(self.config.limits())
         self._exit_stack.push_async_callback(self.workspace.close)
-        await self.workspace.start(getattr(task.data, "repo", None))
-        setup = getattr(task.data, "setup_command", None)
-        if setup:
-            result = await self.workspace.run(setup)
-            if result.exit_code != 0:
-                raise WorkspaceError(f"the task's setup_command failed: {show(result)}")
+        try:
+            await self.workspace.start(getattr(data, "repo", None) or getattr(data, "workspace", None))
+            setup = getattr(data, "setup_command", None)
+            if setup:
+                result = await self.workspace.run(setup)
+                if result.exit_code != 0:
+                    raise WorkspaceError(f"the task's setup_command failed: {show(result)}")
+        except Exception as e:  # noqa: BLE001 - reported on every call instead (see above)
+            self.failed = f"the workspace could not start: {type(e).__name__}: {e}"[:1000]
+            await self.workspace.close()
 
     def _ws(self) -> Workspace:
+        if self.failed is not None:
+            raise WorkspaceError(self.failed)
         if self.workspace is None:
             raise WorkspaceError("no workspace: the toolset serves per-rollout tasks only")
         return self.workspace
@@ -111,6 +123,8 @@ class SandboxTools(vf.Toolset[SandboxToolsConfig, SandboxState]):
 
     def _error(self, what: str) -> str:
         self.state.tool_errors += 1
+        if self.failed is not None:
+            self.state.changes_error = self.failed
         return f"error: {what}"
 
     @vf.tool

@@ -4,7 +4,8 @@
 unless asked, uid 65534, no further user namespaces, killed with its parent) whose one
 process is primerl_sandbox.supervisor. What the sandbox sees:
 
-  /usr, /bin, /lib*    read-only, as on the host (the shell, coreutils, python3, git)
+  /usr, /bin, /lib*    read-only, as on the host (the shell, coreutils, python3, git), and of
+                       /etc only the alternatives' symlinks and the linker's cache
   /work                the workspace: a tmpfs of `disk_mb` MiB, the repository copied in
   /tmp                 a tmpfs of `disk_mb` MiB
   /proc, /dev          the sandbox's own
@@ -256,10 +257,14 @@ def _argv(limits: Limits, seccomp_fd: int) -> list[str]:
         argv.append("--share-net")
     for path in ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"]:
         argv += isolation.system_bind(path)
+    # Debian's alternatives (awk -> /etc/alternatives/awk -> mawk) and the linker's cache: symlinks
+    # and library paths, nothing private
+    etc = ["/etc/alternatives", "/etc/ld.so.cache"]
     if limits.network:
-        for path in ["/etc/resolv.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates"]:
-            if os.path.exists(path):
-                argv += ["--ro-bind", path, path]
+        etc += ["/etc/resolv.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates"]
+    for path in etc:
+        if os.path.exists(path):
+            argv += ["--ro-bind", path, path]
     for path in python_binds:
         argv += ["--ro-bind", path, path]
     disk = str(limits.disk_mb << 20)

@@ -124,5 +124,6 @@ class ShapesTaskset(vf.Taskset[ShapesTask, ShapesConfig]):
                     ]
                 )
             ]
-            yield ShapesTask(AnswerData(id=f"shapes-{made}", prompt=prompt, answer=answer), cfg.task)
+            data = AnswerData(id=f"shapes-{made}", prompt=prompt, answer=answer)  # pyright: ignore[reportCallIssue] (verifiers' Field(default, ...) positional defaults read as required)
+            yield ShapesTask(data, cfg.task)
             made += 1

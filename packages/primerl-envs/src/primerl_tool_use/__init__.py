@@ -50,11 +50,12 @@ class ToolUseConfig(vf.TasksetConfig):
     """Config passed to each task."""
 
 
-class ToolUseTaskset(vf.Taskset[ToolUseTask, ToolUseConfig]):
+class ToolUseTaskset(vf.Taskset[ToolUseTask, ToolUseConfig]):  # pyright: ignore[reportInvalidTypeArguments] (its config is ToolUseTaskConfig; verifiers' bound is invariant)
     def load(self):
         cfg = self.config
         rng = random.Random(cfg.seed)
         for i in range(cfg.num_tasks):
             a, b, c = (rng.randint(1, cfg.max_operand) for _ in range(3))
             prompt = f"Use the tools to compute ({a} + {b}) * {c}, then answer \\boxed{{value}}."
-            yield ToolUseTask(AnswerData(id=f"tools-{i}", prompt=prompt, answer=str((a + b) * c)), cfg.task)
+            data = AnswerData(id=f"tools-{i}", prompt=prompt, answer=str((a + b) * c))  # pyright: ignore[reportCallIssue] (verifiers' Field(default, ...) positional defaults read as required)
+            yield ToolUseTask(data, cfg.task)
