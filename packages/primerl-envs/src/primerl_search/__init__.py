@@ -18,7 +18,6 @@ are metrics, with the searches and opens made.
 
 from __future__ import annotations
 
-import json
 import re
 import string
 from collections import Counter
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Literal
 
 import verifiers.v1 as vf
+from primerl_envs.tasks import read_jsonl
+from pydantic import Field
 
 from primerl_search.tools import SearchState, SearchTools, SearchToolsConfig, load_corpus, search
 
@@ -80,7 +81,8 @@ def extract_answer(reply: str) -> str:
 
 class SearchData(vf.TaskData):
     question: str
-    answers: list[str]
+    answers: list[str] = Field(min_length=1)
+    """The reference answers (any one counts)."""
     corpus: str
 
 
@@ -157,21 +159,6 @@ class SearchTaskset(vf.Taskset[SearchTask, SearchConfig]):  # pyright: ignore[re
 
 
 def read_questions(path: Path) -> list[dict]:
-    """The questions of a JSONL file, each checked (a bad line raises ValueError naming it)."""
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            SearchData.model_validate(row)
-            if not row["answers"]:
-                raise ValueError("answers is empty")
-        except Exception as e:  # noqa: BLE001 - a JSON or field error: named with its line
-            raise ValueError(f"{path}:{n}: not a search question ({e})") from None
-        if not Path(row["corpus"]).is_absolute():
-            row["corpus"] = str(path.parent / row["corpus"])
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no questions")
-    return rows
+    """The questions of a JSONL file, each checked (a bad line raises ValueError naming it); a
+    relative `corpus` is taken from the file's folder."""
+    return read_jsonl(path, SearchData, "a search question", relative=("corpus",))

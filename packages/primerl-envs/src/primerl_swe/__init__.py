@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 import verifiers.v1 as vf
+from primerl_envs.tasks import read_jsonl
 from primerl_sandbox.tools import SandboxState, SandboxTools, SandboxToolsConfig, changes_of
 from pydantic import field_validator
 
@@ -139,20 +140,7 @@ class SweTaskset(vf.Taskset[SweTask, SweConfig]):  # pyright: ignore[reportInval
 
 
 def read_instances(path: Path) -> list[dict]:
-    """The instances of a JSONL file, each checked (a bad line raises ValueError naming it);
-    a relative `repo` is taken from the file's folder."""
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            SweData.model_validate({**row, "id": row.get("instance_id")})
-        except Exception as e:  # noqa: BLE001 - a JSON or field error: named with its line
-            raise ValueError(f"{path}:{n}: not a SWE instance ({e})") from None
-        repo = Path(row["repo"])
-        row["repo"] = str(repo if repo.is_absolute() else path.parent / repo)
-        rows.append({k: v for k, v in row.items() if k in SweData.model_fields})
-    if not rows:
-        raise ValueError(f"{path}: no instances")
-    return rows
+    """The instances of a JSONL file, each checked (a bad line raises ValueError naming it); a
+    relative `repo` is taken from the file's folder."""
+    rows = read_jsonl(path, SweData, "a SWE instance", relative=("repo",))
+    return [{k: v for k, v in row.items() if k in SweData.model_fields} for row in rows]

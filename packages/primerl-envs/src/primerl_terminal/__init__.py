@@ -16,10 +16,10 @@ files changed.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import verifiers.v1 as vf
+from primerl_envs.tasks import read_jsonl
 from primerl_sandbox.tools import SandboxState, SandboxTools, SandboxToolsConfig, changes_of
 from primerl_sandbox.workspace import Changes, Limits, Workspace, WorkspaceError
 
@@ -134,19 +134,6 @@ class TerminalTaskset(vf.Taskset[TerminalTask, TerminalConfig]):  # pyright: ign
 
 
 def read_tasks(path: Path) -> list[dict]:
-    """The tasks of a JSONL file, each checked (a bad line raises ValueError naming it)."""
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            TerminalData.model_validate(row)
-        except Exception as e:  # noqa: BLE001 - a JSON or field error: named with its line
-            raise ValueError(f"{path}:{n}: not a terminal task ({e})") from None
-        if row.get("workspace") and not Path(row["workspace"]).is_absolute():
-            row["workspace"] = str(path.parent / row["workspace"])
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no tasks")
-    return rows
+    """The tasks of a JSONL file, each checked (a bad line raises ValueError naming it); a
+    relative `workspace` is taken from the file's folder."""
+    return read_jsonl(path, TerminalData, "a terminal task", relative=("workspace",))
