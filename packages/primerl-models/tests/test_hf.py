@@ -99,7 +99,7 @@ def test_unsupported_model_type_lists_supported(tmp_path):
     write_config(tmp_path, model_type="gpt2")
     with pytest.raises(
         ValueError,
-        match=r"model_type 'gpt2' is not implemented .*supported: afmoe, glm4, glm4_moe, gpt_oss, laguna, llama, minimax_m2, nemotron_h, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe",
+        match=r"model_type 'gpt2' is not implemented .*supported: afmoe, glm4, glm4_moe, glm_moe_dsa, gpt_oss, laguna, llama, minimax_m2, nemotron_h, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe",
     ):
         load_model(tmp_path)
 

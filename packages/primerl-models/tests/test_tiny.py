@@ -15,6 +15,7 @@ from primerl_models.tiny import SPECIAL_TOKENS, build_tiny_model
         "qwen3_moe",
         "glm4",
         "glm4_moe",
+        "glm_moe_dsa",
         "minimax_m2",
         "gpt_oss",
         "afmoe",

@@ -115,6 +115,107 @@ class Attention:
 
 
 @dataclass(frozen=True)
+class DSAIndexer:
+    """DeepSeek Sparse Attention's indexer (GLM-5, DeepSeek-V3.2): per query t and key s <= t of
+    its document, score(t, s) = sum_j w_tj * relu(q_tj . k_s / sqrt(head_dim)), w_t =
+    weights_proj(x_t) / sqrt(num_heads), q from the query latent (wq_b), one k per token
+    (LayerNorm(wk(x))), both with RoPE on their first rotary dims; each query attends to its
+    `topk` best keys only."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+
+    def __post_init__(self) -> None:
+        if self.topk < 1:
+            raise ValueError(f"index_topk must be >= 1, got {self.topk}")
+
+    def num_params(self, dim: int, q_lora_rank: int) -> int:
+        h, k = self.num_heads, self.head_dim
+        return q_lora_rank * h * k + dim * k + 2 * k + dim * h
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head Latent Attention (DeepSeek-V3, GLM-5): q through a low-rank latent (q_a_proj,
+    RMSNorm, q_b_proj; or one q_proj when q_lora_rank is None); keys and values from one shared
+    latent of kv_lora_rank (kv_a_proj_with_mqa, RMSNorm, kv_b_proj) plus a RoPE part of
+    qk_rope_head_dim shared by the heads; each head's q and k are [nope, rope], its value
+    v_head_dim wide. With `indexer` (DSA), each query attends only to the keys its indexer
+    selects; a layer with `reuse_topk` (GLM-5's "shared" indexer layers) takes the selection of
+    the layer that wrote `topk_slot`."""
+
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope: Rope
+    softmax_scale: float | None = None
+    """None: 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim) (the family adds YaRN's mscale^2)."""
+    bias: bool = False
+    """q_a_proj, kv_a_proj_with_mqa and o_proj have biases (attention_bias)."""
+    latent_eps: float = 1e-6
+    """The latents' RMSNorms' epsilon (fixed at 1e-6 in DeepSeek's and GLM-5's code)."""
+    indexer: DSAIndexer | None = None
+    reuse_topk: bool = False
+    topk_slot: int = 0
+    """The layer whose selection a sparse layer uses (its own, when it has an indexer)."""
+
+    def __post_init__(self) -> None:
+        if self.rope.rotary_dim != self.qk_rope_head_dim:
+            raise ValueError(
+                f"MLA rotary_dim ({self.rope.rotary_dim}) must be qk_rope_head_dim ({self.qk_rope_head_dim})"
+            )
+        if self.indexer is not None and self.reuse_topk:
+            raise ValueError("an MLA layer has its own indexer or reuses another layer's selection, not both")
+        if self.indexer is not None and self.q_lora_rank is None:
+            raise ValueError("the DSA indexer reads the query latent: it needs q_lora_rank")
+        if self.indexer is not None and self.indexer.head_dim < self.qk_rope_head_dim:
+            raise ValueError(
+                f"index_head_dim ({self.indexer.head_dim}) is smaller than qk_rope_head_dim ({self.qk_rope_head_dim})"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def sparse(self) -> bool:
+        return self.indexer is not None or self.reuse_topk
+
+    @property
+    def scale(self) -> float:
+        return self.qk_head_dim**-0.5 if self.softmax_scale is None else self.softmax_scale
+
+    def cp_splits(self) -> list[tuple[int, str]]:
+        return [(self.num_heads, "attention heads (num_attention_heads)")]
+
+    def mixing_flops(self, lengths: list[float]) -> float:
+        """Causal attention's 6 x (QK^T + AV) over each document (as if dense: the selection is
+        exact but computed densely), plus the indexer's q.k products."""
+        pairs = sum(n * n / 2 for n in lengths)
+        flops = 6 * self.num_heads * (self.qk_head_dim + self.v_head_dim) * pairs
+        if self.indexer is not None:
+            flops += 2 * self.indexer.num_heads * self.indexer.head_dim * pairs
+        return flops
+
+    def num_params(self, dim: int) -> int:
+        h, qk, r = self.num_heads, self.qk_head_dim, self.kv_lora_rank
+        if self.q_lora_rank is None:
+            q = dim * h * qk
+        else:
+            q = dim * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk
+            q += self.q_lora_rank if self.bias else 0
+        kv = dim * (r + self.qk_rope_head_dim) + r + r * h * (self.qk_nope_head_dim + self.v_head_dim)
+        kv += (r + self.qk_rope_head_dim) if self.bias else 0
+        o = h * self.v_head_dim * dim + (dim if self.bias else 0)
+        index = 0 if self.indexer is None else self.indexer.num_params(dim, self.q_lora_rank or 0)
+        return q + kv + o + index
+
+
+@dataclass(frozen=True)
 class GatedDeltaNet:
     """Gated DeltaNet linear attention (Qwen3.5's "linear_attention" layers): q, k, v from one
     projection through a depthwise causal conv (SiLU), L2-normalised q and k, a per-head decay
@@ -394,7 +495,7 @@ class Vision:
 class Layer:
     """One decoder layer: pre-norm mixer and MLP, each added to the residual stream."""
 
-    mixer: Attention | GatedDeltaNet | Mamba2 | None
+    mixer: Attention | MLA | GatedDeltaNet | Mamba2 | None
     mlp: MLPSpec | None
     """Either may be None: Nemotron-H's layers are a mixer alone or an MLP alone."""
     sandwich_norm: bool = False

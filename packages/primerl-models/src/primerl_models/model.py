@@ -24,11 +24,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from primerl_models.args import Attention, DenseMLP, GatedDeltaNet, Layer, Mamba2, ModelArgs, MoEMLP, Rope
+from primerl_models.args import MLA, Attention, DenseMLP, GatedDeltaNet, Layer, Mamba2, ModelArgs, MoEMLP, Rope
 from primerl_models.blocks.attention import Backend, SelfAttention
 from primerl_models.blocks.gated_deltanet import GatedDeltaNetMixer
 from primerl_models.blocks.mamba2 import Mamba2Mixer
 from primerl_models.blocks.mixer import Mixer
+from primerl_models.blocks.mla import MLAttention
 from primerl_models.blocks.mlp import dense_mlp
 from primerl_models.blocks.moe import MoE
 from primerl_models.blocks.norms import RMSNorm
@@ -39,6 +40,7 @@ from primerl_models.packing import PackedSeqs
 
 MIXERS: dict[type, tuple[str, Callable[..., Mixer]]] = {
     Attention: ("self_attn", SelfAttention),
+    MLA: ("self_attn", MLAttention),
     GatedDeltaNet: ("linear_attn", lambda spec, dim, eps, zero_centered: GatedDeltaNetMixer(spec, dim, eps)),
     Mamba2: ("mamba", lambda spec, dim, eps, zero_centered: Mamba2Mixer(spec, dim, eps)),
 }

@@ -3,6 +3,7 @@ layer's specs (args.py), whose fields are the only settings they read.
 
     mixer.py           Mixer: what a token mixer is to the layer (its call, positions, prepare)
     attention.py       SelfAttention and the causal attention back-ends (sdpa, varlen, flex)
+    mla.py             Multi-head Latent Attention and DSA's top-k indexer (GLM-5)
     gated_deltanet.py  Gated DeltaNet (Qwen3.5) and its exact chunked delta rule
     mamba2.py          Mamba2 (Nemotron-H) and its chunked state space scan
     recurrent.py       what the recurrent mixers share: chunk layout, causal conv, head split

@@ -4,6 +4,7 @@ from primerl_models.families.afmoe import AFMOE
 from primerl_models.families.base import Family, TinyShape
 from primerl_models.families.glm4 import GLM4
 from primerl_models.families.glm4_moe import GLM4_MOE
+from primerl_models.families.glm_moe_dsa import GLM_MOE_DSA
 from primerl_models.families.gpt_oss import GPT_OSS
 from primerl_models.families.laguna import LAGUNA
 from primerl_models.families.llama import LLAMA
@@ -21,6 +22,7 @@ FAMILIES: dict[str, Family] = {
         QWEN3_MOE,
         GLM4,
         GLM4_MOE,
+        GLM_MOE_DSA,
         MINIMAX_M2,
         GPT_OSS,
         AFMOE,
