@@ -309,9 +309,14 @@ def test_package_installs_alone_and_runs(name, tmp_path, constraints):
 
 
 def _guarded(tree: ast.AST) -> set[int]:
-    """ids of import nodes inside a `try` that catches ImportError (optional imports)."""
+    """ids of import nodes inside a `try` that catches ImportError (optional imports) or under
+    `if TYPE_CHECKING:` (read by the type checker only, never run)."""
     guarded = set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            guarded |= {
+                id(n) for stmt in node.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))
+            }
         if isinstance(node, ast.Try) and any(
             isinstance(h.type, ast.Name)
             and h.type.id in ("ImportError", "ModuleNotFoundError")

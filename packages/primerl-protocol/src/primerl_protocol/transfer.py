@@ -173,10 +173,9 @@ def open_group(host: str, port: int, secret: str, rank: int, world_size: int, ti
     to this group again."""
     from datetime import timedelta
 
-    from torch.distributed.distributed_c10d import PrefixStore
-
-    torch = _torch()
+    torch = _torch()  # first: without torch, its clear error rather than an ImportError
     dist = torch.distributed
+    PrefixStore = dist.distributed_c10d.PrefixStore  # public API that torch.distributed's stub does not re-export
 
     timeout = timedelta(seconds=timeout_s if rank == 0 else 2 * timeout_s)
     if store is None:
