@@ -169,8 +169,6 @@ def test_files_in_and_out_and_changes_against_the_source(tmp_path):
     (repo / "gone.txt").write_text("bye\n")
 
     async def go():
-        async with Workspace() as ws:
-            pass
         ws = Workspace()
         await ws.start(repo)
         try:

@@ -123,7 +123,7 @@ def test_tool_use_runs_tools_over_turns_and_is_cut_at_max_turns(server):
     assert right.reward == 1.0 and not right.truncated
     # the episode's token budget at its bound: each turn generates the same T tokens (forced);
     # a budget of 2T allows two turns (the third is refused: 2T reached), 2T + 1 a third
-    sampled = verifiers_output_tokens(trace)
+    sampled = trace.num_output_tokens  # what verifiers counts against max_output_tokens
     assert sampled % 3 == 0
     per_turn = sampled // 3
     for budget, turns in ((2 * per_turn, 2), (2 * per_turn + 1, 3)):
@@ -131,11 +131,6 @@ def test_tool_use_runs_tools_over_turns_and_is_cut_at_max_turns(server):
         ((_, capped_trace, cut),) = episode(server, capped, forced(call))
         assert cut.truncated and cut.metrics["episode/turns"] == turns, (budget, cut.metrics)
         assert [m.role for m in capped_trace.messages].count("tool") == turns - 1  # the last turn's call never runs
-
-
-def verifiers_output_tokens(trace) -> int:
-    """The tokens verifiers counts against max_output_tokens."""
-    return trace.num_output_tokens
 
 
 def tool_call(name: str, **arguments) -> str:

@@ -157,6 +157,11 @@ def listing(req: dict) -> dict:
     return {"entries": entries, "more": more}
 
 
+HASHES: dict = {}
+"""path -> ((inode, size, mtime_ns, ctime_ns), sha256): a file whose stat is unchanged is not
+read again (the toolset asks for the changes after every tool call that can change files)."""
+
+
 def tree() -> dict:
     """path -> ("f", sha256) | ("l", link target) of everything under /work."""
     found = {}
@@ -167,8 +172,13 @@ def tree() -> dict:
             if os.path.islink(full):
                 found[rel] = ("l", os.readlink(full))
             elif name in files and os.path.isfile(full):
-                with open(full, "rb") as f:
-                    found[rel] = ("f", hashlib.sha256(f.read()).hexdigest())
+                st = os.stat(full)
+                key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                cached = HASHES.get(rel)
+                if cached is None or cached[0] != key:
+                    with open(full, "rb") as f:
+                        cached = HASHES[rel] = (key, hashlib.sha256(f.read()).hexdigest())
+                found[rel] = ("f", cached[1])
     return found
 
 

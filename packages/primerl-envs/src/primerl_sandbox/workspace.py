@@ -30,6 +30,7 @@ each process, and `claim_run`, reap.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import io
@@ -130,16 +131,12 @@ class Changes:
         return bool(self.files or self.symlinks or self.deleted)
 
     def to_json(self) -> dict:
-        import base64
-
         files = {p: base64.b64encode(d).decode() for p, d in self.files.items()}
         return {"files": files, "symlinks": dict(self.symlinks), "deleted": list(self.deleted)}
 
     @classmethod
     def from_json(cls, data: dict) -> Changes:
         """From `to_json`'s form, checked: anything else raises ValueError naming what."""
-        import base64
-
         if not isinstance(data, dict):
             raise ValueError(f"changes: expected an object, got {type(data).__name__}")
         files, links, deleted = data.get("files", {}), data.get("symlinks", {}), data.get("deleted", [])
@@ -344,8 +341,6 @@ class Workspace:
             if not first.startswith(b'{"id": 0, "ready": true}'):
                 raise WorkspaceError(f"the sandbox did not start: {self._said()}")
             if tar is not None:
-                import base64
-
                 await self._call("extract", tar=base64.b64encode(tar).decode())
         except BaseException:
             await self.close()
@@ -433,8 +428,6 @@ class Workspace:
     async def read(self, path: str, max_bytes: int = 1 << 20) -> bytes:
         """The file at `path` (relative to /work); OSError-like failures raise FileNotFoundError /
         ValueError with the sandbox's words."""
-        import base64
-
         reply = await self._call("read", path=path, max_bytes=max_bytes)
         if "error" in reply:
             raise OSError(reply["error"])
@@ -444,8 +437,6 @@ class Workspace:
         return data
 
     async def write(self, path: str, data: bytes) -> None:
-        import base64
-
         reply = await self._call("write", path=path, data=base64.b64encode(data).decode())
         if "error" in reply:
             raise OSError(reply["error"])

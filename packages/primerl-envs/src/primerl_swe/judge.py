@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from primerl_sandbox.workspace import Changes, Limits, Workspace, WorkspaceError
 
@@ -88,7 +88,7 @@ async def judge(instance, changes: Changes | None, limits: Limits, test_timeout_
         paths = set(changes.files) | set(changes.symlinks) | set(changes.deleted)
         verdict.changed_files = len(paths)
         kept = changes.without({p for p in paths if protected(p, test_files)})
-    limits = Limits(**{**asdict(limits), "command_timeout_s": max(limits.command_timeout_s, test_timeout_s)})
+    limits = replace(limits, command_timeout_s=max(limits.command_timeout_s, test_timeout_s))
     workspace = Workspace(limits)
     try:
         await workspace.start(instance.repo)
