@@ -26,6 +26,7 @@ runs with `:eager`); its timings mean nothing and it reports no memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -307,6 +308,86 @@ SHAPES = {
         ),
         8192,
     ),
+    # NVIDIA Nemotron 3 Super (nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16) cut to 4 layers:
+    # Mamba2, latent MoE, Mamba2, attention (its pattern's first three layers, then its first
+    # attention layer, the 8th: one of each kind, Mamba2 to MoE 1:1 as in its 40 + 40 + 8 layers).
+    # The numbers as public code quotes its config.json (Megatron-Bridge's NemotronH bridge test:
+    # 512 experts top-22 of width 2688, latent 1024, shared expert 5376, routed_scaling_factor 5;
+    # other projects' checks of the released config: hidden 4096, 32 heads of 128, 2 kv heads,
+    # Mamba2 128 heads of 64, 8 groups, state 128, vocabulary 131072), cross-checked with NVIDIA's
+    # deployment guide (latent "d=4096 -> l=1024"); the official file itself was not read. No MTP
+    # layer (not trained). 4.2B parameters (2.8B the MoE layer's experts): ~67 GB of fp32 weights,
+    # gradients and AdamW states.
+    "nemotron-3-super-4l": (
+        "nemotron_h",
+        dict(
+            vocab_size=131072,
+            hidden_size=4096,
+            layers_block_type=["linear_attention", "moe", "linear_attention", "full_attention"],
+            num_attention_heads=32,
+            num_key_value_heads=2,
+            head_dim=128,
+            mamba_num_heads=128,
+            mamba_head_dim=64,
+            ssm_state_size=128,
+            n_groups=8,
+            conv_kernel=4,
+            chunk_size=128,
+            n_routed_experts=512,
+            num_experts_per_tok=22,
+            moe_intermediate_size=2688,
+            moe_latent_size=1024,
+            n_shared_experts=1,
+            moe_shared_expert_intermediate_size=5376,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=5.0,
+            norm_topk_prob=True,
+            mlp_hidden_act="relu2",
+            layer_norm_epsilon=1e-5,
+            num_nextn_predict_layers=0,
+            tie_word_embeddings=False,
+        ),
+        8192,
+    ),
+    # zai-org/GLM-5's shape (transformers 5.19's GlmMoeDsaConfig defaults, which are its config)
+    # cut to 3 layers: its first (dense) layer and 2 MoE layers (256 experts top-8 of width 2,048,
+    # one shared expert, the sigmoid router with groups of 1), MLA at its real head and latent
+    # sizes, the DSA indexer (32 heads of 128, top-2048 keys) in every layer. Run with :bf16
+    # (~21.7B parameters: fp32 weights with AdamW's states do not fit one GPU).
+    "glm-5-3l": (
+        "glm_moe_dsa",
+        dict(
+            vocab_size=154880,
+            hidden_size=6144,
+            intermediate_size=12288,
+            moe_intermediate_size=2048,
+            num_hidden_layers=3,
+            num_attention_heads=64,
+            num_key_value_heads=64,
+            n_shared_experts=1,
+            n_routed_experts=256,
+            routed_scaling_factor=2.5,
+            kv_lora_rank=512,
+            q_lora_rank=2048,
+            qk_rope_head_dim=64,
+            v_head_dim=256,
+            qk_nope_head_dim=192,
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            rms_norm_eps=1e-5,
+            index_topk=2048,
+            index_head_dim=128,
+            index_n_heads=32,
+            first_k_dense_replace=1,
+            indexer_types=["full", "full", "full"],
+            num_nextn_predict_layers=0,
+            tie_word_embeddings=False,
+        ),
+        16384,
+    ),
 }
 
 # The images of a vision-language shape's row, (t, h, w) patch grids, each image's tokens
@@ -363,13 +444,16 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+BF16 = False  # the :bf16 flag: weights in bf16, built so, and plain SGD (no optimizer state), for both
+
+
 def build_transformers(name: str, ac: bool, train_tower: bool = False):
     import transformers
 
     cfg = hf_dict(name)
     config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
     vlm = "vision_config" in cfg
-    with torch.device(DEVICE):
+    with torch.device(DEVICE), default_dtype(torch.bfloat16 if BF16 else torch.float32):
         # GPT-OSS's sinks are not in transformers' sdpa path; its flex path has them
         attn = "flex_attention" if cfg["model_type"] == "gpt_oss" else "sdpa"
         auto = transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
@@ -391,14 +475,24 @@ def build_transformers(name: str, ac: bool, train_tower: bool = False):
     return model, step
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def build_ours(
     name: str, ac: bool, compile_layers: bool, attn: str = "auto", lora_rank: int = 0, train_tower: bool = False
 ):
     args = our_args(name)
     args.freeze_vision = not train_tower
-    with torch.device(DEVICE):
+    with torch.device(DEVICE), default_dtype(torch.bfloat16 if BF16 else torch.float32):
         model = Transformer(args, attn_backend=attn)
-    model.init_weights()
+        model.init_weights()
     if lora_rank:  # the trainer's adapters (primerl_trainer.lora) on every attention and MLP projection
         from types import SimpleNamespace
 
@@ -536,7 +630,8 @@ def image_row(name: str, seq: int, g: torch.Generator) -> tuple[torch.Tensor, di
 
 
 def measure(model, step, seq: int, steps: int, docs: int = 1, vocab: int = VOCAB, name: str | None = None) -> dict:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1e-5, foreach=True) if BF16 else torch.optim.AdamW(params, lr=1e-5, fused=True)
     g = torch.Generator(device=DEVICE).manual_seed(0)
     if name in IMAGES:
         if docs != 1:
@@ -638,7 +733,7 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser()
     # qwen3-30b-a3b (48 layers) is for several GPUs; the tiny shape for --device cpu
-    default = [n for n in SHAPES if n not in ("qwen3-30b-a3b", "qwen3.5-vl-tiny")]
+    default = [n for n in SHAPES if n not in ("qwen3-30b-a3b", "qwen3.5-vl-tiny", "glm-5-3l")]
     parser.add_argument("--models", default=",".join(default))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -659,7 +754,8 @@ def main() -> None:
         help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower][:torchgdn][:keep], e.g. "
         "transformers:ac,ours,ours:docs8,ours:lora16,ours:tower (tower: the vision tower trained, "
         "not frozen; torchgdn: Gated DeltaNet in the fp32 torch form, not fla's kernels; keep: the logits kept "
-        "for the backward, not recomputed)",
+        "for the backward, not recomputed; bf16: weights in bf16 and plain SGD, for shapes whose fp32 weights "
+        "and AdamW states do not fit)",
     )
     parser.add_argument(
         "--device",
@@ -668,7 +764,7 @@ def main() -> None:
         help="cpu: check the code path (tiny shapes, :eager runs); no memory, timings mean nothing",
     )
     args = parser.parse_args()
-    global PROFILE, DEVICE, KEEP_LOGITS, TRACE, HOST_PROFILE
+    global PROFILE, DEVICE, KEEP_LOGITS, TRACE, HOST_PROFILE, BF16
     PROFILE = args.profile
     HOST_PROFILE = args.host_profile
     TRACE = args.trace
@@ -686,6 +782,7 @@ def main() -> None:
             # torchgdn: Gated DeltaNet layers through the exact fp32 chunked form, not fla's kernels
             gated_deltanet.FAST_KERNELS = "torchgdn" not in flags
             KEEP_LOGITS = "keep" in flags
+            BF16 = "bf16" in flags
             TRACE = args.trace and args.trace.replace("{run}", spec.replace(":", "-"))
             row = run(
                 name,
@@ -701,6 +798,7 @@ def main() -> None:
             )
             row["gdn"] = "fla" if fla and "torchgdn" not in flags else "torch"
             row["keep_logits"] = KEEP_LOGITS
+            row["weights"] = "bf16 + SGD" if BF16 else "fp32 + AdamW"
             row["lora_rank"] = lora
             row["tf32"] = args.tf32
             rows.append(row)

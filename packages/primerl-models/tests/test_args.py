@@ -30,6 +30,21 @@ def test_parameter_counts_are_those_of_the_built_model(family, tie):
     assert args.num_active_params() == args.num_params(embeddings=False) - skipped
 
 
+def test_latent_expert_counts_are_those_of_the_built_layer():
+    """Latent experts (Nemotron 3 Super): each expert L wide instead of D, plus one pair of
+    D x L projections per layer, which every token goes through (active)."""
+    spec = MoEMLP(Routing(num_experts=4, top_k=2), Experts(size=16, activation="relu2"), latent_size=8)
+    args = ModelArgs("test", vocab_size=10, hidden_size=32, layers=[Layer(None, spec)])
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert args.num_params() == sum(p.numel() for p in model.parameters())
+    d, latent, f = 32, 8, 16
+    assert spec.num_params(d) == 4 * 2 * latent * f + 4 * d + 2 * d * latent
+    assert spec.num_active_params(d) == 2 * 2 * latent * f + 4 * d + 2 * d * latent
+    with pytest.raises(ValueError, match="moe_latent_size must be a positive width"):
+        MoEMLP(Routing(num_experts=4, top_k=2), Experts(size=16), latent_size=0)
+
+
 def test_train_flops_count_each_layer_by_its_own_kind():
     """Two layers of different heads and MLPs: 6 N_active per token plus, per layer,
     6 H K n^2 per document (causal QK^T and AV, forward and backward)."""

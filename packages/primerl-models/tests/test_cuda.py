@@ -565,3 +565,86 @@ def test_causal_conv_kernels_match_fp64_cpu_with_gradients():
         want = want.detach()
         tol = dtype_u * want.abs() + 1e-5 * float(want.abs().max())
         check_every_element(f"conv {name}", got.double().cpu(), want, tol)
+
+
+def test_sparse_mla_bf16_on_gpu_matches_the_fp64_oracle_with_gradients(monkeypatch):
+    """GLM-5's attention (its head and latent sizes, 16 heads, top-256 of packed rows of 1,536
+    tokens): the sparse absorbed path in bf16 autocast against the oracle (every head's own keys
+    under the selection's mask) in fp64 over the same bf16-rounded weights and input, both with
+    the selection the indexer made in bf16.
+
+    Bound per element of the attention output o (before o_proj), counted in roundings: the
+    logits see the absorbed q rounded once (U of each product term of q . c) and P is rounded
+    before AV (U), the output is rounded (U) and taken through kv_b's value part (a bf16
+    matmul, U): |o - o64| <= (3 U + d) (M + |o64|), M = sum_s p_s |v_s| (the output's magnitude
+    before cancellation), d = scale U max_s sum_l |q_l k_sl| (latent and rope parts), the largest logit error over the
+    query's keys. Gradients of the block's weights within 8 U relative (L2)."""
+    from primerl_models.args import MLA, DSAIndexer, Rope
+    from primerl_models.blocks import mla
+    from primerl_models.blocks.rope import apply_rope, inv_freq, rope_cos_sin
+
+    torch.manual_seed(0)
+    nope, v_dim, lat, h = 192, 256, 512, 16
+    spec = MLA(
+        num_heads=h,
+        q_lora_rank=256,
+        kv_lora_rank=lat,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=64,
+        v_head_dim=v_dim,
+        rope=Rope(rotary_dim=64, theta=1e6, interleaved=True),
+        indexer=DSAIndexer(num_heads=8, head_dim=128, topk=256),
+    )
+    block = mla.MLAttention(spec, dim=512, eps=1e-6).to(CUDA)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(p.to(torch.bfloat16))  # bf16-rounded weights for both
+    lengths = [700, 836]
+    t = sum(lengths)
+    pos = packed_positions(lengths)
+    cos, sin = rope_cos_sin(pos, inv_freq(spec.rope), interleaved=True)
+    x = torch.randn(1, t, 512, device=CUDA).bfloat16().float()
+    with torch.no_grad(), torch.autocast(CUDA, dtype=torch.bfloat16):
+        q_latent = block.q_a_layernorm(block.q_a_proj(x))
+        chosen = block._choose(x, q_latent, cos, sin, PackedSeqs.from_position_ids(pos), 0, None, True)
+    assert chosen.index_BCS is not None and chosen.valid_BCS is not None
+    mask = torch.zeros(1, t, t, dtype=torch.long, device=CUDA)
+    mask = mask.scatter_add(-1, chosen.index_BCS, chosen.valid_BCS.long()) > 0
+    assert int(mask.sum(-1).max()) == 256 and int(mask.sum(-1).min()) == 1
+
+    def run(fast: bool, dtype):
+        monkeypatch.setattr(mla, "FAST_PATH", fast)
+        monkeypatch.setattr(mla.MLAttention, "_choose", lambda *a: chosen if fast else mla.Selection(mask_BCT=mask))
+        ref = copy.deepcopy(block).to(dtype)
+        seen = []
+        ref.o_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+        with torch.autocast(CUDA, dtype=torch.bfloat16, enabled=fast):
+            out = ref(x.to(dtype), cos.to(dtype), sin.to(dtype), PackedSeqs.from_position_ids(pos), "auto")
+        out.float().square().mean().backward()
+        return seen[0].view(1, t, h, v_dim), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}, ref
+
+    o_fast, g_fast, _ = run(True, torch.float32)
+    o64, g64, ref = run(False, torch.float64)
+    with torch.no_grad():  # the bound's magnitudes, from the fp64 block's own tensors
+        q = ref.q_b_proj(ref.q_a_layernorm(ref.q_a_proj(x.double()))).view(1, t, h, -1)
+        c, k_rope = ref.kv_a_proj_with_mqa(x.double()).split([lat, 64], dim=-1)
+        c = ref.kv_a_layernorm(c)
+        q_rope = apply_rope(q[..., nope:], cos.double(), sin.double(), interleaved=True)
+        k_rope = apply_rope(k_rope[:, :, None], cos.double(), sin.double(), interleaved=True)[:, :, 0]
+        w = ref.kv_b_proj.weight.view(h, nope + v_dim, lat)
+        q_abs = torch.einsum("bthn,hnl->bthl", q[..., :nope], w[:, :nope])
+        v = torch.einsum("bsl,hvl->bhsv", c, w[:, nope:])
+        logits = torch.einsum("bthl,bsl->bhts", q_abs, c) * spec.scale
+        logits = logits + torch.einsum("bthr,bsr->bhts", q_rope, k_rope) * spec.scale
+        p = logits.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+        mag = torch.einsum("bhts,bhsv->bthv", p, v.abs())
+        terms = torch.einsum("bthl,bsl->bhts", q_abs.abs(), c.abs())
+        terms += torch.einsum("bthr,bsr->bhts", q_rope.abs(), k_rope.abs())
+        d = spec.scale * U * terms.masked_fill(~mask[:, None], 0)
+        d = d.amax(-1).transpose(1, 2)[..., None]
+    check_every_element("sparse MLA o", o_fast, o64, (3 * U + d) * (mag + o64.abs()))
+    assert g_fast.keys() == g64.keys() and "kv_b_proj.weight" in g64 and not any("indexer" in n for n in g64)
+    for name, grad in g64.items():
+        rel = float((g_fast[name].double() - grad).norm() / grad.norm())
+        print(f"sparse MLA grad {name} rel {rel:.2e}")
+        assert rel <= 8 * U, name

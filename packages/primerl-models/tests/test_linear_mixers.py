@@ -143,6 +143,29 @@ CASES = {
             tie_word_embeddings=True,
         ),
     ),
+    # Nemotron 3 Super's latent experts (LatentMoE): 8 experts top-3 in a latent of 24 (of 64),
+    # between fc1_latent_proj and fc2_latent_proj; the router and the shared expert on the full
+    # width; two MoE layers, Super's routed_scaling_factor of 5.
+    "nemotronh-latent-experts": (
+        transformers.NemotronHConfig,
+        dict(
+            layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+            num_key_value_heads=2,
+            mamba_num_heads=8,
+            mamba_head_dim=8,
+            ssm_state_size=16,
+            n_groups=2,
+            conv_kernel=4,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            moe_latent_size=24,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=5.0,
+        ),
+    ),
 }
 LENGTHS = [70, 5, 130]  # 2, 1 and 3 chunks of 64
 
@@ -304,8 +327,39 @@ def test_ssd_scan_equals_the_recurrence_with_its_gradients():
         torch.testing.assert_close(x, y, atol=1e-9, rtol=0, msg=name)
 
 
+def test_latent_experts_run_in_the_latent_and_swapped_projections_fail_parity(tmp_path):
+    """The latent case's experts are stacked at the latent width (EP shards them as any), its
+    parameters count as transformers' do, and the parity check above sees the latent
+    projections: each replaced by the other's transpose (same shapes), the logits move far
+    beyond its 1e-4."""
+    hf = hf_checkpoint("nemotronh-latent-experts", tmp_path)
+    ours = load_model(tmp_path).eval()
+    moe = ours.layers[1].mlp
+    assert moe.fc1_latent_proj is not None and moe.fc2_latent_proj is not None
+    assert moe.experts.w_up.shape == (8, 24, 32) and moe.experts.w_down.shape == (8, 32, 24)
+    assert ours.args.num_params() == sum(p.numel() for p in hf.parameters())
+    _, ids, pos = packed([40])
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        torch.testing.assert_close(ours.logits(ids, pos), expected, atol=1e-4, rtol=0)
+        for layer in (1, 3):
+            moe = ours.layers[layer].mlp
+            fc1, fc2 = moe.fc1_latent_proj.weight, moe.fc2_latent_proj.weight
+            fc1_t, fc2_t = fc1.T.clone(), fc2.T.clone()
+            fc1.copy_(fc2_t)
+            fc2.copy_(fc1_t)
+        swapped = ours.logits(ids, pos)
+    assert (swapped - expected).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize(
-    "case", ["nemotronh-all-kinds-groups", "nemotronh-one-group-nobias-tied", "qwen35-3to1-grouped-heads"]
+    "case",
+    [
+        "nemotronh-all-kinds-groups",
+        "nemotronh-one-group-nobias-tied",
+        "nemotronh-latent-experts",
+        "qwen35-3to1-grouped-heads",
+    ],
 )
 def test_round_trip_is_exact(case, tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
@@ -324,6 +378,8 @@ def test_nemotron_h_pattern_string_and_unsupported_options():
         "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]
     }
     listed = family.args_from_hf(cfg)
+    assert listed.layers[1].mlp.latent_size is None
+    assert family.args_from_hf(cfg | {"moe_latent_size": 16}).layers[1].mlp.latent_size == 16
     pattern = {k: v for k, v in cfg.items() if k != "layers_block_type"} | {"hybrid_override_pattern": "ME*-"}
     assert family.args_from_hf(pattern).layers == listed.layers
     assert [type(layer.mixer).__name__ if layer.mixer else type(layer.mlp).__name__ for layer in listed.layers] == [
@@ -334,7 +390,6 @@ def test_nemotron_h_pattern_string_and_unsupported_options():
     ]
     for key, value, message in [
         ("hybrid_override_pattern", "M*X", "characters of"),
-        ("moe_latent_size", 16, "latent expert projections"),
         ("mlp_hidden_act", "silu", "'relu2' only"),
     ]:
         bad = (pattern if key == "hybrid_override_pattern" else cfg) | {key: value}

@@ -121,7 +121,7 @@ def reference(folder: Path, dtype: torch.dtype) -> dict:
             loss, _ = loss_fn(model, mb)
             loss.backward()
             total += float(loss)
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         out[job] = {
             "loss": total,
             "grad_norm": float(torch.nn.utils.get_total_norm(list(grads.values()))),
@@ -136,6 +136,8 @@ def capture_grads(s: Session, into: dict) -> None:
 
     def hook(_opt, _args, _kwargs):
         for name, p in s.model.named_parameters():
+            if not p.requires_grad:  # frozen (GLM-5's indexer)
+                continue
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             if s.d.rank == 0:
                 into[name] = g.detach().clone()

@@ -6,7 +6,9 @@ the RL and SFT trainers' own losses and packing; torchrun, gloo, CPU, fp32) give
 loss, gradient norm and gradients as one process training a plain copy of the model on the
 same global batch. Three MoE families with different routers: Qwen3-MoE (softmax top-k),
 GLM-4.5 (grouped sigmoid with a correction bias, shared experts, a dense first layer) and
-GPT-OSS (softmax over the top-k with router and expert biases, sinks, sliding windows).
+GPT-OSS (softmax over the top-k with router and expert biases, sinks, sliding windows); and
+GLM-5 for its attention (MLA whose queries attend to DSA's selected keys only; under CP each rank
+gathers the row's latent rows and keeps its queries).
 
 Tolerances. The one-process reference is computed twice, in fp32 and in fp64 (the exact
 gradients, for these purposes); fp32 alone is already ~1.6e-6 relative off them on these
@@ -17,7 +19,7 @@ within 1e-6 relative beyond the fp32 process's own error, and each parameter's g
 1e-5 of its own norm beyond the fp32 process's own error for it (a parameter whose gradient is
 halved, the bug found at ep = world, is off by 0.5).
 
-The fast tests (2 ranks, Qwen3-MoE, ep = world = 2 and cp = 2) run in `-m "not slow"`, so an
+The fast tests (2 ranks, Qwen3-MoE and GLM-5, ep = world = 2 and cp = 2) run in `-m "not slow"`, so an
 EP or CP regression fails the development subset; the whole matrix is slow.
 """
 
@@ -44,6 +46,8 @@ FAMILIES = {
         config_overrides={"n_group": 2, "topk_group": 1, "first_k_dense_replace": 1},
     ),
     "gpt_oss": dict(hidden_size=32, init_std=0.2, seed=3),
+    # MLA with DSA's top-4 keys (rows are longer): CP gathers the latent rows, queries stay local
+    "glm_moe_dsa": dict(hidden_size=32, num_layers=3, init_std=0.2, seed=4, router_bias_std=0.1),
 }
 FAST = ("ep2cp1", "ep1cp2")
 
@@ -90,7 +94,7 @@ def check_step(ranks: list[dict], family: str, layout: str) -> None:
 
 @pytest.fixture(scope="module")
 def fast(models, tmp_path_factory):
-    return run_matrix(models, tmp_path_factory.mktemp("layouts-fast"), 2, ",".join(FAST), ["qwen3_moe"])
+    return run_matrix(models, tmp_path_factory.mktemp("layouts-fast"), 2, ",".join(FAST), ["qwen3_moe", "glm_moe_dsa"])
 
 
 def test_expert_parallel_over_every_rank_trains_as_one_process(fast):
@@ -101,6 +105,12 @@ def test_expert_parallel_over_every_rank_trains_as_one_process(fast):
 
 def test_context_parallel_over_two_ranks_trains_as_one_process(fast):
     check_step(fast, "qwen3_moe", "ep1cp2")
+
+
+@pytest.mark.parametrize("layout", FAST)
+def test_glm5_sparse_attention_over_two_ranks_trains_as_one_process(fast, layout):
+    """GLM-5's own CP (each rank its queries, the row's latent rows gathered) and EP = world."""
+    check_step(fast, "glm_moe_dsa", layout)
 
 
 _matrix: dict[int, list[dict]] = {}

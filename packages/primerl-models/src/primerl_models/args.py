@@ -162,12 +162,16 @@ class MLA:
     reuse_topk: bool = False
     topk_slot: int = 0
     """The layer whose selection a sparse layer uses (its own, when it has an indexer)."""
+    reused_topk: int = 0
+    """With `reuse_topk`: the keys per query of the selection it reuses (its indexer's topk)."""
 
     def __post_init__(self) -> None:
         if self.rope.rotary_dim != self.qk_rope_head_dim:
             raise ValueError(
                 f"MLA rotary_dim ({self.rope.rotary_dim}) must be qk_rope_head_dim ({self.qk_rope_head_dim})"
             )
+        if self.reuse_topk and self.reused_topk < 1:
+            raise ValueError("an MLA layer reusing another layer's selection needs that selection's topk (reused_topk)")
         if self.indexer is not None and self.reuse_topk:
             raise ValueError("an MLA layer has its own indexer or reuses another layer's selection, not both")
         if self.indexer is not None and self.q_lora_rank is None:
@@ -186,17 +190,27 @@ class MLA:
         return self.indexer is not None or self.reuse_topk
 
     @property
+    def topk(self) -> int:
+        """The keys a sparse layer's query attends to at most."""
+        return self.indexer.topk if self.indexer is not None else self.reused_topk
+
+    @property
     def scale(self) -> float:
         return self.qk_head_dim**-0.5 if self.softmax_scale is None else self.softmax_scale
 
     def cp_splits(self) -> list[tuple[int, str]]:
-        return [(self.num_heads, "attention heads (num_attention_heads)")]
+        return []  # context parallelism gathers the shared latent rows; nothing is split by heads
 
     def mixing_flops(self, lengths: list[float]) -> float:
-        """Causal attention's 6 x (QK^T + AV) over each document (as if dense: the selection is
-        exact but computed densely), plus the indexer's q.k products."""
-        pairs = sum(n * n / 2 for n in lengths)
-        flops = 6 * self.num_heads * (self.qk_head_dim + self.v_head_dim) * pairs
+        """Attention's 6 x (QK^T + AV) per head over the keys each query attends to (with DSA,
+        min(topk, its position + 1): the selected ones), plus the indexer's q.k products over
+        every causal pair (forward only: it is not differentiated)."""
+        pairs = sum(n * (n + 1) / 2 for n in lengths)
+        attended = pairs
+        if self.sparse:
+            topk = self.topk
+            attended = sum(n * (n + 1) / 2 if n <= topk else topk * (topk + 1) / 2 + (n - topk) * topk for n in lengths)
+        flops = 6 * self.num_heads * (self.qk_head_dim + self.v_head_dim) * attended
         if self.indexer is not None:
             flops += 2 * self.indexer.num_heads * self.indexer.head_dim * pairs
         return flops
@@ -414,6 +428,15 @@ class MoEMLP:
     routing: Routing
     experts: Experts
     shared: SharedExpert | None = None
+    latent_size: int | None = None
+    """Latent experts (Nemotron 3 Super's `moe_latent_size`): the routed experts read and write
+    this narrower width; `fc1_latent_proj` [latent, D] takes each token there before them and
+    `fc2_latent_proj` [D, latent] takes their weighted sum back (one pair per layer, no bias).
+    The router and the shared expert read the full hidden state. None: the experts are D wide."""
+
+    def __post_init__(self) -> None:
+        if self.latent_size is not None and self.latent_size < 1:
+            raise ValueError(f"moe_latent_size must be a positive width (None: no latent), got {self.latent_size}")
 
     @property
     def num_experts(self) -> int:
@@ -423,12 +446,18 @@ class MoEMLP:
     def top_k(self) -> int:
         return self.routing.top_k
 
+    def expert_dim(self, dim: int) -> int:
+        """The width the routed experts read and write: the latent's, else the hidden size."""
+        return dim if self.latent_size is None else self.latent_size
+
     def num_params(self, dim: int) -> int:
         shared = 0 if self.shared is None else self.shared.num_params(dim)
-        return self.num_experts * self.experts.num_params(dim) + self.routing.num_params(dim) + shared
+        latent = 0 if self.latent_size is None else 2 * dim * self.latent_size
+        experts = self.num_experts * self.experts.num_params(self.expert_dim(dim))
+        return experts + self.routing.num_params(dim) + shared + latent
 
     def num_active_params(self, dim: int) -> int:
-        return self.num_params(dim) - (self.num_experts - self.top_k) * self.experts.num_params(dim)
+        return self.num_params(dim) - (self.num_experts - self.top_k) * self.experts.num_params(self.expert_dim(dim))
 
 
 MLPSpec = DenseMLP | MoEMLP

@@ -33,7 +33,7 @@ class PackedSeqs:
     """The recurrent mixers' chunk layouts by chunk size (linear_attention.chunk_layout), built
     once per forward: each costs a host sync."""
     selections: dict = field(default_factory=dict)
-    """DSA's top-k selections (bool [B, T, T], blocks/mla.py) by the layer that chose them, for
+    """DSA's top-k selections (blocks/mla.Selection) by the layer that chose them, for
     the layers that reuse them (GLM-5's "shared" indexer layers)."""
 
     @property

@@ -113,6 +113,14 @@ class UlyssesAttention:
     def to_tokens(self, x_BTHK: torch.Tensor) -> torch.Tensor:
         return _heads_to_tokens(x_BTHK, self.size, self.group)
 
+    # MLA (blocks/mla.py) keeps its queries local and gathers the whole row's shared rows.
+    def gather(self, x_BC: torch.Tensor) -> torch.Tensor:
+        """Every rank's chunk [B, C, ...] -> the whole rows [B, P C, ...], differentiable: the
+        backward sums the ranks' gradients of the rows and keeps this rank's chunk."""
+        out = _GatherTokens.apply(x_BC, self.group)
+        assert isinstance(out, torch.Tensor)
+        return out
+
 
 def chunk_of(x_BT: torch.Tensor, group=None) -> torch.Tensor:
     """This rank's contiguous chunk of packed rows [B, T] (T divisible by the group's size)."""
@@ -121,6 +129,24 @@ def chunk_of(x_BT: torch.Tensor, group=None) -> torch.Tensor:
     if t % p:
         raise ValueError(f"rows of {t} tokens cannot be split over a context-parallel group of {p}")
     return x_BT[:, r * (t // p) : (r + 1) * (t // p)]
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Chunks [B, C, ...] -> rows [B, P C, ...]; each rank's rows feed its own queries, so a
+    chunk's gradient is the sum over the ranks of their gradients for it (all-reduce, then slice)."""
+
+    @staticmethod
+    def forward(ctx, x_BC: torch.Tensor, group) -> torch.Tensor:
+        p, ctx.rank, ctx.c, ctx.group = dist.get_world_size(group), dist.get_rank(group), x_BC.shape[1], group
+        parts = [torch.empty_like(x_BC) for _ in range(p)]
+        dist.all_gather(parts, x_BC.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_BT: torch.Tensor):
+        grad_BT = grad_BT.contiguous()
+        dist.all_reduce(grad_BT, group=ctx.group)
+        return grad_BT[:, ctx.rank * ctx.c : (ctx.rank + 1) * ctx.c], None
 
 
 class _GatherRow(torch.autograd.Function):

@@ -1,13 +1,17 @@
 """Mixture-of-experts MLP: fp32 router (softmax or sigmoid scores, optional correction bias and
 group-limited choice), top-k, experts stored stacked and run as grouped GEMMs, optional shared
-expert. The settings come from the layer's `MoEMLP` spec (args.py).
+expert. The settings come from the layer's `MoEMLP` spec (args.py). With latent experts
+(`MoEMLP.latent_size`, Nemotron 3 Super), the routed experts work in a narrower latent: one
+projection per layer takes the tokens there before them and one takes their weighted sum back;
+the router and the shared expert read the full hidden state.
 
 The expert weights are single [E, ...] parameters, so expert parallelism can shard dim 0 from
 outside (the trainer's job; no process groups here). Tokens are sorted by expert and each
 expert's rows are multiplied in one `torch._grouped_mm` call on CUDA in bf16, or by a loop of
 matmuls elsewhere (CPU, fp32): the same math.
 
-Legend: N tokens, D hidden, F expert hidden, E experts, A = N * top_k assignments.
+Legend: N tokens, D hidden, F expert hidden, E experts, A = N * top_k assignments; the experts'
+rows are D wide, or L (the latent) with latent experts.
 """
 
 from __future__ import annotations
@@ -189,7 +193,11 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.num_experts = spec.top_k, spec.num_experts
         self.router = Router(dim, spec.routing)
-        self.experts = GroupedExperts(spec.num_experts, dim, spec.experts)
+        self.experts = GroupedExperts(spec.num_experts, spec.expert_dim(dim), spec.experts)
+        # latent experts: one pair per layer, not per expert (expert parallelism leaves them whole)
+        latent = spec.latent_size
+        self.fc1_latent_proj = None if latent is None else nn.Linear(dim, latent, bias=False)
+        self.fc2_latent_proj = None if latent is None else nn.Linear(latent, dim, bias=False)
         shared = spec.shared
         self.shared_experts = None if shared is None else dense_mlp(dim, shared.size, shared.activation)
         if shared is not None and shared.gate:
@@ -205,17 +213,20 @@ class MoE(nn.Module):
             # (grouped GEMMs take bf16 only).
             x_ND = x_ND.to(torch.get_autocast_dtype(device_type))
         weights_NK, experts_NK = self.router(x_ND)
+        rows_NL = x_ND if self.fc1_latent_proj is None else self.fc1_latent_proj(x_ND)
         flat_experts_A = experts_NK.flatten()  # assignment a = token * top_k + slot
         order_A = flat_experts_A.argsort(stable=True)  # sorted position -> assignment
         # scatter_add, not bincount: a fixed output shape keeps torch.compile graphs whole.
         counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=x_ND.device)
         counts_E.scatter_add_(0, flat_experts_A, torch.ones_like(flat_experts_A))
-        out_AD = self.experts(x_ND[order_A // self.top_k], counts_E)
+        out_AL = self.experts(rows_NL[order_A // self.top_k], counts_E)
         # Back to assignment order by a gather (no atomics), then each token's weighted sum of
         # its top_k expert outputs, accumulated in fp32.
         position_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(len(order_A), device=order_A.device))
-        out_NKD = out_AD[position_A].view(x_ND.shape[0], self.top_k, -1)
-        out_ND = (out_NKD.float() * weights_NK[..., None]).sum(dim=1)
+        out_NKL = out_AL[position_A].view(x_ND.shape[0], self.top_k, -1)
+        out_ND = (out_NKL.float() * weights_NK[..., None]).sum(dim=1)
+        if self.fc2_latent_proj is not None:  # the sum back to D in the experts' dtype (as transformers)
+            out_ND = self.fc2_latent_proj(out_ND.to(x_ND.dtype)).float()
         if self.shared_experts is not None:
             shared_BTD = self.shared_experts(x_BTD)
             if hasattr(self, "shared_expert_gate"):

@@ -108,7 +108,7 @@ def args_from_hf(cfg: dict) -> ModelArgs:
             slot = i
             attn = replace(base, indexer=indexer, topk_slot=slot)
         else:
-            attn = attns.setdefault(slot, replace(base, reuse_topk=True, topk_slot=slot))
+            attn = attns.setdefault(slot, replace(base, reuse_topk=True, topk_slot=slot, reused_topk=indexer.topk))
         layers.append(Layer(attn, moe if mlp == "sparse" else dense))
     return model_args(cfg, layers)
 

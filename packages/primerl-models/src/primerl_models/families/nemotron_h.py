@@ -1,20 +1,25 @@
-"""Nemotron-H (`nemotron_h`: NVIDIA Nemotron-H, Nemotron Nano 2, Nemotron 3 Nano): each layer is
-ONE block after its RMSNorm, by `layers_block_type` (or the older `hybrid_override_pattern`:
-M, *, -, E): a Mamba2 mixer ("linear_attention"), attention without positions and without
-biases ("full_attention"), a ReLU^2 MLP without gate ("mlp"), or a mixture of ReLU^2 experts
-("moe": a sigmoid router with fp32 correction bias, expert groups, renormalised top-k,
-`routed_scaling_factor`, and a ReLU^2 shared expert).
+"""Nemotron-H (`nemotron_h`: NVIDIA Nemotron-H, Nemotron Nano 2, Nemotron 3 Nano and Super): each
+layer is ONE block after its RMSNorm, by `layers_block_type` (or the older
+`hybrid_override_pattern`: M, *, -, E): a Mamba2 mixer ("linear_attention"), attention without
+positions and without biases ("full_attention"), a ReLU^2 MLP without gate ("mlp"), or a
+mixture of ReLU^2 experts ("moe": a sigmoid router with fp32 correction bias, expert groups,
+renormalised top-k, `routed_scaling_factor`, and a ReLU^2 shared expert). With
+`moe_latent_size` (Nemotron 3 Super's LatentMoE) the routed experts work in that narrower
+width: `fc1_latent_proj` before them, `fc2_latent_proj` after their weighted sum; the router
+and the shared expert read the full hidden state (transformers' NemotronHMoE).
 
 Checkpoint: everything under `backbone.` (`embeddings`, `layers.<i>.norm`, `layers.<i>.mixer.*`,
 `norm_f`, and always a separate `lm_head`: transformers never ties it, whatever
 `tie_word_embeddings` says); ours name the block by its kind (`mamba`, `self_attn`, `mlp`) and its norm
 `input_layernorm` (mixers) or `post_attention_layernorm` (MLPs). The router is `mixer.gate`
-(ours `mlp.router`), per-expert `experts.<e>.up_proj|down_proj`.
+(ours `mlp.router`), per-expert `experts.<e>.up_proj|down_proj`; the latent projections keep
+their names (`mixer.fc1_latent_proj` is our `mlp.fc1_latent_proj`).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 
@@ -60,8 +65,6 @@ def args_from_hf(cfg: dict) -> ModelArgs:
     for key in ("attention_bias", "mlp_bias", "use_bias", "mamba_proj_bias"):
         if cfg.get(key):
             unsupported(cfg, key, "no released Nemotron-H has it")
-    if cfg.get("moe_latent_size"):
-        unsupported(cfg, "moe_latent_size", "latent expert projections are not implemented")
     if cfg.get("sliding_window"):
         unsupported(cfg, "sliding_window", "the released models attend to whole documents")
     kinds = layer_types(cfg)
@@ -81,26 +84,22 @@ def args_from_hf(cfg: dict) -> ModelArgs:
         conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
         dt_min=float(cfg.get("time_step_min", cfg.get("mamba_dt_min", 0.001))),
     )
-    blocks = {
-        "linear_attention": Layer(mamba, None),
-        "full_attention": Layer(attn, None),
-        "mlp": Layer(None, DenseMLP(cfg["intermediate_size"], activation="relu2")),
-    }
+    blocks = {"linear_attention": Layer(mamba, None), "full_attention": Layer(attn, None)}
+    if "mlp" in kinds:  # Nemotron 3's patterns have no dense MLP layer (nor need intermediate_size)
+        blocks["mlp"] = Layer(None, DenseMLP(cfg["intermediate_size"], activation="relu2"))
     if "moe" in kinds:
         shared = shared_expert_from_hf(
             cfg, count_key="n_shared_experts", size_key="moe_shared_expert_intermediate_size", activation="relu2"
         )
-        blocks["moe"] = Layer(
-            None,
-            moe_from_hf(
-                cfg,
-                norm_topk_default=True,
-                scoring="sigmoid",
-                correction_bias=True,
-                experts=dict(activation="relu2"),
-                shared=shared,
-            ),
+        moe = moe_from_hf(
+            cfg,
+            norm_topk_default=True,
+            scoring="sigmoid",
+            correction_bias=True,
+            experts=dict(activation="relu2"),
+            shared=shared,
         )
+        blocks["moe"] = Layer(None, replace(moe, latent_size=cfg.get("moe_latent_size")))
     # transformers' Nemotron-H never ties the output projection to the embeddings, whatever the
     # key says. Its activations were checked above (mlp_hidden_act, mamba_hidden_act).
     cfg = {
