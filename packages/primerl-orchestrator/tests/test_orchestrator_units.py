@@ -396,6 +396,59 @@ def test_adapter_policies_are_loaded_named_by_rollouts_and_unloaded_once_idle():
         asyncio.run(go(url))
 
 
+class _ClosingServer(_AdapterServer):
+    """A stand-in that keeps connections alive as vLLM's uvicorn does (HTTP/1.1) and closes one
+    idle for `idle_close_s`: a request that arrives on it then crossed the close and gets no
+    answer (the race an eval lost its server to, ReadError)."""
+
+    protocol_version = "HTTP/1.1"
+    idle_close_s = 5.0
+    dropped = 0
+
+    def handle_one_request(self):
+        last = getattr(self, "_last", None)
+        self.raw_requestline = self.rfile.readline(65537)
+        if not self.raw_requestline:
+            self.close_connection = True
+            return
+        if last is not None and time.monotonic() - last >= self.idle_close_s:
+            type(self).dropped += 1
+            self.close_connection = True
+            return
+        if self.parse_request():
+            getattr(self, "do_" + self.command)()
+            self.wfile.flush()
+        self._last = time.monotonic()
+
+
+def test_a_request_after_the_servers_keep_alive_timeout_goes_out_on_a_fresh_connection():
+    """vLLM's server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); its clock
+    starts before the client's (the answer is still crossing) and a request reaches it after
+    the client sent it, up to ~1 s later on a loaded machine: the stand-in closes at 5 - 1 s
+    of idle, the client idles 4 s. The pool's request then goes out on a new connection, never
+    on the one the server is closing (with httpx's default 5 s it went out on it: ReadError)."""
+    import vllm.envs
+    from primerl_protocol.weights import ADAPTER
+
+    lag = 1.0
+    idle = float(vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE) - lag
+    handler = type("Closing", (_ClosingServer,), {"posts": [], "policy": {"step": -1}, "idle_close_s": idle})
+
+    async def go(url):
+        pool = ServerPool([url], "m", "t", logprobs_mode="processed_logprobs")
+        try:
+            await pool.start()
+            await asyncio.sleep(idle)
+            await pool.load_weights("/w/step_0", 1, f"{1:032x}", ADAPTER)
+            assert pool.servers[0].healthy, pool.servers[0].problem
+            assert handler.posts[-1][0] == "/admin/lora/load" and handler.dropped == 0
+        finally:
+            await pool.close()
+
+    with stand_in(handler) as url:
+        asyncio.run(go(url))
+
+
 class _MemoryServer(_AdapterServer):
     """A stand-in that takes weights in memory (records each admin POST; its policy route reports
     the last step it received or loaded). The real servers: test_inference_server.py and

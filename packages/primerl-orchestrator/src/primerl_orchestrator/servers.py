@@ -59,6 +59,13 @@ from primerl_protocol.weights import ADAPTER, FORMATS, FULL, MEMORY
 
 log = logging.getLogger("primerl.orchestrator")
 
+IDLE_CONNECTION_S = 2.0
+"""How long an idle connection to a server is kept for the next request. vLLM's uvicorn closes
+one idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default), and httpx keeps one 5 s by default:
+a request sent on a connection idle ~5 s crossed the server's close and failed with ReadError
+(an eval whose step took 5 s lost its server that way). Below the server's timeout, a request
+never goes out on a connection the server is closing."""
+
 
 class NotUp(str):
     """A probe's problem that means the server does not serve yet: nothing listens on its port,
@@ -140,7 +147,9 @@ class ServerPool:
         self.any_policy = False
         """Whether a server may serve any policy while `weights` is None (a resumed run: the
         trainer publishes its restored weights before anything is generated)."""
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(probe_timeout_s))
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(probe_timeout_s), limits=httpx.Limits(keepalive_expiry=IDLE_CONNECTION_S)
+        )
         self._changed = asyncio.Event()
         self._last_revive = time.monotonic()
         self._unloads: set[asyncio.Task] = set()
