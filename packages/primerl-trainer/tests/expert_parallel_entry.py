@@ -39,6 +39,14 @@ SPECS = {
         Routing(num_experts=4, top_k=2, scoring="softmax_topk", bias=True),
         Experts(size=8, bias=True, activation="clamped", limit=0.5),
     ),
+    # Nemotron 3 Super: experts in an 8-wide latent of the 16-wide hidden state, the projections
+    # in and out whole on every rank (the all-to-all carries latent rows)
+    "nemotron_h_latent": MoEMLP(
+        Routing(num_experts=4, top_k=2, scoring="sigmoid", norm_topk_prob=True, correction_bias=True, scaling=2.5),
+        Experts(size=8, activation="relu2"),
+        SharedExpert(size=8, activation="relu2"),
+        latent_size=8,
+    ),
 }
 
 

@@ -19,7 +19,7 @@ def ranks(tmp_path_factory):
     return run_on_ranks(ENTRY, tmp_path_factory.mktemp("ep"))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "gpt_oss", "nemotron_h_latent"])
 def test_expert_parallel_equals_one_rank_with_every_expert(ranks, family):
     rows = [r[family] for r in ranks]
     for rank, row in enumerate(rows):
@@ -33,7 +33,7 @@ def test_expert_parallel_equals_one_rank_with_every_expert(ranks, family):
                 assert ep["shapes"][name][0] == 2 and ref["shapes"][name][0] == 4
                 expected = sum(r["ref"]["grads"][name] for r in rows)[2 * rank : 2 * rank + 2]
                 torch.testing.assert_close(grad, expected, atol=1e-5, rtol=0)
-            else:  # router (and shared expert): this rank's own tokens only, as on one rank
+            else:  # router, shared expert, latent projections: this rank's own tokens only
                 torch.testing.assert_close(grad, ref["grads"][name], atol=1e-5, rtol=0)
     # the ranks routed differently (5 and 9 tokens): uneven splits were exercised
     assert not torch.equal(rows[0]["ref"]["counts"], rows[1]["ref"]["counts"])
