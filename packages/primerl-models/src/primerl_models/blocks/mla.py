@@ -58,10 +58,13 @@ from primerl_models.args import MLA, DSAIndexer
 from primerl_models.blocks.mixer import Mixer
 from primerl_models.blocks.norms import RMSNorm
 from primerl_models.blocks.rope import apply_rope
+from primerl_models.kernels.sparse_mla import sparse_mla_triton
 from primerl_models.packing import PackedSeqs
 
 FAST_PATH = True
 """The sparse absorbed path; False: the dense oracle (tests compare the two)."""
+KERNEL = True
+"""The Triton kernel on CUDA (kernels/sparse_mla.py); False: the chunked torch _SparseMLA."""
 CHUNK_BYTES = 1 << 30
 """Bytes of the largest temporary a chunk of queries may make (gathered rows, index scores)."""
 
@@ -215,7 +218,10 @@ def sparse_mla(q_BCHX, kv_BTX, index_BCS, valid_BCS, scale: float, v_dim: int) -
     else:
         kv_BTX = kv_BTX.to(q_BCHX.dtype)
     with torch.autocast(device, enabled=False):
-        out = _SparseMLA.apply(q_BCHX, kv_BTX, index_BCS, valid_BCS, scale, v_dim)
+        if KERNEL and q_BCHX.is_cuda:
+            out = sparse_mla_triton(q_BCHX, kv_BTX, index_BCS, valid_BCS, scale, v_dim)
+        else:
+            out = _SparseMLA.apply(q_BCHX, kv_BTX, index_BCS, valid_BCS, scale, v_dim)
     assert isinstance(out, torch.Tensor)
     return out
 

@@ -5,6 +5,7 @@ reference on every other device and in the tests:
     gated_delta.py   gated_delta_rule (fla)    <- blocks.gated_deltanet.gated_delta_rule
     state_scan.py    chunk_states (Triton)     <- its own _scan_loop (the loop on CPU)
     logprobs.py      forward_stats, logits_grad <- logprobs._forward_stats, logprobs._logits_grad
+    sparse_mla.py    sparse_mla_triton         <- blocks.mla._SparseMLA (GLM-5's sparse absorbed attention)
 
 Each imports Triton (or fla) only when first used on CUDA.
 """
