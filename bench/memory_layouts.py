@@ -1,23 +1,18 @@
-"""Memory per rank of a model at several trainer layouts (trainer.parallel), computed from its
-shape and two constants measured on one H200 (bench/results/trainer-mesh-1gpu-2026-12-02.json,
-bench/trainer_step.py with activation checkpointing):
+"""Memory per rank of a model at several trainer layouts (trainer.parallel), computed by the
+trainer's planner, primerl_trainer.plan.trainer_memory (its docstring: every part's formula,
+derived from the code; bench/plan_check.py: its predictions against every peak measured on one
+H200 in bench/results, all within 10%).
 
-- the bytes each parameter keeps (fp32 weight, fp32 gradient, AdamW's two fp32 moments): the
-  difference of the peaks of the 6- and 3-layer Qwen3-30B-A3B cuts over the 3 layers'
-  parameters (16 expected);
-- the activation bytes per token of a checkpointed step: the slope of the peak from 4,096 to
-  16,384 tokens (the same for 3 and 6 layers, so it is the one layer being recomputed plus the
-  loss, not a per-layer cost).
-
-Per rank, with W ranks, rows of R tokens split over cp ranks:
-  states       = bytes/param x parameters / W     (FSDP2 shards everything over all ranks;
-                                                   experts over ep x the W / ep holding them)
-  weights held = bf16 copies all-gathered for the forward and backward: the root's (embedding,
-                 output head) and two decoder layers' (the one running and the one prefetched),
-                 plus one layer's bf16 gradient and its fp32 reduce-scatter copy; the experts
-                 counted / ep                      (computed: one rank gathers nothing)
-  activations  = (measured per-token bytes + the checkpointed input of every layer, bf16 D)
-                 x R / cp                          (Ulysses keeps a rank's share at R / cp)
+Per rank, with W ranks, one micro-batch row of R tokens split over cp ranks, activation
+checkpointing on, at the step's peak moment:
+  states       = fp32 weights, gradients made by then and AdamW's moments: 16 B x parameters / W
+                 at most (FSDP2 shards everything over all ranks; experts over ep x the W / ep
+                 holding them)
+  weights held = FSDP2's bf16 copies: the root's (embedding, output head), the running and the
+                 prefetched layer's, the layer's unsharded gradients and the reduce-scatter
+                 buffers; experts counted / ep
+  activations  = each layer's checkpointed input, the layer recomputed, the loss's logits chunk
+                 and output-weight gradient, x R / cp for the per-token parts
 
     python bench/memory_layouts.py                 # the table of docs/trainer.md
     python bench/memory_layouts.py --model qwen3-30b-a3b --gpus 8
@@ -26,46 +21,25 @@ Per rank, with W ranks, rows of R tokens split over cp ranks:
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from model_step import our_args
-from primerl_models import MoEMLP
-
-CALIBRATION = Path(__file__).parent / "results" / "trainer-mesh-1gpu-2026-12-02.json"
-GIB = 2**30
+from primerl_trainer.plan import GIB, TrainerLayout, trainer_memory
 
 
-def measured() -> tuple[float, float]:
-    """(state bytes per parameter, activation bytes per token) from the calibration runs."""
-    rows = [
-        r
-        for r in json.loads(CALIBRATION.read_text())["rows"]
-        if r["ac"] and r["rows_per_gpu"] == 1 and r.get("dp") == 1
-    ]
-    peak = {(r.get("layers") or 6, r["seq"]): r["peak_gib"] * GIB for r in rows}
-    slopes = [(peak[(n, 16384)] - peak[(n, 4096)]) / (16384 - 4096) for n in (3, 6)]
-    per_token = max(slopes)
-    base = {n: peak[(n, 4096)] - 4096 * per_token for n in (3, 6)}
-    three = our_args("qwen3-30b-a3b-6l", 6).num_params() - our_args("qwen3-30b-a3b-6l", 3).num_params()
-    return (base[6] - base[3]) / three, per_token
-
-
-def layer_params(layer, d: int) -> tuple[int, int]:
-    """(dense, routed-expert) parameters of a decoder layer."""
-    experts = 3 * layer.mlp.num_experts * d * layer.mlp.experts.size if isinstance(layer.mlp, MoEMLP) else 0
-    return layer.num_params(d) - experts, experts
-
-
-def per_rank(args, gpus: int, ep: int, cp: int, row_tokens: int, bytes_per_param: float, act_per_token: float) -> dict:
-    d = args.hidden_size
-    states = bytes_per_param * args.num_params() / gpus
-    dense, experts = max((layer_params(layer, d) for layer in args.layers), key=lambda p: p[0] + p[1] / ep)
-    local_layer = dense + experts / ep
-    root = 2 * args.vocab_size * d  # embedding and output head
-    held = 2 * (root + 2 * local_layer) + (2 + 4) * local_layer if gpus > 1 else 0.0
-    act = (act_per_token + 2 * d * args.num_layers) * row_tokens / cp
-    return {"states": states / GIB, "held": held / GIB, "activations": act / GIB, "total": (states + held + act) / GIB}
+def per_rank(args, gpus: int, ep: int, cp: int, row_tokens: int) -> dict:
+    mem = trainer_memory(
+        args, TrainerLayout(world=gpus, ep=ep, cp=cp, row_tokens=row_tokens, activation_checkpointing=True)
+    )
+    p = mem.parts
+    states = p["weights"] + p["grads"] + p["optimizer"]
+    act = p["activations"] + p["logits"] + p["overhead"]
+    return {
+        "states": states / GIB,
+        "held": p["gathered"] / GIB,
+        "activations": act / GIB,
+        "total": mem.peak / GIB,
+        "phase": mem.phase,
+    }
 
 
 def main() -> None:
@@ -74,10 +48,9 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=8)
     a = p.parse_args()
     args = our_args(a.model)
-    bpp, apt = measured()
     print(
-        f"measured on one H200: {bpp:.2f} bytes per parameter, {apt / 1024:.0f} KiB of activations per token "
-        f"(checkpointed); {a.model}: {args.num_params() / 1e9:.2f}B parameters, {args.num_layers} layers\n"
+        f"primerl_trainer.plan.trainer_memory, activation checkpointing on, one row per GPU; {a.model}: "
+        f"{args.num_params() / 1e9:.2f}B parameters, {args.num_layers} layers\n"
     )
     print("| GPUs | dp | cp | ep | tokens per row | states | weights held | activations | total GiB per GPU |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -94,7 +67,7 @@ def main() -> None:
         )
     ]
     for gpus, cp, ep, row in layouts:
-        m = per_rank(args, gpus, ep, cp, row, bpp, apt)
+        m = per_rank(args, gpus, ep, cp, row)
         fits = "" if m["total"] < 139 else " (over an H200's 139)"
         print(
             f"| {gpus} | {gpus // cp} | {cp} | {ep} | {row:,} | {m['states']:.1f} | {m['held']:.1f} | "

@@ -24,6 +24,7 @@ import sys
 import typing
 
 import click
+import msgspec
 from primerl_protocol.config import ConfigError, load_config, sections, to_toml
 
 from primerl.configs import (
@@ -137,9 +138,12 @@ def _slurm_job(prog: str, render, config, submit: bool) -> None:
 def _render_rl(config):
     """The RL job, after the checks `primerl rl` makes before anything starts (CheckError)."""
     from primerl.launch import check
+    from primerl.plan import check_fits
     from primerl.slurm import render_rl
 
-    return render_rl(check(config))
+    config = check(config)
+    check_fits(config, slurm=True)
+    return render_rl(config)
 
 
 def _render(name: str):
@@ -413,6 +417,51 @@ for _name, _root, _summary, _engine, _slurm in [
     ),
 ]:
     main.add_command(config_command(_name, _root, _summary, _engine, prog=f"primerl {_name}", slurm=_slurm))
+
+
+@main.command(
+    "plan",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": ["-h", "--help"]},
+)
+@click.option("--slurm", "slurm_job", is_flag=True, help="Plan the run as its Slurm job (slurm.* nodes and GPUs).")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def plan(slurm_job: bool, args: tuple[str, ...]) -> None:
+    """Whether an RL run fits its GPUs: per trainer rank and per inference GPU, what each part
+    takes, and layouts that fit when it does not (exit 2). `primerl rl` makes the same check
+    before it starts (plan.check).
+
+    \b
+    primerl plan @ cfg.toml [key=value ...] [--slurm]
+    """
+    from primerl.errors import CheckError
+    from primerl.plan import plan_for_launch
+
+    try:
+        config = load_config(RLConfig, args)
+    except ConfigError as err:
+        click.echo(f"primerl plan: config error: {err}", err=True)
+        sys.exit(EXIT_CONFIG)
+    try:
+        if not slurm_job and config.inference.device == "auto":
+            from primerl_inference.launcher import resolve_device
+
+            config = msgspec.structs.replace(
+                config, inference=msgspec.structs.replace(config.inference, device=resolve_device(config.inference))
+            )
+        result = plan_for_launch(config, slurm=slurm_job)
+    except CheckError as err:
+        click.echo(f"primerl plan: {err}", err=True)
+        sys.exit(EXIT_CONFIG)
+    if result is None:
+        click.echo(
+            "primerl plan: a CPU run (inference.device = cpu, or slurm.gpus_per_node = 0): no GPU memory to plan"
+        )
+        return
+    click.echo(result.render())
+    why = result.refusal()
+    if why is not None:
+        click.echo(f"primerl plan: the run does not fit: {why}", err=True)
+        sys.exit(EXIT_CONFIG)
 
 
 @main.command("report", context_settings={"help_option_names": ["-h", "--help"]})

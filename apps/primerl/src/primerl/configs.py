@@ -12,6 +12,8 @@ so shared values are written once and never copied.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 from primerl_envs.config import EnvsConfig
 from primerl_inference.config import LORA_RANKS, InferenceConfig, InferenceRunConfig, lora_rank_for
@@ -23,6 +25,7 @@ __all__ = [
     "EvalConfig",
     "InferenceRunConfig",
     "OrchRunConfig",
+    "PlanConfig",
     "RLConfig",
     "SFTConfig",
     "SlurmConfig",
@@ -67,6 +70,18 @@ class SlurmConfig(Config):
     """Fail the job when an inference server is not up after this many seconds."""
 
 
+class PlanConfig(Config):
+    """`primerl plan`: the memory each GPU of the run needs, checked before every launch on GPUs
+    (docs/plan.md)."""
+
+    gpu_memory_gib: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """Memory of each GPU in GiB (an H100 80, an H200 139.8). None: the first visible GPU's
+    (nvidia-smi); with none visible (a CPU run, a login node) nothing is checked."""
+    check: bool = True
+    """Refuse a launch the plan says does not fit, naming the keys to change (false: print the
+    plan's verdict and start anyway)."""
+
+
 class RLConfig(SharedConfig):
     """`primerl rl`: a whole asynchronous RL run on this machine."""
 
@@ -85,6 +100,8 @@ class RLConfig(SharedConfig):
     leave the trainer room); with --slurm, the same nodes."""
     slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
     """The sbatch job of `primerl rl --slurm`."""
+    plan: PlanConfig = msgspec.field(default_factory=PlanConfig)
+    """Whether the run fits its GPUs (`primerl plan`), checked before it starts."""
 
     def __post_init__(self) -> None:
         """Values the trainer and the orchestrator must agree on, checked before anything starts

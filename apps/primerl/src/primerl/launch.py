@@ -294,6 +294,12 @@ def prepare(cfg: RLConfig) -> tuple[RLConfig, str, list[int]]:
         check_environments(section, getattr(cfg.envs, section.split(".")[1]))
     device = resolve_device(cfg.inference)
     inference_gpus, trainer_gpus = gpu_plan(cfg, device)
+    if device != "cpu":  # the memory plan (primerl plan), before anything starts
+        from primerl.plan import check_fits
+
+        check_fits(
+            msgspec.structs.replace(cfg, inference=msgspec.structs.replace(cfg.inference, device=device)), slurm=False
+        )
     token = cfg.inference.resolved_admin_token() or secrets.token_hex(16)
     cfg = with_ports(cfg)
     inference = msgspec.structs.replace(

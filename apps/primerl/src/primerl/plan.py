@@ -1,0 +1,383 @@
+"""`primerl plan`: whether a run fits its GPUs, said before anything starts.
+
+    plan = plan_rl(cfg, args, gpu_gib=80)      # args: the model's ModelArgs (from its config.json)
+    print(plan.render())
+    plan.refusal()                             # None, or why it cannot fit and the keys to change
+
+Per trainer rank: primerl_trainer.plan.trainer_memory (parameters, gradients, optimizer states,
+gathered layers, activations, the loss's logits, what the process itself holds; each part says
+where its numbers come from). Per inference GPU: primerl_inference.plan.server_memory (weights,
+the profile run, the KV cache vLLM is left, the sequences it holds). A colocated run adds the
+trainer's peak to vLLM's share of the same GPU. When the asked layout does not fit, the layouts
+that do are listed (trainer: activation checkpointing, expert and context parallelism, optimizer
+offload; inference: tensor parallelism, FP8 weights, an FP8 KV cache), fewest changes first.
+
+The GPU's memory: `plan.gpu_memory_gib`, else the first visible GPU's (nvidia-smi); with neither
+(a CPU run, a login node) nothing is checked and the plan says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import subprocess
+from dataclasses import dataclass, field, replace
+
+from primerl_inference.plan import GIB, KVLayer, ServedShape, ServerLayout, ServerMemory, server_memory
+from primerl_models.args import MLA, Attention, GatedDeltaNet, Mamba2, ModelArgs, MoEMLP
+from primerl_trainer.plan import TrainerLayout, TrainerMemory, trainer_memory
+
+TRAINER_HEADROOM = 0.95
+"""Share of a GPU the trainer's predicted peak may take: the rest for the allocator's
+fragmentation and the plan's own error (10% on the shapes measured: docs/benchmarks.md)."""
+
+
+def served_shape(args: ModelArgs) -> ServedShape:
+    """What a vLLM server's memory depends on, from the model's shape."""
+    d = args.hidden_size
+    experts = 0
+    widest = 0
+    kv: list[KVLayer] = []
+    for layer in args.layers:
+        mlp, mixer = layer.mlp, layer.mixer
+        if isinstance(mlp, MoEMLP):
+            experts += mlp.num_experts * mlp.experts.num_params(mlp.expert_dim(d))
+            widest = max(widest, 3 * mlp.top_k * mlp.experts.size)
+        elif mlp is not None:
+            widest = max(widest, 3 * mlp.intermediate_size)
+        if isinstance(mixer, Attention):
+            widest = max(widest, (mixer.num_heads + 2 * mixer.num_kv_heads) * mixer.head_dim)
+            kv.append(
+                KVLayer(
+                    per_token=2 * 2 * mixer.num_kv_heads * mixer.head_dim, split=mixer.num_kv_heads, window=mixer.window
+                )
+            )
+        elif isinstance(mixer, MLA):
+            widest = max(widest, mixer.num_heads * (mixer.qk_head_dim + mixer.v_head_dim))
+            index = mixer.indexer.head_dim * (1 + 4 / 128) if mixer.indexer is not None else 0.0
+            kv.append(KVLayer(per_token=2 * (mixer.kv_lora_rank + mixer.qk_rope_head_dim), fixed_fp8=index))
+        elif isinstance(mixer, GatedDeltaNet):
+            state = mixer.num_v_heads * mixer.head_k_dim * mixer.head_v_dim + mixer.conv_dim * (mixer.conv_kernel - 1)
+            kv.append(KVLayer(state=2 * state, split=mixer.num_k_heads))
+        elif isinstance(mixer, Mamba2):
+            state = mixer.num_heads * mixer.head_dim * mixer.state_size + mixer.conv_dim * (mixer.conv_kernel - 1)
+            kv.append(KVLayer(state=2 * state, split=mixer.n_groups))
+    vocab = args.vocab_size * d * (1 if args.tie_embeddings else 2)
+    return ServedShape(
+        dense_params=args.num_params() - experts - vocab,
+        expert_params=experts,
+        vocab_params=vocab,
+        hidden_size=d,
+        vocab_size=args.vocab_size,
+        widest_per_token=widest,
+        kv_layers=kv,
+    )
+
+
+def visible_gpu_gib() -> float | None:
+    """The first visible GPU's memory in GiB (nvidia-smi), or None."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        return float(out.stdout.split()[0]) / 1024 if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+@dataclass
+class TrainerPlan:
+    layout: TrainerLayout
+    memory: TrainerMemory
+    ranks: int
+    share: float
+    """Bytes of each trainer GPU the trainer may use (less vLLM's share when colocated)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak <= self.share
+
+
+@dataclass
+class InferencePlan:
+    layout: ServerLayout
+    memory: ServerMemory
+    servers: int
+
+    @property
+    def fits(self) -> bool:
+        return not self.memory.problems()
+
+
+@dataclass
+class Plan:
+    """What the run needs per GPU, and whether it fits."""
+
+    model: str
+    params: int
+    gpu_gib: float | None
+    trainer: TrainerPlan | None
+    inference: InferencePlan | None
+    trainer_options: list[tuple[str, TrainerPlan]] = field(default_factory=list)
+    inference_options: list[tuple[str, InferencePlan]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def refusal(self) -> str | None:
+        """Why the run cannot fit, naming the keys to change (None: it fits, or was not checked)."""
+        why = []
+        if self.trainer is not None and not self.trainer.fits:
+            t = self.trainer
+            why.append(
+                f"a trainer rank needs {t.memory.peak / GIB:.1f} GiB at its peak and has {t.share / GIB:.1f} "
+                f"({_parts(t.memory.parts)})"
+            )
+            if self.trainer_options:
+                why.append("layouts that fit: " + "; ".join(name for name, _ in self.trainer_options[:4]))
+            else:
+                why.append(
+                    "no layout of trainer.parallel.ep / cp, trainer.activation_checkpointing and "
+                    "trainer.optimizer.cpu_offload fits: more trainer GPUs (transport.trainer_ranks) or a shorter seq_len"
+                )
+        if self.inference is not None and not self.inference.fits:
+            why.extend(self.inference.memory.problems())
+            if self.inference_options:
+                why.append("server layouts that fit: " + "; ".join(name for name, _ in self.inference_options[:4]))
+            else:
+                why.append(
+                    "no layout of inference.tensor_parallel_size, inference.quantization and inference.kv_cache_dtype "
+                    "fits: more GPUs a server, or a shorter seq_len"
+                )
+        return "; ".join(why) if why else None
+
+    def render(self) -> str:
+        lines = [f"model: {self.model}, {self.params / 1e9:.2f}B parameters"]
+        if self.gpu_gib is None:
+            lines.append("GPU memory unknown (no plan.gpu_memory_gib, no GPU visible): nothing checked")
+        else:
+            lines.append(f"GPU memory: {self.gpu_gib:.1f} GiB each")
+        if self.trainer is not None:
+            t, lay = self.trainer, self.trainer.layout
+            lines.append(
+                f"trainer: {t.ranks} rank(s), ep {lay.ep}, cp {lay.cp}, rows of {lay.row_tokens:,} tokens, "
+                f"activation checkpointing {'on' if lay.activation_checkpointing else 'off'}, "
+                f"optimizer offload {'on' if lay.cpu_offload else 'off'}"
+            )
+            lines.append(f"  per rank: {_parts(t.memory.parts)}")
+            lines.append(
+                f"  peak {t.memory.peak / GIB:.1f} GiB of {t.share / GIB:.1f}: {'fits' if t.fits else 'DOES NOT FIT'}"
+                + (f"; host {t.memory.host / GIB:.1f} GiB a rank" if t.memory.host else "")
+            )
+            for part, source in t.memory.sources.items():
+                lines.append(f"    {part}: {source}")
+        if self.inference is not None:
+            i, lay = self.inference, self.inference.layout
+            m = i.memory
+            lines.append(
+                f"inference: {i.servers} server(s) of tp {lay.tp} x dp {lay.dp}"
+                + (", experts split" if lay.expert_parallel else "")
+                + (", fp8 weights" if lay.fp8_weights else "")
+                + (", fp8 KV cache" if lay.fp8_kv else "")
+                + f", gpu_memory_utilization {lay.gpu_memory_utilization}"
+            )
+            lines.append(f"  per GPU: {_parts(m.parts)}, KV cache {m.kv_bytes / GIB:.1f} GiB")
+            lines.append(
+                f"  one sequence of {m.seq_len:,} tokens takes {m.kv_per_seq / GIB:.2f} GiB of KV: "
+                f"{m.seqs_fit} fit at once, {m.in_flight} in flight a GPU group"
+                + (" (vLLM will preempt and recompute)" if m.short_of_concurrency() else "")
+            )
+            lines.append(f"  {'fits' if i.fits else 'DOES NOT FIT: ' + '; '.join(m.problems())}")
+        for title, options in (("trainer", self.trainer_options), ("inference", self.inference_options)):
+            if options:
+                lines.append(f"{title} layouts that fit:")
+                lines.extend(f"  {name}" for name, _ in options[:6])
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+def _parts(parts: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items()) + " GiB"
+
+
+def trainer_layout(cfg, ranks: int) -> TrainerLayout:
+    """The trainer's layout from a config (RLConfig or SFTConfig) on `ranks` GPUs."""
+    t = cfg.trainer
+    return TrainerLayout(
+        world=ranks,
+        ep=t.parallel.ep,
+        cp=t.parallel.cp,
+        row_tokens=t.micro_batch_tokens or cfg.seq_len,
+        rows=2,  # a step of two rows or more: from the second on, every gradient is held too
+        compiled=t.compile,
+        activation_checkpointing=t.activation_checkpointing,
+        cpu_offload=t.optimizer.cpu_offload,
+        keep_logits=t.keep_logits,
+        lora_rank=t.lora.rank if t.lora is not None else None,
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def trainer_options(args: ModelArgs, asked: TrainerLayout, share: float) -> list[tuple[str, TrainerPlan]]:
+    """Layouts of the same ranks that fit, fewest changed settings first, then smallest peak."""
+    experts = {layer.mlp.num_experts for layer in args.layers if isinstance(layer.mlp, MoEMLP)}
+    eps = [e for e in _divisors(asked.world) if all(n % e == 0 for n in experts)] if experts else [1]
+    cps = [c for c in _divisors(asked.world) if asked.row_tokens % c == 0]
+    found = []
+    for ep, cp, ac, off in itertools.product(eps, cps, (False, True), (False, True)):
+        lay = replace(asked, ep=ep, cp=cp, activation_checkpointing=ac, cpu_offload=off)
+        if lay == asked:
+            continue
+        mem = trainer_memory(args, lay)
+        if mem.peak > share:
+            continue
+        changes = []
+        if ep != asked.ep:
+            changes.append(f"trainer.parallel.ep = {ep}")
+        if cp != asked.cp:
+            changes.append(f"trainer.parallel.cp = {cp}")
+        if ac != asked.activation_checkpointing:
+            changes.append(f"trainer.activation_checkpointing = {str(ac).lower()}")
+        if off != asked.cpu_offload:
+            changes.append(f"trainer.optimizer.cpu_offload = {str(off).lower()}")
+        plan = TrainerPlan(lay, mem, asked.world, share)
+        found.append((len(changes), off, mem.peak, ", ".join(changes) + f" ({mem.peak / GIB:.1f} GiB)", plan))
+    found.sort(key=lambda f: f[:3])
+    return [(name, plan) for *_, name, plan in found]
+
+
+def inference_options(
+    shape: ServedShape, asked: ServerLayout, heads: int, *, gpu_gib: float, seq_len: int, in_flight: int, servers: int
+) -> list[tuple[str, InferencePlan]]:
+    """Server layouts that start (tensor parallelism up to 8 that divides the heads, FP8 weights,
+    an FP8 KV cache), fewest changed settings first."""
+    found = []
+    for tp, fp8, kv8 in itertools.product([t for t in (1, 2, 4, 8) if heads % t == 0], (False, True), (False, True)):
+        lay = replace(asked, tp=tp, fp8_weights=fp8 or asked.fp8_weights, fp8_kv=kv8 or asked.fp8_kv)
+        if lay == asked:
+            continue
+        mem = server_memory(shape, lay, gpu_gib=gpu_gib, seq_len=seq_len, in_flight=in_flight)
+        if mem.problems():
+            continue
+        changes = []
+        if tp != asked.tp:
+            changes.append(f"inference.tensor_parallel_size = {tp}")
+        if lay.fp8_weights != asked.fp8_weights:
+            changes.append('inference.quantization = "fp8"')
+        if lay.fp8_kv != asked.fp8_kv:
+            changes.append('inference.kv_cache_dtype = "fp8"')
+        name = ", ".join(changes) + f" ({mem.seqs_fit} sequences fit)"
+        found.append((len(changes), -mem.seqs_fit, name, InferencePlan(lay, mem, servers)))
+    found.sort(key=lambda f: f[:2])
+    return [(name, plan) for *_, name, plan in found]
+
+
+def _heads(args: ModelArgs) -> int:
+    for layer in args.layers:
+        if isinstance(layer.mixer, Attention | MLA):
+            return layer.mixer.num_heads
+    return 1
+
+
+def plan_rl(
+    cfg, args: ModelArgs, gpu_gib: float | None, *, fp8_checkpoint: bool = False, servers: int | None = None
+) -> Plan:
+    """The plan of an RL run (an RLConfig) of the model `args` on GPUs of `gpu_gib`."""
+    inf = cfg.inference
+    plan = Plan(cfg.model.name, args.num_params(), gpu_gib, None, None)
+    if gpu_gib is None:
+        return plan
+    total = gpu_gib * GIB
+    servers = servers or inf.num_replicas
+    layout = ServerLayout(
+        tp=inf.tensor_parallel_size,
+        dp=inf.data_parallel_size,
+        expert_parallel=inf.enable_expert_parallel,
+        fp8_weights=inf.quantization == "fp8" or fp8_checkpoint,
+        fp8_kv=inf.kv_cache_dtype == "fp8",
+        gpu_memory_utilization=inf.gpu_memory_utilization,
+    )
+    orch = cfg.orchestrator
+    in_flight = -(-min(orch.max_in_flight, orch.batch_size * (orch.max_async_level + 1)) // servers)
+    shape = served_shape(args)
+    server = server_memory(shape, layout, gpu_gib=gpu_gib, seq_len=cfg.seq_len, in_flight=in_flight)
+    plan.inference = InferencePlan(layout, server, servers)
+    share = total * TRAINER_HEADROOM
+    if cfg.colocate:
+        share -= layout.gpu_memory_utilization * total
+        plan.notes.append(
+            f"colocated: the trainer gets what vLLM's gpu_memory_utilization = {layout.gpu_memory_utilization} leaves"
+        )
+    asked = trainer_layout(cfg, cfg.transport.ranks)
+    plan.trainer = TrainerPlan(asked, trainer_memory(args, asked), asked.world, share)
+    if not plan.trainer.fits:
+        plan.trainer_options = trainer_options(args, asked, share)
+    if not plan.inference.fits:
+        plan.inference_options = inference_options(
+            shape, layout, _heads(args), gpu_gib=gpu_gib, seq_len=cfg.seq_len, in_flight=in_flight, servers=servers
+        )
+    return plan
+
+
+def model_args(name: str, revision: str | None = None) -> tuple[ModelArgs, bool]:
+    """(the model's ModelArgs, whether its checkpoint is block FP8) from its config.json
+    (ValueError or FileNotFoundError naming what is wrong)."""
+    from pathlib import Path
+
+    from primerl_models import family_for, is_hub_id, read_config, resolve_model_folder
+
+    folder = resolve_model_folder(name, revision) if is_hub_id(name) else Path(name)
+    hf = read_config(folder)
+    args = family_for(hf, where=f"{name}/config.json").args_from_hf(hf)
+    quant = hf.get("quantization_config") or {}
+    return args, isinstance(quant, dict) and quant.get("quant_method") == "fp8"
+
+
+def plan_for_launch(cfg, *, slurm: bool) -> Plan | None:
+    """The plan of an RL config as it will launch (here, or as a Slurm job: trainer ranks =
+    trainer_nodes x gpus_per_node, servers = inference_nodes x num_replicas); None on CPU."""
+    from primerl.errors import CheckError
+
+    if slurm and not cfg.slurm.gpus_per_node:
+        return None
+    if not slurm and cfg.inference.device == "cpu":
+        return None
+    gpu_gib = cfg.plan.gpu_memory_gib or visible_gpu_gib()
+    try:
+        args, fp8 = model_args(cfg.model.name, cfg.model.revision)
+    except (FileNotFoundError, ValueError) as err:
+        raise CheckError(f"model.name: {err}") from None
+    servers = cfg.slurm.inference_nodes * cfg.inference.num_replicas if slurm else None
+    if slurm:
+        ranks = cfg.slurm.trainer_nodes * cfg.slurm.gpus_per_node
+        cfg = replace_ranks(cfg, ranks)
+    return plan_rl(cfg, args, gpu_gib, fp8_checkpoint=fp8, servers=servers)
+
+
+def replace_ranks(cfg, ranks: int):
+    import msgspec
+
+    return msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport, trainer_ranks=ranks))
+
+
+def check_fits(cfg, *, slurm: bool) -> Plan | None:
+    """Refuse (CheckError) a launch whose plan does not fit, unless plan.check = false."""
+    from primerl.errors import CheckError
+
+    plan = plan_for_launch(cfg, slurm=slurm)
+    why = plan.refusal() if plan is not None else None
+    if why is None:
+        return plan
+    if cfg.plan.check:
+        raise CheckError(
+            f"the run does not fit its GPUs (`primerl plan` says why; plan.check = false starts it anyway): {why}"
+        )
+    print(f"warning: the run may not fit its GPUs: {why}", flush=True)
+    return plan
