@@ -62,3 +62,11 @@ def test_the_slurm_job_is_refused_before_it_is_written_unless_the_check_is_off(t
     out = CliRunner().invoke(main, [*job, "plan.check=false"])
     assert out.exit_code == 0, out.output
     assert "warning: the run may not fit its GPUs" in out.output and script.exists()
+
+
+def test_a_malformed_config_json_is_refused_naming_what_is_missing(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "qwen3_moe", "hidden_size": 64}')
+    out = CliRunner().invoke(main, ["plan", "@", str(config(tmp_path)), f"model.name={bad}"])
+    assert out.exit_code == 2 and "config.json: KeyError: 'num_attention_heads'" in out.output, out.output

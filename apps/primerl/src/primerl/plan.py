@@ -352,8 +352,8 @@ def plan_for_launch(cfg, *, slurm: bool) -> Plan | None:
     gpu_gib = cfg.plan.gpu_memory_gib or visible_gpu_gib()
     try:
         args, fp8 = model_args(cfg.model.name, cfg.model.revision)
-    except (FileNotFoundError, ValueError) as err:
-        raise CheckError(f"model.name: {err}") from None
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as err:  # a config.json missing or malformed
+        raise CheckError(f"model.name: {cfg.model.name}/config.json: {type(err).__name__}: {err}") from None
     servers = cfg.slurm.inference_nodes * cfg.inference.num_replicas if slurm else None
     if slurm:
         ranks = cfg.slurm.trainer_nodes * cfg.slurm.gpus_per_node
