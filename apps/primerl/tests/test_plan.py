@@ -7,6 +7,7 @@ arithmetic is tested by hand in primerl-trainer's and primerl-inference's test_p
 
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from primerl.cli import main
 
@@ -70,3 +71,63 @@ def test_a_malformed_config_json_is_refused_naming_what_is_missing(tmp_path):
     (bad / "config.json").write_text('{"model_type": "qwen3_moe", "hidden_size": 64}')
     out = CliRunner().invoke(main, ["plan", "@", str(config(tmp_path)), f"model.name={bad}"])
     assert out.exit_code == 2 and "config.json: KeyError: 'num_attention_heads'" in out.output, out.output
+
+
+def one_machine(tmp_path: Path, *overrides: str):
+    """`primerl rl`'s preparation on one machine of 8 80-GiB GPUs (no GPU needed: the plan's
+    memory is plan.gpu_memory_gib, nothing starts), Qwen3-30B-A3B's 4 trainer ranks with their
+    optimizer states on the host, 4 servers. Returns the prepared config."""
+    from primerl.configs import RLConfig
+    from primerl.launch import prepare
+    from primerl_protocol.config import load_config
+
+    args = [
+        "@",
+        str(config(tmp_path)),
+        "seq_len=4096",
+        "trainer.optimizer.cpu_offload=true",
+        f"run_dir={tmp_path / 'one'}",
+        *overrides,
+    ]
+    return prepare(load_config(RLConfig, args))[0]
+
+
+def vllm_utilization(cfg) -> str:
+    from primerl_inference.launcher import server_command
+
+    argv = server_command(cfg.inference, cfg.model.name, cfg.seq_len, 0, cfg.run_dir, device="cuda").argv
+    return argv[argv.index("--gpu-memory-utilization") + 1]
+
+
+def test_vllms_share_beside_a_colocated_trainer_comes_from_the_plan(tmp_path):
+    """inference.gpu_memory_utilization unset and colocate = true (the trainer on GPUs 0-3, the
+    servers' own): the share the plan leaves, by hand from its figure of the trainer's peak
+    (0.95 of the GPU less the peak and vLLM's ~1 GiB of CUDA graphs, rounded down to 0.01),
+    written into configs/rl.toml and on the command line the servers start with. Servers on
+    GPUs of their own: 0.9. Set: kept. A CPU run: untouched (vLLM's CPU server has no share)."""
+    from primerl.plan import TRAINER_HEADROOM, model_args, trainer_layout
+    from primerl_inference.plan import CUDA_GRAPHS_GIB, GIB
+    from primerl_trainer.plan import trainer_memory
+
+    cfg = one_machine(tmp_path, "colocate=true", "trainer_gpus=[0, 1, 2, 3]")
+    peak = trainer_memory(model_args(str(MODEL))[0], trainer_layout(cfg, 4)).peak
+    total = 80 * GIB
+    expected = int((TRAINER_HEADROOM * total - peak - CUDA_GRAPHS_GIB * GIB) / total * 100) / 100
+    assert 0.5 < expected < 0.9 and cfg.inference.gpu_memory_utilization == expected, (expected, peak / GIB)
+    assert vllm_utilization(cfg) == str(expected)
+    assert f"gpu_memory_utilization = {expected}\n" in (tmp_path / "one" / "configs" / "rl.toml").read_text()
+
+    assert vllm_utilization(one_machine(tmp_path, "trainer_gpus=[4, 5, 6, 7]")) == "0.9"
+    kept = one_machine(tmp_path, "colocate=true", "inference.gpu_memory_utilization=0.8")
+    assert kept.inference.gpu_memory_utilization == 0.8 and vllm_utilization(kept) == "0.8"
+    cpu = one_machine(tmp_path, "inference.device=cpu")
+    assert cpu.inference.gpu_memory_utilization is None
+
+
+def test_a_colocated_share_set_too_high_is_refused_by_the_plan(tmp_path):
+    """A set share is the user's: the plan still refuses it when the trainer no longer fits
+    beside it (0.9 of 80 GiB and vLLM's graphs leave a trainer rank 3 GiB)."""
+    from primerl.errors import CheckError
+
+    with pytest.raises(CheckError, match=r"a trainer rank needs \d+\.\d GiB at its peak and has 3\.0"):
+        one_machine(tmp_path, "colocate=true", "inference.gpu_memory_utilization=0.9")

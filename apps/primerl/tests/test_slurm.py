@@ -15,10 +15,22 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
-from primerl.configs import EvalConfig, OrchRunConfig, RLConfig, SFTConfig, TrainerRunConfig
+from click.testing import CliRunner
+from primerl.cli import main
+from primerl.configs import (
+    EvalConfig,
+    InferenceRunConfig,
+    OrchRunConfig,
+    PlanConfig,
+    RLConfig,
+    SFTConfig,
+    TrainerRunConfig,
+)
 from primerl.slurm import SlurmError, fill, render_eval, render_rl, render_sft
 from primerl.testing import leftovers
+from primerl_inference.launcher import server_command
 from primerl_models.tiny import build_tiny_model
 from primerl_protocol.config import load_config
 from primerl_trainer.testing import free_port_block
@@ -136,9 +148,200 @@ def test_colocated_roles_share_nodes(tmp_path):
         "slurm.trainer_nodes=2",
         "slurm.gpus_per_node=8",
         "transport.trainer_ranks=16",
+        "inference.gpu_memory_utilization=0.4",  # set: no memory plan (its model folder is not here)
     )
     text = render_rl(cfg).read_text()
     assert "#SBATCH --nodes=2\n" in text and 'TRAINER_NODES=("${NODES[@]:0:2}")' in text
+    assert "--nproc-per-node=8 " in text and "CUDA_VISIBLE_DEVICES" not in text  # every GPU, as without trainer_gpus
+
+
+MOE = ROOT / "examples" / "models" / "qwen3-30b-a3b"  # its config.json: the memory plan's shape, no weights
+
+
+def role_config(tmp_path, root, name):
+    return load_config(root, ["@", str(tmp_path / "run" / "configs" / f"{name}.toml")])
+
+
+def vllm_commands(tmp_path) -> list:
+    """The vLLM servers the job's inference role starts on each node, from its rendered config."""
+    cfg = role_config(tmp_path, InferenceRunConfig, "inference")
+    return [
+        server_command(cfg.inference, "m", 4096, i, tmp_path / "run", device="cuda")
+        for i in range(cfg.inference.num_replicas)
+    ]
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_one_node_split_between_trainer_and_inference(tmp_path):
+    """Qwen3-30B-A3B on one 8-GPU node as 4 + 4: trainer_gpus = [4, 5, 6, 7] puts torchrun's 4
+    ranks on those GPUs and the 4 servers on GPUs 0-3 of the same node; one node in the job, the
+    servers at vLLM's 0.9 (they own their GPUs)."""
+    cfg = rl_config(
+        tmp_path,
+        "trainer_gpus=[4, 5, 6, 7]",
+        "slurm.inference_nodes=1",
+        "slurm.trainer_nodes=1",
+        "slurm.gpus_per_node=8",
+        "inference.num_replicas=4",
+    )
+    script = render_rl(cfg)
+    text = script.read_text()
+    assert "#SBATCH --nodes=1\n" in text and "#SBATCH --gpus-per-node=8\n" in text
+    assert 'INFERENCE_NODES=("${NODES[@]:0:1}")' in text and 'TRAINER_NODES=("${NODES[@]:0:1}")' in text
+    assert (
+        "-- \\\n    env CUDA_VISIBLE_DEVICES=4,5,6,7 python -m torch.distributed.run --nnodes=1 --nproc-per-node=4 "
+        in text
+    )
+    assert text.count("--gres=gpu:8") == 2  # each step sees the node's 8 GPUs: the indices are the node's
+    assert "inference on GPUs 0,1,2,3, trainer on GPUs 4,5,6,7" in text and "{{" not in text
+    bash_syntax_ok(script)
+    assert role_config(tmp_path, TrainerRunConfig, "trainer").transport.trainer_ranks == 4
+    assert role_config(tmp_path, OrchRunConfig, "orchestrator").transport.trainer_ranks == 4
+    servers = vllm_commands(tmp_path)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in servers] == ["0", "1", "2", "3"]
+    assert all(flag(s.argv, "--gpu-memory-utilization") == "0.9" for s in servers)
+    # two servers of tensor parallelism 2 on the same GPUs; without trainer_gpus, nodes of their own as before
+    render_rl(
+        rl_config(tmp_path, "trainer_gpus=[4, 5, 6, 7]", "inference.num_replicas=2", "inference.tensor_parallel_size=2")
+    )
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in vllm_commands(tmp_path)] == ["0,1", "2,3"]
+    # the trainer first, or every other GPU: the servers get the rest, whichever they are
+    text = render_rl(rl_config(tmp_path, "trainer_gpus=[0, 2, 4, 6]", "inference.num_replicas=4")).read_text()
+    assert "env CUDA_VISIBLE_DEVICES=0,2,4,6 python" in text
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in vllm_commands(tmp_path)] == ["1", "3", "5", "7"]
+    text = render_rl(rl_config(tmp_path, "transport.trainer_ranks=8")).read_text()
+    assert "#SBATCH --nodes=2\n" in text and 'TRAINER_NODES=("${NODES[@]:1:1}")' in text
+    assert "-- \\\n    python -m torch.distributed.run --nnodes=1 --nproc-per-node=8 " in text
+    assert role_config(tmp_path, InferenceRunConfig, "inference").inference.gpus is None
+
+
+def test_the_servers_may_take_exactly_the_gpus_the_trainer_leaves(tmp_path):
+    """Boundaries of a split node: servers needing every GPU left, the trainer on the node's last
+    GPU and transport.trainer_ranks equal to the job's: rendered; one GPU more, refused (exit 2
+    through the CLI, naming the keys)."""
+    exact = ["trainer_gpus=[6, 7]", "inference.num_replicas=3", "inference.tensor_parallel_size=2"]
+    render_rl(rl_config(tmp_path, *exact, "transport.trainer_ranks=2"))
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in vllm_commands(tmp_path)] == ["0,1", "2,3", "4,5"]
+    over = ["trainer_gpus=[5, 6, 7]", "inference.num_replicas=3", "inference.tensor_parallel_size=2"]
+    message = (
+        "inference.num_replicas x GPUs per replica = 3 x 2 = 6 GPUs per node, but trainer_gpus = [5, 6, 7] leaves 5 "
+        "of slurm.gpus_per_node = 8 to the servers"
+    )
+    with pytest.raises(SlurmError, match=re.escape(message)):
+        render_rl(rl_config(tmp_path, *over))
+    (tmp_path / "rl.toml").write_text(f'[model]\nname = "{MOE}"\n[[envs.train]]\nid = "reverse-text"\n')
+    out = CliRunner().invoke(  # plan.check = false: where a GPU is visible the memory plan would speak first
+        main,
+        ["rl", "@", str(tmp_path / "rl.toml"), f"run_dir={tmp_path / 'cli'}", *over, "plan.check=false", "--slurm"],
+    )
+    assert out.exit_code == 2 and message in out.output, out.output
+    assert not (tmp_path / "cli" / "slurm" / "rl.sbatch").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["trainer_gpus=[4, 8]"],
+            "trainer_gpus = [4, 8] names GPU 8, but slurm.gpus_per_node = 8: a node's GPUs are 0 to 7",
+        ),
+        (["trainer_gpus=[-1]"], "trainer_gpus = [-1] names GPU -1"),
+        (["trainer_gpus=[4, 5, 4]"], "trainer_gpus = [4, 5, 4] names GPU 4 more than once"),
+        (["trainer_gpus=[]"], "trainer_gpus = []: list the GPUs"),
+        (
+            ["trainer_gpus=[4, 5, 6, 7]", "transport.trainer_ranks=8"],
+            "transport.trainer_ranks = 8, but slurm.trainer_nodes x len(trainer_gpus) = 1 x 4 = 4",
+        ),
+        (
+            ["trainer_gpus=[4, 5, 6, 7]", "slurm.trainer_nodes=2", "transport.trainer_ranks=4"],
+            "transport.trainer_ranks = 4, but slurm.trainer_nodes x len(trainer_gpus) = 2 x 4 = 8",
+        ),
+        (
+            ["trainer_gpus=[4, 5, 6, 7]", "colocate=true", "transport.trainer_ranks=8"],
+            "transport.trainer_ranks = 8, but slurm.trainer_nodes x len(trainer_gpus) = 1 x 4 = 4",
+        ),
+        (
+            ["trainer_gpus=[4, 5, 6, 7]", "inference.gpus=[3, 4]"],
+            "inference.gpus = [3, 4] and trainer_gpus = [4, 5, 6, 7] both name GPU 4",
+        ),
+        (["inference.gpus=[8]", "transport.trainer_ranks=8"], "inference.gpus = [8] names GPU 8"),
+    ],
+)
+def test_trainer_gpus_that_do_not_fit_a_node_are_named(tmp_path, overrides, message):
+    with pytest.raises(SlurmError, match=re.escape(message)):
+        render_rl(rl_config(tmp_path, "slurm.gpus_per_node=8", *overrides))
+
+
+def moe_config(tmp_path, *overrides) -> RLConfig:
+    """Qwen3-30B-A3B on 80 GiB GPUs, 4 trainer ranks a node (GPUs 4-7) with their optimizer
+    states on the host: a trainer peak of a few GiB a rank, beside vLLM on the same GPUs."""
+    return rl_config(
+        tmp_path,
+        f"model.name={MOE}",
+        "seq_len=4096",
+        "trainer.parallel.ep=4",
+        "trainer.activation_checkpointing=true",
+        "trainer.optimizer.cpu_offload=true",
+        "transport.trainer_ranks=4",
+        "trainer_gpus=[4, 5, 6, 7]",
+        "plan.gpu_memory_gib=80",
+        *overrides,
+    )
+
+
+def test_colocated_trainer_gets_trainer_gpus_and_vllm_the_share_the_plan_leaves(tmp_path):
+    """colocate = true with trainer_gpus: 8 servers on the node's 8 GPUs, torchrun's 4 ranks on
+    GPUs 4-7 of them, one node; vLLM's gpu_memory_utilization unset comes from the memory plan
+    (0.95 of the GPU less the trainer's peak and vLLM's CUDA graphs, rounded down to 0.01), and
+    every server's command carries it; a set value is kept."""
+    from primerl.plan import TRAINER_HEADROOM, plan_for_launch, trainer_layout
+    from primerl_inference.plan import CUDA_GRAPHS_GIB, GIB
+    from primerl_trainer.plan import trainer_memory
+
+    cfg = moe_config(tmp_path, "colocate=true", "inference.num_replicas=8")
+    text = render_rl(cfg).read_text()
+    assert "#SBATCH --nodes=1\n" in text and 'TRAINER_NODES=("${NODES[@]:0:1}")' in text
+    assert "env CUDA_VISIBLE_DEVICES=4,5,6,7 python -m torch.distributed.run --nnodes=1 --nproc-per-node=4 " in text
+    servers = vllm_commands(tmp_path)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in servers] == [str(g) for g in range(8)]
+    # by hand, from the plan's figure: the trainer's predicted peak per rank
+    plan = plan_for_launch(cfg, slurm=True)
+    peak = trainer_memory(plan_args(), trainer_layout(cfg, 4)).peak
+    assert plan is not None and plan.trainer is not None and plan.trainer.memory.peak == peak
+    total = 80 * GIB
+    expected = int((TRAINER_HEADROOM * total - peak - CUDA_GRAPHS_GIB * GIB) / total * 100) / 100
+    assert 0.5 < expected < 0.9, expected
+    written = role_config(tmp_path, InferenceRunConfig, "inference").inference.gpu_memory_utilization
+    assert written == expected and f"gpu_memory_utilization {expected}" in text
+    assert all(flag(s.argv, "--gpu-memory-utilization") == str(expected) for s in servers)
+    assert plan.trainer.fits and plan.trainer.share >= peak  # the trainer's share holds its peak
+    render_rl(moe_config(tmp_path, "colocate=true", "inference.gpu_memory_utilization=0.8"))
+    assert all(flag(s.argv, "--gpu-memory-utilization") == "0.8" for s in vllm_commands(tmp_path))
+    assert "--nproc-per-node=4 " in (tmp_path / "run" / "slurm" / "rl.sbatch").read_text()
+
+
+def plan_args():
+    from primerl.plan import model_args
+
+    return model_args(str(MOE))[0]
+
+
+def test_a_colocated_share_that_cannot_be_computed_is_refused_naming_the_keys(tmp_path):
+    """Colocated, vLLM's share needs the GPU's memory and a trainer that leaves some of it: a
+    trainer whose peak (its AdamW states on the GPU) exceeds the GPU leaves vLLM nothing; a
+    login node without a GPU and no plan.gpu_memory_gib knows no memory. Both name the keys."""
+    from primerl.errors import CheckError
+
+    with pytest.raises(CheckError, match=r"leaves vLLM no share of its GPU; .* inference.gpu_memory_utilization"):
+        render_rl(moe_config(tmp_path, "colocate=true", "trainer.optimizer.cpu_offload=false"))
+    if shutil.which("nvidia-smi"):
+        return  # the GPU here gives the memory
+    unknown = msgspec.structs.replace(moe_config(tmp_path, "colocate=true"), plan=PlanConfig(gpu_memory_gib=None))
+    with pytest.raises(CheckError, match=r"set plan.gpu_memory_gib .*, or inference.gpu_memory_utilization"):
+        render_rl(unknown)
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,15 @@ def test_replicas_get_their_own_ports_and_gpus():
     assert value(args_of(specs[1].argv), "--tensor-parallel-size") == "2"
 
 
+def test_an_unset_gpu_memory_utilization_is_vllms_default_on_the_command_line():
+    """None (the config's default) never reaches vLLM: servers with GPUs of their own take 0.9;
+    `primerl rl` writes the colocated share into the config before it starts them."""
+    argv = server_command(InferenceConfig(), "m", 1024, 0, "/r", device="cuda").argv
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.9"
+    set_ = server_command(InferenceConfig(gpu_memory_utilization=0.35), "m", 1024, 0, "/r", device="cuda").argv
+    assert set_[set_.index("--gpu-memory-utilization") + 1] == "0.35"
+
+
 def test_gpu_only_options():
     cfg = InferenceConfig(
         quantization="fp8",

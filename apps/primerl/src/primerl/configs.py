@@ -94,10 +94,15 @@ class RLConfig(SharedConfig):
     envs: EnvsConfig = msgspec.field(default_factory=EnvsConfig)
     """Training and eval environments."""
     trainer_gpus: list[int] | None = None
-    """GPUs of the trainer, one rank each (default: the GPUs after inference's); ignored on CPU."""
+    """GPUs of the trainer, one rank each; ignored on CPU. On one machine, default: the GPUs
+    after inference's (colocated: inference's). With --slurm, the GPU indices of each trainer
+    node (0 to slurm.gpus_per_node - 1; default: all of them), transport.trainer_ranks =
+    slurm.trainer_nodes x len(trainer_gpus): without colocate, inference and trainer then share
+    the job's nodes, the servers on each node's other GPUs (docs/slurm.md, "One node, split")."""
     colocate: bool = False
-    """Inference and trainer share the same GPUs (lower inference.gpu_memory_utilization to
-    leave the trainer room); with --slurm, the same nodes."""
+    """Inference and trainer share the same GPUs (the trainer trainer_gpus of them, if set);
+    with --slurm, the same nodes. vLLM's share of each GPU: inference.gpu_memory_utilization,
+    unset what the memory plan says the trainer leaves (docs/plan.md)."""
     slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
     """The sbatch job of `primerl rl --slurm`."""
     plan: PlanConfig = msgspec.field(default_factory=PlanConfig)

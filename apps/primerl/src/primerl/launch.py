@@ -24,7 +24,10 @@ console); a change of the settings that checkpoint depends on is refused, naming
 Placement: on a machine without a GPU everything runs on the CPU (`transport.trainer_ranks`
 gloo ranks). With GPUs, inference takes `inference.gpus` (or the first ones) and the trainer
 `trainer_gpus` (or the ones inference does not use), one rank per GPU; with `colocate = true`
-both use the same GPUs, vLLM limited to `inference.gpu_memory_utilization` of their memory.
+both use the same GPUs (the trainer `trainer_gpus` of them, if set), vLLM limited to
+`inference.gpu_memory_utilization` of their memory: unset, 0.9 on GPUs of its own and,
+colocated, what the memory plan says the trainer leaves (primerl.plan.with_vllm_share, resolved
+in `prepare` and written into configs/, so the servers start with that number).
 """
 
 from __future__ import annotations
@@ -286,7 +289,8 @@ def prepare(cfg: RLConfig) -> tuple[RLConfig, str, list[int]]:
     """Every check before anything starts (CheckError), then the run directory laid out: the
     resolved config (free ports chosen, the run's admin token and socket keys) written to
     configs/rl.toml, the previous one kept as configs/rl.prev.toml. Returns it, the device
-    and the trainer's GPUs."""
+    and the trainer's GPUs. On GPUs, an unset inference.gpu_memory_utilization is resolved
+    here from the memory plan (primerl.plan.with_vllm_share) and the servers start with it."""
 
     given = cfg
     cfg = check(cfg)
@@ -294,12 +298,11 @@ def prepare(cfg: RLConfig) -> tuple[RLConfig, str, list[int]]:
         check_environments(section, getattr(cfg.envs, section.split(".")[1]))
     device = resolve_device(cfg.inference)
     inference_gpus, trainer_gpus = gpu_plan(cfg, device)
-    if device != "cpu":  # the memory plan (primerl plan), before anything starts
-        from primerl.plan import check_fits
+    if device != "cpu":  # the memory plan (primerl plan), before anything starts; vLLM's share from it
+        from primerl.plan import check_fits, with_vllm_share
 
-        check_fits(
-            msgspec.structs.replace(cfg, inference=msgspec.structs.replace(cfg.inference, device=device)), slurm=False
-        )
+        cfg = msgspec.structs.replace(cfg, inference=msgspec.structs.replace(cfg.inference, device=device))
+        cfg = with_vllm_share(cfg, check_fits(cfg, slurm=False))
     token = cfg.inference.resolved_admin_token() or secrets.token_hex(16)
     cfg = with_ports(cfg)
     inference = msgspec.structs.replace(

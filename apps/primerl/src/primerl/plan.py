@@ -12,6 +12,11 @@ trainer's peak to vLLM's share of the same GPU. When the asked layout does not f
 that do are listed (trainer: activation checkpointing, expert and context parallelism, optimizer
 offload; inference: tensor parallelism, FP8 weights, an FP8 KV cache), fewest changes first.
 
+vLLM's share (`inference.gpu_memory_utilization`) unset: 0.9 where the servers own their GPUs;
+colocated, what the trainer leaves (`colocated_share`). `primerl rl` writes the number the plan
+took into the run's configs (`with_vllm_share`: launch.prepare here, the Slurm render with
+--slurm), so the servers start with it.
+
 The GPU's memory: `plan.gpu_memory_gib`, else the first visible GPU's (nvidia-smi); with neither
 (a CPU run, a login node) nothing is checked and the plan says so.
 """
@@ -19,17 +24,37 @@ The GPU's memory: `plan.gpu_memory_gib`, else the first visible GPU's (nvidia-sm
 from __future__ import annotations
 
 import itertools
+import math
 import shutil
 import subprocess
 from dataclasses import dataclass, field, replace
 
-from primerl_inference.plan import GIB, KVLayer, ServedShape, ServerLayout, ServerMemory, server_memory
+from primerl_inference.config import DEFAULT_GPU_MEMORY_UTILIZATION
+from primerl_inference.plan import (
+    CUDA_GRAPHS_GIB,
+    GIB,
+    KVLayer,
+    ServedShape,
+    ServerLayout,
+    ServerMemory,
+    server_memory,
+)
 from primerl_models.args import MLA, Attention, GatedDeltaNet, Mamba2, ModelArgs, MoEMLP
 from primerl_trainer.plan import TrainerLayout, TrainerMemory, trainer_memory
 
 TRAINER_HEADROOM = 0.95
 """Share of a GPU the trainer's predicted peak may take: the rest for the allocator's
 fragmentation and the plan's own error (10% on the shapes measured: docs/benchmarks.md)."""
+
+
+def colocated_share(trainer_peak: float, gpu_bytes: float, graphs: float) -> float:
+    """vLLM's gpu_memory_utilization beside a trainer rank on the same GPU, when unset: the
+    trainer's TRAINER_HEADROOM of the GPU less its predicted peak and vLLM's CUDA graphs
+    (`graphs` bytes, captured outside vLLM's share), rounded down to 0.01 so that the trainer's
+    share stays >= its peak, and at most what vLLM takes of a GPU of its own (0.9). Zero or
+    below: the trainer leaves vLLM nothing."""
+    share = math.floor((TRAINER_HEADROOM - (trainer_peak + graphs) / gpu_bytes) * 100) / 100
+    return min(DEFAULT_GPU_MEMORY_UTILIZATION, share)
 
 
 def served_shape(args: ModelArgs) -> ServedShape:
@@ -296,13 +321,24 @@ def plan_rl(
         return plan
     total = gpu_gib * GIB
     servers = servers or inf.num_replicas
+    asked = trainer_layout(cfg, cfg.transport.ranks)
+    trainer = trainer_memory(args, asked)
+    graphs = 0.0 if inf.enforce_eager else CUDA_GRAPHS_GIB * GIB  # vLLM's, outside its share
+    utilization = inf.gpu_memory_utilization
+    if utilization is None and cfg.colocate:
+        utilization = colocated_share(trainer.peak, total, graphs)
+        plan.notes.append(
+            f"colocated: vLLM's gpu_memory_utilization {utilization} is what the trainer leaves: "
+            f"{TRAINER_HEADROOM} of {gpu_gib:.1f} GiB less its peak {trainer.peak / GIB:.1f} GiB and vLLM's CUDA graphs "
+            f"{graphs / GIB:.1f} GiB (a smaller trainer peak leaves vLLM more; inference.gpu_memory_utilization sets it)"
+        )
     layout = ServerLayout(
         tp=inf.tensor_parallel_size,
         dp=inf.data_parallel_size,
         expert_parallel=inf.enable_expert_parallel,
         fp8_weights=inf.quantization == "fp8" or fp8_checkpoint,
         fp8_kv=inf.kv_cache_dtype == "fp8",
-        gpu_memory_utilization=inf.gpu_memory_utilization,
+        gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else max(0.0, utilization),
     )
     orch = cfg.orchestrator
     in_flight = -(-min(orch.max_in_flight, orch.batch_size * (orch.max_async_level + 1)) // servers)
@@ -311,12 +347,13 @@ def plan_rl(
     plan.inference = InferencePlan(layout, server, servers)
     share = total * TRAINER_HEADROOM
     if cfg.colocate:
-        share -= layout.gpu_memory_utilization * total
-        plan.notes.append(
-            f"colocated: the trainer gets what vLLM's gpu_memory_utilization = {layout.gpu_memory_utilization} leaves"
-        )
-    asked = trainer_layout(cfg, cfg.transport.ranks)
-    plan.trainer = TrainerPlan(asked, trainer_memory(args, asked), asked.world, share)
+        share -= layout.gpu_memory_utilization * total + graphs
+        if inf.gpu_memory_utilization is not None:
+            plan.notes.append(
+                f"colocated: the trainer gets what vLLM's gpu_memory_utilization = {layout.gpu_memory_utilization} "
+                f"and its CUDA graphs ({graphs / GIB:.1f} GiB) leave"
+            )
+    plan.trainer = TrainerPlan(asked, trainer, asked.world, share)
     if not plan.trainer.fits:
         plan.trainer_options = trainer_options(args, asked, share)
     if not plan.inference.fits:
@@ -342,7 +379,8 @@ def model_args(name: str, revision: str | None = None) -> tuple[ModelArgs, bool]
 
 def plan_for_launch(cfg, *, slurm: bool) -> Plan | None:
     """The plan of an RL config as it will launch (here, or as a Slurm job: trainer ranks =
-    trainer_nodes x gpus_per_node, servers = inference_nodes x num_replicas); None on CPU."""
+    trainer_nodes x gpus_per_node, or x len(trainer_gpus) when set, servers = inference_nodes x
+    num_replicas); None on CPU."""
     from primerl.errors import CheckError
 
     if slurm and not cfg.slurm.gpus_per_node:
@@ -356,8 +394,8 @@ def plan_for_launch(cfg, *, slurm: bool) -> Plan | None:
         raise CheckError(f"model.name: {cfg.model.name}/config.json: {type(err).__name__}: {err}") from None
     servers = cfg.slurm.inference_nodes * cfg.inference.num_replicas if slurm else None
     if slurm:
-        ranks = cfg.slurm.trainer_nodes * cfg.slurm.gpus_per_node
-        cfg = replace_ranks(cfg, ranks)
+        per_node = len(cfg.trainer_gpus) if cfg.trainer_gpus else cfg.slurm.gpus_per_node
+        cfg = replace_ranks(cfg, cfg.slurm.trainer_nodes * per_node)
     return plan_rl(cfg, args, gpu_gib, fp8_checkpoint=fp8, servers=servers)
 
 
@@ -381,3 +419,36 @@ def check_fits(cfg, *, slurm: bool) -> Plan | None:
         )
     print(f"warning: the run may not fit its GPUs: {why}", flush=True)
     return plan
+
+
+def with_vllm_share(cfg, plan: Plan | None):
+    """The config with `inference.gpu_memory_utilization` set to the number the plan took, so
+    that the servers start with it (a set value is kept; unset: 0.9, or colocated what the
+    trainer leaves: `colocated_share`). Colocated without a plan that knows the GPU's memory, or
+    with a trainer that leaves vLLM nothing, there is no number to give vLLM: CheckError naming
+    the keys. For runs on GPUs only (a CPU server has no such share)."""
+    import msgspec
+
+    from primerl.errors import CheckError
+
+    inf = cfg.inference
+    if inf.gpu_memory_utilization is not None:
+        return cfg
+    if not cfg.colocate:
+        utilization = DEFAULT_GPU_MEMORY_UTILIZATION
+    elif plan is None or plan.inference is None or plan.trainer is None:
+        raise CheckError(
+            "colocate = true with inference.gpu_memory_utilization unset: vLLM's share is what the trainer leaves "
+            "of each GPU, and the GPU's memory is unknown here (no GPU visible); set plan.gpu_memory_gib "
+            "(e.g. 80 for an H100), or inference.gpu_memory_utilization"
+        )
+    else:
+        utilization = plan.inference.layout.gpu_memory_utilization
+        if utilization <= 0:
+            peak = plan.trainer.memory.peak / GIB
+            raise CheckError(
+                f"colocate = true: a trainer rank's predicted peak ({peak:.1f} GiB of {plan.gpu_gib:.1f}) leaves vLLM "
+                f"no share of its GPU; lower it (`primerl plan` lists trainer layouts) or set "
+                f"inference.gpu_memory_utilization"
+            )
+    return msgspec.structs.replace(cfg, inference=msgspec.structs.replace(inf, gpu_memory_utilization=utilization))

@@ -18,6 +18,8 @@ DEFAULT_MAX_LORA_RANK = 16
 DEFAULT_MAX_LORAS = 1
 DEFAULT_PORT = 8000
 """The first server's port when `port` is unset and no launcher chose one."""
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+"""vLLM's share of a GPU it has to itself (vLLM's own default) when gpu_memory_utilization is unset."""
 
 
 def lora_rank_for(rank: int) -> int | None:
@@ -68,8 +70,12 @@ class InferenceConfig(Config):
     """Offload KV blocks to this many GiB of CPU memory (vLLM's native offloading; 0: off)."""
     disaggregation: DisaggregationConfig = msgspec.field(default_factory=DisaggregationConfig)
     """Prefill/decode disaggregation."""
-    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
-    """Fraction of each GPU's memory vLLM may use (lower it when colocated with the trainer)."""
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    """Fraction of each GPU's memory vLLM may use. None: 0.9 (vLLM's default) where the servers
+    have their GPUs to themselves; under `primerl rl` with colocate = true, the share the memory
+    plan leaves beside the trainer (0.95 of the GPU less the trainer's predicted peak per rank
+    and vLLM's CUDA graphs, at most 0.9; docs/plan.md), written into the run's configs. Set, it
+    is used as it is (and the plan still says when the trainer does not fit beside it)."""
     cpu_kv_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     """KV cache size on CPU servers in GiB (fractions allowed; vLLM zeroes it at start, ~1.7 s
     a GiB on 2 cores). It must hold at least one max_model_len sequence."""

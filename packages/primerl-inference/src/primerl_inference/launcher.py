@@ -29,7 +29,13 @@ from primerl_protocol.rundir import RunDir
 from primerl_protocol.serving import HEALTH_ROUTE, LOGPROBS_MODE
 from primerl_protocol.transfer import BACKEND as TRANSFER_BACKEND
 
-from primerl_inference.config import ADMIN_TOKEN_ENV, DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, InferenceConfig
+from primerl_inference.config import (
+    ADMIN_TOKEN_ENV,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    InferenceConfig,
+)
 from primerl_inference.serve import INSPECT_ENV
 
 ADMIN_MIDDLEWARE = "primerl_inference.admin.AdminMiddleware"
@@ -162,7 +168,8 @@ def server_command(
             "--tensor-parallel-size",
             str(cfg.tensor_parallel_size),
             "--gpu-memory-utilization",
-            str(cfg.gpu_memory_utilization),
+            # unset: the servers own their GPUs (`primerl rl` writes the colocated share in)
+            str(cfg.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION),
         ]
         if cfg.data_parallel_size > 1:
             argv += ["--data-parallel-size", str(cfg.data_parallel_size)]

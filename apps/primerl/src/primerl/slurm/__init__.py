@@ -10,6 +10,13 @@ first trainer node. Addresses are passed at run time from the job's node list. T
 that fails ends the job with that role's exit status, its log path and last lines in the job's
 output (`slurm.log_dir`/job-<id>.out); every other role is stopped first.
 
+Placement on GPU nodes (`_placement`): inference and trainer on nodes of their own; or, with
+`trainer_gpus` (GPU indices of each node), on the same nodes, the trainer on those GPUs and the
+servers on the rest; or with `colocate = true` on the same GPUs, the trainer on `trainer_gpus`
+(default: all). Every step is given all the node's GPUs (`--gres`), so that each role's indices
+are the node's; the trainer's CUDA_VISIBLE_DEVICES is set on its command, the servers' through
+`inference.gpus` in their config. vLLM's memory share is resolved here (primerl.plan.with_vllm_share).
+
 Paths in the config must be on a file system every node sees (run_dir, model, weights).
 """
 
@@ -20,6 +27,7 @@ import secrets
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -96,10 +104,18 @@ def _common(cfg, kind: str) -> tuple[Path, dict[str, object]]:
     return folder, values
 
 
-def _ranks_per_node(cfg, nodes: int, ranks: int | None, key: str) -> int:
-    """Ranks of torchrun on each trainer node: one per GPU, or `ranks` split evenly over CPU
-    nodes (unset: one per node). A set `ranks` must be the job's count (SlurmError)."""
+def _ranks_per_node(cfg, nodes: int, ranks: int | None, key: str, gpus: list[int] | None = None) -> int:
+    """Ranks of torchrun on each trainer node: one per GPU (of `gpus`, the trainer's GPUs of each
+    node, when given), or `ranks` split evenly over CPU nodes (unset: one per node). A set
+    `ranks` must be the job's count (SlurmError)."""
     s = cfg.slurm
+    if gpus is not None:
+        if ranks is not None and ranks != nodes * len(gpus):
+            raise SlurmError(
+                f"{key} = {ranks}, but slurm.trainer_nodes x len(trainer_gpus) = {nodes} x {len(gpus)} "
+                f"= {nodes * len(gpus)}: the trainer runs one rank per GPU of trainer_gpus = {gpus} on each of its nodes"
+            )
+        return len(gpus)
     if ranks is None:
         return s.gpus_per_node or 1
     if s.gpus_per_node:
@@ -122,6 +138,77 @@ def _inference_per_node(cfg) -> int:
             f"per node, but slurm.gpus_per_node = {s.gpus_per_node}"
         )
     return inf.num_replicas
+
+
+def _node_gpus(key: str, gpus: list[int], per_node: int) -> None:
+    """`gpus` (the value of `key`) name distinct GPUs of a node of `per_node` (SlurmError)."""
+    if not gpus:
+        raise SlurmError(f"{key} = []: list the GPUs of each node it uses, or leave it unset")
+    if bad := [g for g in gpus if not 0 <= g < per_node]:
+        raise SlurmError(
+            f"{key} = {gpus} names GPU {bad[0]}, but slurm.gpus_per_node = {per_node}: "
+            f"a node's GPUs are 0 to {per_node - 1}"
+        )
+    if twice := sorted({g for g in gpus if gpus.count(g) > 1}):
+        raise SlurmError(f"{key} = {gpus} names GPU {twice[0]} more than once: each GPU once")
+
+
+@dataclass
+class Placement:
+    """Where the RL job's roles run on each node."""
+
+    shared_nodes: bool
+    """Inference and trainer on the same nodes (colocate, or trainer_gpus splitting each node)."""
+    trainer_gpus: list[int] | None
+    """The trainer's GPUs of each node (None: all of them, or CPU nodes)."""
+    inference_gpus: list[int] | None
+    """The servers' GPUs of each node (None: inference.gpus, or the first ones: the launcher's)."""
+
+
+def _placement(cfg) -> Placement:
+    """The roles' nodes and GPUs from colocate, trainer_gpus, inference.gpus and slurm.*; what
+    does not fit a node is a SlurmError naming the keys. On CPU nodes trainer_gpus is ignored."""
+    s, inf = cfg.slurm, cfg.inference
+    if not s.gpus_per_node:
+        return Placement(cfg.colocate, None, None)
+    if inf.gpus is not None:
+        _node_gpus("inference.gpus", list(inf.gpus), s.gpus_per_node)
+    if cfg.trainer_gpus is None:
+        return Placement(cfg.colocate, None, None)
+    trainer = list(cfg.trainer_gpus)
+    _node_gpus("trainer_gpus", trainer, s.gpus_per_node)
+    if cfg.colocate:  # the servers keep every GPU (or inference.gpus); the trainer shares trainer_gpus of them
+        return Placement(True, trainer, None)
+    left = [g for g in range(s.gpus_per_node) if g not in trainer]
+    need = inf.num_replicas * inf.gpus_per_replica
+    if inf.gpus is not None:
+        if both := sorted(set(inf.gpus) & set(trainer)):
+            raise SlurmError(
+                f"inference.gpus = {inf.gpus} and trainer_gpus = {trainer} both name GPU {both[0]}: without "
+                f"colocate = true each GPU of a node is the servers' or the trainer's"
+            )
+        return Placement(True, trainer, list(inf.gpus))
+    if need > len(left):
+        raise SlurmError(
+            f"inference.num_replicas x GPUs per replica = {inf.num_replicas} x {inf.gpus_per_replica} = {need} GPUs "
+            f"per node, but trainer_gpus = {trainer} leaves {len(left)} of slurm.gpus_per_node = {s.gpus_per_node} "
+            f"to the servers: fewer servers or trainer GPUs, or colocate = true to share them"
+        )
+    return Placement(True, trainer, left[:need])
+
+
+def _placement_line(cfg, place: Placement) -> str:
+    """What the job's header says about GPUs."""
+    if not cfg.slurm.gpus_per_node:
+        return "none (CPU nodes)"
+    trainer = ",".join(map(str, place.trainer_gpus)) if place.trainer_gpus else "all"
+    share = f"vLLM's gpu_memory_utilization {cfg.inference.gpu_memory_utilization}"
+    if cfg.colocate:
+        return f"inference and trainer share the nodes' GPUs (colocate), the trainer's: {trainer}; {share}"
+    if place.shared_nodes:
+        servers = ",".join(map(str, place.inference_gpus or []))
+        return f"each node split: inference on GPUs {servers}, trainer on GPUs {trainer}; {share}"
+    return f"inference and trainer on nodes of their own; {share}"
 
 
 def _with_token(cfg):
@@ -153,21 +240,36 @@ def _inference_values(cfg) -> dict[str, object]:
     }
 
 
-def _trainer_values(cfg) -> dict[str, object]:
+def _trainer_values(cfg, gpus: list[int] | None = None) -> dict[str, object]:
+    """The trainer's step; `gpus`: its GPUs of each node (None: all of them)."""
     s = cfg.slurm
+    ranks = _ranks_per_node(cfg, s.trainer_nodes, cfg.transport.trainer_ranks, "transport.trainer_ranks", gpus)
     return {
         "trainer_nodes": s.trainer_nodes,
-        "ranks_per_node": _ranks_per_node(cfg, s.trainer_nodes, cfg.transport.trainer_ranks, "transport.trainer_ranks"),
-        "trainer_srun": _srun_args(s, s.gpus_per_node),
+        "ranks_per_node": ranks,
+        "trainer_srun": _srun_args(s, s.gpus_per_node),  # all the node's GPUs: the indices are the node's
+        "trainer_env": f"env CUDA_VISIBLE_DEVICES={','.join(map(str, gpus))} " if gpus is not None else "",
     }
 
 
 def render_rl(cfg) -> Path:
-    """RUN_DIR/slurm/rl.sbatch and the configs of its roles; returns the script."""
+    """RUN_DIR/slurm/rl.sbatch and the configs of its roles; returns the script. On GPU nodes
+    the servers' configs carry vLLM's memory share: inference.gpu_memory_utilization, or unset
+    0.9, or colocated what the memory plan leaves beside the trainer (primerl.plan.with_vllm_share:
+    the model's config.json and plan.gpu_memory_gib, or the GPU visible here, are needed then)."""
     from primerl.configs import InferenceRunConfig, OrchRunConfig, TrainerRunConfig
 
     s = cfg.slurm
     memory = cfg.trainer.weights.transport == "memory"
+    place = _placement(cfg)
+    layout = _inference_values(cfg) | _trainer_values(cfg, place.trainer_gpus)  # what does not fit, before the plan
+    if s.gpus_per_node:
+        from primerl.plan import plan_for_launch, with_vllm_share
+
+        share_needs_plan = cfg.colocate and cfg.inference.gpu_memory_utilization is None
+        cfg = with_vllm_share(cfg, plan_for_launch(cfg, slurm=True) if share_needs_plan else None)
+    if place.inference_gpus is not None:  # the launcher sets each server's CUDA_VISIBLE_DEVICES from them
+        cfg = msgspec.structs.replace(cfg, inference=msgspec.structs.replace(cfg.inference, gpus=place.inference_gpus))
     cfg = _with_token(cfg)
     if memory:  # the servers' URLs are known in the job only (their nodes' addresses): given on the command line
         weights = msgspec.structs.replace(
@@ -176,16 +278,13 @@ def render_rl(cfg) -> Path:
             admin_token=cfg.inference.admin_token,
         )  # the trainer joins them with it
         cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, weights=weights))
-    values = (
-        _inference_values(cfg)
-        | _trainer_values(cfg)
-        | {
-            "trainer_weights": ' "trainer.weights.servers=[${URL_LIST%,}]"' if memory else "",
-            "nodes": max(s.inference_nodes, s.trainer_nodes) if cfg.colocate else s.inference_nodes + s.trainer_nodes,
-            "trainer_offset": 0 if cfg.colocate else s.inference_nodes,
-            "sbatch_lines": _sbatch_lines(s, s.gpus_per_node),
-        }
-    )
+    values = layout | {
+        "trainer_weights": ' "trainer.weights.servers=[${URL_LIST%,}]"' if memory else "",
+        "nodes": max(s.inference_nodes, s.trainer_nodes) if place.shared_nodes else s.inference_nodes + s.trainer_nodes,
+        "trainer_offset": 0 if place.shared_nodes else s.inference_nodes,
+        "sbatch_lines": _sbatch_lines(s, s.gpus_per_node),
+        "placement": _placement_line(cfg, place),
+    }
     roles = {"rl": None, "trainer": TrainerRunConfig, "orchestrator": OrchRunConfig, "inference": InferenceRunConfig}
     # the sockets listen on the orchestrator node's address: per-job CURVE keys admit only this job's trainer;
     # the orchestrator packs for the job's trainer ranks (unset in the config: the job's count)
