@@ -5,7 +5,9 @@ block at its real head and latent sizes, one packed row, against the other ways 
 
 Runs (each the whole block: projections, indexer and top-k, attention, o_proj; bf16 autocast
 over fp32 weights):
-- sparse:  ours, the absorbed form over the gathered latent rows of the selected keys;
+- sparse:  ours, the absorbed form over the gathered latent rows of the selected keys, by the
+           Triton kernels (kernels/sparse_mla.py);
+- sparse-torch: the same by the chunked torch `_SparseMLA` (the CPU path);
 - oracle:  ours, every head's keys and values under a dense [T, T] mask of the selection (SDPA);
 - flex:    the same selection as flex attention's block mask (the blocks any query of a block
            selects, a mask_mod reading the [T, T] selection) over every head's own q, k, v: the
@@ -96,7 +98,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--runs", default="indexer,sparse,flex,oracle")
+    parser.add_argument("--runs", default="indexer,sparse,sparse-torch,flex,oracle")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -127,12 +129,12 @@ def main() -> None:
                     q_latent = block.q_a_layernorm(block.q_a_proj(x))
                     seqs = PackedSeqs.from_position_ids(pos)
                     row["s"] = timed(lambda: block._choose(x, q_latent, cos, sin, seqs, 0, None, True), args.reps)
-            elif run in ("sparse", "oracle"):
-                mla.FAST_PATH = run == "sparse"
+            elif run in ("sparse", "sparse-torch", "oracle"):
+                mla.FAST_PATH, mla.KERNEL = run != "oracle", run == "sparse"
                 row["s"] = timed(
                     lambda: step(lambda: block(x, cos, sin, PackedSeqs.from_position_ids(pos), "auto")), args.reps
                 )
-                mla.FAST_PATH = True
+                mla.FAST_PATH = mla.KERNEL = True
             elif run == "flex":
                 with torch.no_grad(), torch.autocast(CUDA, dtype=torch.bfloat16):
                     q_latent = block.q_a_layernorm(block.q_a_proj(x))
