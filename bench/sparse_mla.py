@@ -7,6 +7,9 @@ Runs (each the whole block: projections, indexer and top-k, attention, o_proj; b
 over fp32 weights):
 - sparse:  ours, the absorbed form over the gathered latent rows of the selected keys, by the
            Triton kernels (kernels/sparse_mla.py);
+- sparse-split: the same with the kernels' backward in two passes (SPLIT_BACKWARD: dq, then the
+           key gradient summed over every head before its atomic adds); sparse-split-dq64: its
+           dq pass at 64 heads a program;
 - sparse-torch: the same by the chunked torch `_SparseMLA` (the CPU path);
 - oracle:  ours, every head's keys and values under a dense [T, T] mask of the selection (SDPA);
 - flex:    the same selection as flex attention's block mask (the blocks any query of a block
@@ -28,6 +31,7 @@ from primerl_models import PackedSeqs
 from primerl_models.args import MLA, DSAIndexer, Rope
 from primerl_models.blocks import mla
 from primerl_models.blocks.rope import apply_rope, inv_freq, rope_cos_sin
+from primerl_models.kernels import sparse_mla as kernels
 
 CUDA = "cuda"
 
@@ -113,6 +117,7 @@ def main() -> None:
     pairs = sum(min(i + 1, args.topk) for i in range(t))
     attn_flops = 6 * spec.num_heads * (spec.qk_head_dim + spec.v_head_dim) * pairs
     rows = []
+    split_default, dq_default = kernels.SPLIT_BACKWARD, kernels.BACKWARD_DQ
 
     def step(forward):
         with torch.autocast(CUDA, dtype=torch.bfloat16):
@@ -129,12 +134,16 @@ def main() -> None:
                     q_latent = block.q_a_layernorm(block.q_a_proj(x))
                     seqs = PackedSeqs.from_position_ids(pos)
                     row["s"] = timed(lambda: block._choose(x, q_latent, cos, sin, seqs, 0, None, True), args.reps)
-            elif run in ("sparse", "sparse-torch", "oracle"):
-                mla.FAST_PATH, mla.KERNEL = run != "oracle", run == "sparse"
+            elif run in ("sparse", "sparse-split", "sparse-split-dq64", "sparse-torch", "oracle"):
+                mla.FAST_PATH, mla.KERNEL = run != "oracle", run.startswith("sparse") and run != "sparse-torch"
+                kernels.SPLIT_BACKWARD = run.startswith("sparse-split")
+                if run == "sparse-split-dq64":
+                    kernels.BACKWARD_DQ = kernels.Tiles(BLOCK_H=64, BLOCK_S=32, num_warps=8, num_stages=1)
                 row["s"] = timed(
                     lambda: step(lambda: block(x, cos, sin, PackedSeqs.from_position_ids(pos), "auto")), args.reps
                 )
                 mla.FAST_PATH = mla.KERNEL = True
+                kernels.SPLIT_BACKWARD, kernels.BACKWARD_DQ = split_default, dq_default
             elif run == "flex":
                 with torch.no_grad(), torch.autocast(CUDA, dtype=torch.bfloat16):
                     q_latent = block.q_a_layernorm(block.q_a_proj(x))
@@ -151,12 +160,12 @@ def main() -> None:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print(f"\n{'run':<8} {'ms':>8} {'attn TFLOP/s':>13} {'peak GiB':>9}")
+    print(f"\n{'run':<18} {'ms':>8} {'attn TFLOP/s':>13} {'peak GiB':>9}")
     for r in rows:
         if "s" in r:
-            print(f"{r['run']:<8} {r['s'] * 1e3:>8.1f} {r.get('attn_tflops_counted', 0):>13.0f} {r['peak_gib']:>9.1f}")
+            print(f"{r['run']:<18} {r['s'] * 1e3:>8.1f} {r.get('attn_tflops_counted', 0):>13.0f} {r['peak_gib']:>9.1f}")
         else:
-            print(f"{r['run']:<8} {'OOM' if r.get('oom') else r.get('error', '')[:60]}")
+            print(f"{r['run']:<18} {'OOM' if r.get('oom') else r.get('error', '')[:60]}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from primerl_models.blocks.mla import _SparseMLA  # noqa: E402
+from primerl_models.kernels import sparse_mla  # noqa: E402
 from primerl_models.kernels.sparse_mla import BACKWARD, FORWARD, sparse_mla_with_lse  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,7 +73,9 @@ def _close(name, got, ref):
         (1, 4, 64, 16, 32, 16, 64),  # powers of two, S a multiple of BLOCK_S
     ],
 )
-def test_kernel_matches_sparse_mla(b, c, t, h, lat, rope, s):
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split"])
+def test_kernel_matches_sparse_mla(b, c, t, h, lat, rope, s, split, monkeypatch):
+    monkeypatch.setattr(sparse_mla, "SPLIT_BACKWARD", split)
     assert s % FORWARD["BLOCK_S"] or s % BACKWARD["BLOCK_S"] or (h, lat, rope) == (16, 32, 16)
     g = torch.Generator().manual_seed(b * 1000 + c * 100 + h)
     q, kv, index, valid = _inputs(b, c, t, h, lat, rope, s, g)

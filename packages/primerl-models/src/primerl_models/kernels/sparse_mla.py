@@ -60,10 +60,17 @@ sm_90 builds read with cuobjdump, times on an H100 at S 2048, 4,096 queries and 
   BLOCK_H 64 or BLOCK_S 64 the shared memory passes 260 KB (no launch). 155 ms at 16,384 queries,
   where the key gradient's atomic adds (vectorized, 4 floats each) dominate."""
 
+SPLIT_BACKWARD = False
+"""The backward in two passes: dq (`BACKWARD_DQ`, no atomics), then the key gradient with one
+program a query summing every head's share before its atomic adds (`BACKWARD_DKV`: half the
+atomics of the one-pass backward at GLM-5's 64 heads, for the scores recomputed once more)."""
+BACKWARD_DQ = Tiles(BLOCK_H=32, BLOCK_S=32, num_warps=8, num_stages=1)
+BACKWARD_DKV = Tiles(BLOCK_H=32, BLOCK_S=32, num_warps=8, num_stages=1)
+
 
 @functools.cache
-def _triton_kernels() -> tuple[Any, Any, Any]:
-    """(triton, forward, backward) kernels, built on first use (Triton comes with CUDA torch only).
+def _triton_kernels() -> tuple[Any, Any, Any, Any, Any]:
+    """(triton, forward, backward, and the split backward's dq and dkv) kernels, built on first use (Triton comes with CUDA torch only).
     Any: Triton's module and JIT functions, which the type checker cannot see without Triton."""
     import triton  # pyright: ignore[reportMissingImports]
     import triton.language as tl  # pyright: ignore[reportMissingImports]
@@ -203,7 +210,129 @@ def _triton_kernels() -> tuple[Any, Any, Any]:
         tl.store(dq_h + rl[None, :], dq_l.to(dq.dtype.element_ty), mask=m_hl)
         tl.store(dq_h + L + rr[None, :], dq_r.to(dq.dtype.element_ty), mask=m_hr)
 
-    return triton, _forward, _backward
+    @triton.jit
+    def _backward_dq(
+        q,
+        kv,
+        index,
+        valid,
+        out,
+        dout,
+        lse,
+        dq,
+        delta_out,
+        C,
+        T,
+        H,
+        S,
+        scale,
+        L: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        # the split backward's first pass: dq as `_backward` computes it, no key gradient; it
+        # leaves delta = sum(dO * O) [B * C, H] for the second pass
+        X: tl.constexpr = L + R
+        LOG2E: tl.constexpr = 1.4426950408889634
+        t, hb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row = b.to(tl.int64) * C + t
+        rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        rl = tl.arange(0, BLOCK_L)
+        rr = tl.arange(0, BLOCK_R)
+        m_h = rh < H
+        m_hl = m_h[:, None] & (rl < L)[None, :]
+        m_hr = m_h[:, None] & (rr < R)[None, :]
+        q_h = q + row * H * X + rh[:, None] * X
+        q_l = tl.load(q_h + rl[None, :], mask=m_hl, other=0.0)
+        q_r = tl.load(q_h + L + rr[None, :], mask=m_hr, other=0.0)
+        o_offs = row * H * L + rh[:, None] * L + rl[None, :]
+        do = tl.load(dout + o_offs, mask=m_hl, other=0.0)
+        o = tl.load(out + o_offs, mask=m_hl, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        tl.store(delta_out + row * H + rh, delta, mask=m_h)
+        lse_2 = tl.load(lse + row * H + rh, mask=m_h, other=0.0) * LOG2E
+        kv_b = kv + b.to(tl.int64) * T * X
+        dq_l = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+        dq_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            ok, idx, k_l, k_r = _gather(kv_b, index, valid, row, s0, S, rl, rr, L, R, BLOCK_S)
+            scores = tl.dot(q_l, tl.trans(k_l), input_precision=PRECISION)
+            scores = tl.dot(q_r, tl.trans(k_r), scores, input_precision=PRECISION)
+            p = tl.where(m_h[:, None] & ok[None, :], tl.exp2(scores * (scale * LOG2E) - lse_2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(k_l), input_precision=PRECISION)
+            ds = (p * (dp - delta[:, None]) * scale).to(q_l.dtype)
+            dq_l = tl.dot(ds, k_l, dq_l, input_precision=PRECISION)
+            dq_r = tl.dot(ds, k_r, dq_r, input_precision=PRECISION)
+        dq_h = dq + row * H * X + rh[:, None] * X
+        tl.store(dq_h + rl[None, :], dq_l.to(dq.dtype.element_ty), mask=m_hl)
+        tl.store(dq_h + L + rr[None, :], dq_r.to(dq.dtype.element_ty), mask=m_hr)
+
+    @triton.jit
+    def _backward_dkv(
+        q,
+        kv,
+        index,
+        valid,
+        dout,
+        lse,
+        delta_in,
+        dkv,
+        C,
+        T,
+        H,
+        S,
+        scale,
+        L: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        # the split backward's second pass, grid (C, 1, B): one program a query takes every head,
+        # BLOCK_H at a time, and sums the key gradient of a block of its selected keys over all
+        # of them before one atomic add a key (`_backward` adds once per head block)
+        X: tl.constexpr = L + R
+        LOG2E: tl.constexpr = 1.4426950408889634
+        t, b = tl.program_id(0), tl.program_id(2)
+        row = b.to(tl.int64) * C + t
+        rl = tl.arange(0, BLOCK_L)
+        rr = tl.arange(0, BLOCK_R)
+        kv_b = kv + b.to(tl.int64) * T * X
+        dkv_b = dkv + b.to(tl.int64) * T * X
+        for s0 in range(0, S, BLOCK_S):
+            ok, idx, k_l, k_r = _gather(kv_b, index, valid, row, s0, S, rl, rr, L, R, BLOCK_S)
+            dk_l = tl.zeros([BLOCK_S, BLOCK_L], tl.float32)
+            dk_r = tl.zeros([BLOCK_S, BLOCK_R], tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                rh = h0 + tl.arange(0, BLOCK_H)
+                m_h = rh < H
+                m_hl = m_h[:, None] & (rl < L)[None, :]
+                q_h = q + row * H * X + rh[:, None] * X
+                q_l = tl.load(q_h + rl[None, :], mask=m_hl, other=0.0)
+                q_r = tl.load(q_h + L + rr[None, :], mask=m_h[:, None] & (rr < R)[None, :], other=0.0)
+                do = tl.load(dout + row * H * L + rh[:, None] * L + rl[None, :], mask=m_hl, other=0.0)
+                delta = tl.load(delta_in + row * H + rh, mask=m_h, other=0.0)
+                lse_2 = tl.load(lse + row * H + rh, mask=m_h, other=0.0) * LOG2E
+                scores = tl.dot(q_l, tl.trans(k_l), input_precision=PRECISION)
+                scores = tl.dot(q_r, tl.trans(k_r), scores, input_precision=PRECISION)
+                p = tl.where(m_h[:, None] & ok[None, :], tl.exp2(scores * (scale * LOG2E) - lse_2[:, None]), 0.0)
+                dp = tl.dot(do, tl.trans(k_l), input_precision=PRECISION)
+                ds = (p * (dp - delta[:, None]) * scale).to(q_l.dtype)
+                pc = p.to(q_l.dtype)
+                dk_l = tl.dot(tl.trans(ds), q_l, dk_l, input_precision=PRECISION)
+                dk_l = tl.dot(tl.trans(pc), do, dk_l, input_precision=PRECISION)
+                dk_r = tl.dot(tl.trans(ds), q_r, dk_r, input_precision=PRECISION)
+            k_row = dkv_b + idx * X
+            tl.atomic_add(k_row[:, None] + rl[None, :], dk_l, mask=ok[:, None] & (rl < L)[None, :], sem="relaxed")
+            tl.atomic_add(k_row[:, None] + L + rr[None, :], dk_r, mask=ok[:, None] & (rr < R)[None, :], sem="relaxed")
+
+    return triton, _forward, _backward, _backward_dq, _backward_dkv
 
 
 def _blocks(h: int, lat: int, rope: int, tiles: Tiles) -> dict[str, int]:
@@ -226,7 +355,7 @@ def sparse_mla_forward(
     q_BCHX, kv_BTX, index_BCS, valid_BCS, scale: float, v_dim: int, tiles: Tiles = FORWARD
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, C, H, L] in q's dtype, lse [B, C, H] fp32) by the forward kernel; inputs contiguous."""
-    triton, forward, _ = _triton_kernels()
+    triton, forward, *_ = _triton_kernels()
     b, c, h, x = q_BCHX.shape
     t, s = kv_BTX.shape[1], index_BCS.shape[-1]
     out_BCHV = q_BCHX.new_empty(b, c, h, v_dim)
@@ -258,15 +387,40 @@ def sparse_mla_forward(
 def sparse_mla_backward(
     dout_BCHV, q_BCHX, kv_BTX, index_BCS, valid_BCS, out_BCHV, lse_BCH, scale: float, tiles: Tiles = BACKWARD
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq in q's dtype, dkv fp32 [B, T, X]) by the backward kernel; inputs contiguous, dout in q's dtype."""
-    triton, _, backward = _triton_kernels()
+    """(dq in q's dtype, dkv fp32 [B, T, X]) by the backward kernel (or, with SPLIT_BACKWARD, its
+    two passes); inputs contiguous, dout in q's dtype."""
+    triton, _, backward, backward_dq, backward_dkv = _triton_kernels()
     b, c, h, x = q_BCHX.shape
     t, s = kv_BTX.shape[1], index_BCS.shape[-1]
     v_dim = out_BCHV.shape[-1]
     dq_BCHX = torch.empty_like(q_BCHX)
     dkv_BTX = torch.zeros(kv_BTX.shape, dtype=torch.float32, device=kv_BTX.device)
     blocks = _blocks(h, v_dim, x - v_dim, tiles)
-    if dq_BCHX.numel():
+    if dq_BCHX.numel() and SPLIT_BACKWARD:
+        delta_BCH = torch.empty(b, c, h, dtype=torch.float32, device=q_BCHX.device)
+        sizes = dict(L=v_dim, R=x - v_dim, PRECISION=_precision(q_BCHX.dtype))
+        for kernel, grid_h, pass_tiles, args in (
+            (backward_dq, None, BACKWARD_DQ, (out_BCHV, dout_BCHV, lse_BCH, dq_BCHX, delta_BCH)),
+            (backward_dkv, 1, BACKWARD_DKV, (dout_BCHV, lse_BCH, delta_BCH, dkv_BTX)),
+        ):
+            pass_blocks = _blocks(h, v_dim, x - v_dim, pass_tiles)
+            kernel[(c, grid_h or triton.cdiv(h, pass_blocks["BLOCK_H"]), b)](
+                q_BCHX,
+                kv_BTX,
+                index_BCS,
+                valid_BCS.view(torch.uint8),
+                *args,
+                c,
+                t,
+                h,
+                s,
+                scale,
+                num_warps=pass_tiles["num_warps"],
+                num_stages=pass_tiles["num_stages"],
+                **sizes,
+                **pass_blocks,
+            )
+    elif dq_BCHX.numel():
         backward[(c, triton.cdiv(h, blocks["BLOCK_H"]), b)](
             q_BCHX,
             kv_BTX,
