@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from primerl_search import (
     search,
     token_f1,
 )
-from primerl_search.generated import write_corpus
+from primerl_search.generated import _names, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +76,19 @@ def test_question_files_load_and_bad_lines_are_named(tmp_path, generated):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no .txt or .md documents"):
         load_corpus(str(tmp_path / "empty"))
+
+
+def test_names_are_as_before_for_small_counts_and_any_count_ends_distinct(tmp_path):
+    # drawn by the 2-3 syllable generator before counts past its 3,600 names were allowed
+    assert _names(random.Random(0), 6) == ["Belfirqux", "Firhullun", "Lunhulfir", "Pelbel", "Tikpel", "Vasmodra"]
+    got = []  # 5,000 names, and 1,200 questions (4,203 names): both never ended before
+    done = threading.Thread(
+        target=lambda: got.extend([_names(random.Random(0), 5000), write_corpus(str(tmp_path), 1200)]), daemon=True
+    )
+    done.start()
+    done.join(timeout=60)
+    assert not done.is_alive(), "the names ran out"
+    names, rows = got
+    assert len(set(names)) == 5000
+    ids, _ = load_corpus(str(tmp_path))
+    assert len(ids) == 1200 + 601 and len(rows) == 1200  # a document per person and per town

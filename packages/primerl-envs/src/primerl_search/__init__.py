@@ -125,7 +125,12 @@ class SearchConfig(vf.TasksetConfig):
     num_tasks: int = 100
     """How many generated questions when `questions` is unset."""
     corpus_dir: str | None = None
-    """Where the generated corpus goes (default: a folder under the system's temp folder)."""
+    """Where the generated corpus goes
+    (default: `<temp>/primerl-search-<seed>-<num_tasks>-uid<uid>`, one per user and settings).
+    Written whole into a sibling folder and renamed into place; a run that finds it complete
+    with the same data reuses it, so runs of the same settings share it and never delete it
+    under each other. A folder of other generated data (other settings) is replaced, one with
+    files not generated here refused (primerl_envs.folders)."""
     seed: int = 0
     task: SearchTaskConfig = SearchTaskConfig()
 

@@ -116,7 +116,12 @@ class SweConfig(vf.TasksetConfig):
     num_tasks: int = 100
     """How many synthetic instances to generate when `instances` is unset."""
     synthetic_dir: str | None = None
-    """Where the synthetic repositories go (default: a folder under the system's temp folder)."""
+    """Where the synthetic repositories go
+    (default: `<temp>/primerl-swe-<seed>-<num_tasks>-uid<uid>`, one per user and settings).
+    Written whole into a sibling folder and renamed into place; a run that finds it complete
+    with the same data reuses it, so runs of the same settings share it and never delete it
+    under each other. A folder of other generated data (other settings) is replaced, one with
+    files not generated here refused (primerl_envs.folders)."""
     seed: int = 0
     task: SweTaskConfig = SweTaskConfig()
 

@@ -5,15 +5,16 @@ of the four others (`tests/test_core.py`, the PASS_TO_PASS ids) and no test of t
 the hidden test patch adds `tests/test_fix.py`, whose test fails until the bug is fixed (the
 FAIL_TO_PASS id); `patch` is the fix. The problem statement describes the wrong behaviour with
 one example, as an issue would. Everything runs on the standard library (`python3 -m unittest`).
+The repositories are written once and shared (`primerl_envs.folders`).
 """
 
 from __future__ import annotations
 
 import difflib
 import random
-import shutil
-import tempfile
 from pathlib import Path
+
+from primerl_envs.folders import default_folder, write_folder
 
 # name, signature, the right body, the planted bug, a call and its right value, a second check
 FUNCTIONS = [
@@ -83,21 +84,21 @@ def _diff(path: str, old: str | None, new: str) -> str:
     return head + "".join(body)
 
 
-def instance(folder: Path, index: int, rng: random.Random) -> dict:
-    """One instance, its repository written to `folder` (replaced if there)."""
+def instance(folder: Path, index: int, rng: random.Random) -> tuple[dict[str, str], dict]:
+    """One instance whose repository is `folder`: its files (path in the repository -> text) and
+    its row."""
     name, signature, _, _, call, want = FUNCTIONS[rng.randrange(len(FUNCTIONS))]
     others = [f[0] for f in FUNCTIONS if f[0] != name]
-    shutil.rmtree(folder, ignore_errors=True)
-    (folder / "toolkit").mkdir(parents=True)
-    (folder / "tests").mkdir()
-    (folder / "toolkit" / "__init__.py").write_text("")
-    (folder / "tests" / "__init__.py").write_text("")
     buggy = _module(name)
-    (folder / "toolkit" / "core.py").write_text(buggy)
-    (folder / "tests" / "test_core.py").write_text(_test("TestCore", others))
-    (folder / "README.md").write_text("toolkit: small helpers. Run the tests with `python3 -m unittest`.\n")
+    files = {
+        "toolkit/__init__.py": "",
+        "tests/__init__.py": "",
+        "toolkit/core.py": buggy,
+        "tests/test_core.py": _test("TestCore", others),
+        "README.md": "toolkit: small helpers. Run the tests with `python3 -m unittest`.\n",
+    }
     got = {"clamp": "0", "mean": "3.0", "is_palindrome": "False", "factorial": "24", "count_words": "3"}[name]
-    return {
+    return files, {
         "instance_id": f"synthetic-{index}-{name}",
         "repo": str(folder),
         "problem_statement": f"`{signature}` in toolkit/core.py is wrong: `{call}` returns {got}, but it should return {want}.",
@@ -109,7 +110,15 @@ def instance(folder: Path, index: int, rng: random.Random) -> dict:
 
 
 def write_instances(folder: str | None, count: int, seed: int = 0) -> list[dict]:
-    """`count` instances, their repositories under `folder` (default: the temp folder)."""
-    root = Path(folder) if folder else Path(tempfile.gettempdir()) / f"primerl-swe-synthetic-{seed}"
+    """`count` instances, their repositories under `folder` (default: `default_folder`), written
+    by `write_folder` (reused when there with these settings)."""
+    root = Path(folder) if folder else default_folder("swe", seed, count)
     rng = random.Random(seed)
-    return [instance(root / f"{i:05d}", i, rng) for i in range(count)]
+    files: dict[str, str] = {}
+    rows = []
+    for i in range(count):
+        repo, row = instance(root / f"{i:05d}", i, rng)
+        files.update({f"{i:05d}/{rel}": text for rel, text in repo.items()})
+        rows.append(row)
+    write_folder(root, files)
+    return rows
