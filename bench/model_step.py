@@ -18,6 +18,12 @@ the tower's FLOPs (forward only when frozen, x3 when trained) to the text model'
 
     python bench/model_step.py --models qwen3.5-0.8b-vl --runs transformers,ours,transformers:tower,ours:tower
 
+FP8 (trainer.precision = "fp8"): the run flag `:fp8` converts our decoder layers' projections
+with the trainer's own function (primerl_trainer.precision; torchao installed, and
+packages/primerl-trainer/src on PYTHONPATH), e.g. `--runs ours,ours:fp8`.
+
+    python bench/model_step.py --models qwen3-1.7b,qwen3-30b-a3b-6l --runs ours,ours:fp8,ours:fp8gw,ours:fp8big
+
 Needs a GPU with transformers installed; PYTHONPATH=packages/primerl-models/src if primerl is
 not installed there. `--device cpu` checks the code path on a tiny shape (qwen3.5-vl-tiny,
 runs with `:eager`); its timings mean nothing and it reports no memory.
@@ -486,7 +492,13 @@ def default_dtype(dtype: torch.dtype):
 
 
 def build_ours(
-    name: str, ac: bool, compile_layers: bool, attn: str = "auto", lora_rank: int = 0, train_tower: bool = False
+    name: str,
+    ac: bool,
+    compile_layers: bool,
+    attn: str = "auto",
+    lora_rank: int = 0,
+    train_tower: bool = False,
+    fp8: str | None = None,
 ):
     args = our_args(name)
     args.freeze_vision = not train_tower
@@ -507,6 +519,11 @@ def build_ours(
                 targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
             ),
         )
+    if fp8:  # the trainer's conversion (trainer.precision = "fp8"; needs torchao), before AC and compile as there
+        from primerl_trainer.precision import convert_to_fp8
+
+        recipe, large_only = FP8_RUNS[fp8]
+        convert_to_fp8(model, recipe=recipe, large_only=large_only)
     if ac:  # the trainer's own wrapper (needs primerl-trainer's dependencies: msgspec)
         from primerl_trainer.placement import apply_activation_checkpointing
 
@@ -524,6 +541,13 @@ def build_ours(
 
     return model, step
 
+
+# The :fp8 flags: the decoder layers' projections as torchao Float8Linear (primerl_trainer.precision),
+# flag -> (recipe, large_only). fp8 is what trainer.precision = "fp8" does; fp8gw keeps the weight
+# gradient in bf16; fp8big converts only the layers torchao measured as faster in FP8 on an H100.
+# (fp8gw runs on CUDA only: torchao's Float8Linear follows CUDA's autocast alone, and the CPU's
+# bf16 activations then meet fp32 weights in its bf16 weight-gradient matmul.)
+FP8_RUNS = {"fp8": ("rowwise", False), "fp8gw": ("rowwise_with_gw_hp", False), "fp8big": ("rowwise", True)}
 
 PROFILE = False
 KEEP_LOGITS = False  # the :keep flag: chunked_logprobs keeps the logits (trainer.keep_logits)
@@ -684,6 +708,7 @@ def run(
     seq: int | None = None,
     lora_rank: int = 0,
     train_tower: bool = False,
+    fp8: str | None = None,
 ) -> dict:
     seq = seq or SHAPES[name][2]
     model = step = None
@@ -694,7 +719,7 @@ def run(
         if impl == "transformers":
             model, step = build_transformers(name, ac, train_tower)
         else:
-            model, step = build_ours(name, ac, compile_layers, lora_rank=lora_rank, train_tower=train_tower)
+            model, step = build_ours(name, ac, compile_layers, lora_rank=lora_rank, train_tower=train_tower, fp8=fp8)
         result = measure(model, step, seq, steps, docs, our_args(name).vocab_size, name)
     except torch.OutOfMemoryError:
         result = {"oom": True}
@@ -751,11 +776,12 @@ def main() -> None:
     parser.add_argument(
         "--runs",
         default="transformers,ours",
-        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower][:torchgdn][:keep], e.g. "
+        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower][:torchgdn][:keep][:bf16][:fp8], e.g. "
         "transformers:ac,ours,ours:docs8,ours:lora16,ours:tower (tower: the vision tower trained, "
         "not frozen; torchgdn: Gated DeltaNet in the fp32 torch form, not fla's kernels; keep: the logits kept "
         "for the backward, not recomputed; bf16: weights in bf16 and plain SGD, for shapes whose fp32 weights "
-        "and AdamW states do not fit)",
+        "and AdamW states do not fit; fp8: ours with trainer.precision = fp8's FP8 projections, fp8gw the same with "
+        "the weight gradient in bf16, fp8big only the large projections; MFU stays against the bf16 peak)",
     )
     parser.add_argument(
         "--device",
@@ -783,6 +809,9 @@ def main() -> None:
             gated_deltanet.FAST_KERNELS = "torchgdn" not in flags
             KEEP_LOGITS = "keep" in flags
             BF16 = "bf16" in flags
+            fp8 = next((f for f in flags if f in FP8_RUNS), None)
+            if fp8 and impl != "ours":
+                raise SystemExit(f"--runs {spec}: :{fp8} is for ours (transformers' models are not converted)")
             TRACE = args.trace and args.trace.replace("{run}", spec.replace(":", "-"))
             row = run(
                 name,
@@ -795,7 +824,9 @@ def main() -> None:
                 seq=args.seq,
                 lora_rank=lora,
                 train_tower="tower" in flags,
+                fp8=fp8,
             )
+            row["precision"] = fp8 or "bf16"
             row["gdn"] = "fla" if fla and "torchgdn" not in flags else "torch"
             row["keep_logits"] = KEEP_LOGITS
             row["weights"] = "bf16 + SGD" if BF16 else "fp32 + AdamW"
@@ -805,8 +836,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     print()
     print(
-        f"{'model':<18} {'impl':<13} {'AC':<3} {'attn':<6} {'gdn':<5} {'keep':<4} {'docs':>4} {'tower':<7} {'tokens/s':>9} {'MFU':>6} "
-        f"{'peak GiB':>9} {'vs transformers':>16}"
+        f"{'model':<18} {'impl':<13} {'prec':<6} {'AC':<3} {'attn':<6} {'gdn':<5} {'keep':<4} {'docs':>4} {'tower':<7} {'tokens/s':>9} {'MFU':>6} "
+        f"{'peak GiB':>9} {'vs transformers':>16} {'vs ours bf16':>13}"
     )
     for r in rows:
         ref = next(
@@ -820,16 +851,29 @@ def main() -> None:
             ),
             None,
         )  # the first
+        # the first bf16 run of ours on the model (the reference of the :fp8 runs)
+        ours = next(
+            (
+                x
+                for x in rows
+                if x["model"] == r["model"]
+                and x["impl"] == "ours"
+                and x.get("precision") == "bf16"
+                and "tokens_per_s" in x
+            ),
+            None,
+        )
         attn = "cudnn" if r["cudnn"] else "auto"
         head = (
-            f"{r['model']:<18} {r['impl']:<13} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['gdn']:<5} {'y' if r.get('keep_logits') else 'n':<4} {r['docs']:>4} "
+            f"{r['model']:<18} {r['impl']:<13} {r.get('precision', 'bf16'):<6} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['gdn']:<5} {'y' if r.get('keep_logits') else 'n':<4} {r['docs']:>4} "
             f"{r.get('tower', '-'):<7}"
         )
         if "tokens_per_s" not in r:
             print(f"{head} {'OOM':>9}")
             continue
         ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
-        print(f"{head} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.1%} {r['peak_gib']:>9.1f} {ratio:>16}")
+        vs_ours = f"{r['tokens_per_s'] / ours['tokens_per_s']:.2f}x" if ours and r["impl"] == "ours" else "-"
+        print(f"{head} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.1%} {r['peak_gib']:>9.1f} {ratio:>16} {vs_ours:>13}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

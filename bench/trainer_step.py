@@ -4,6 +4,7 @@ Run under torchrun, once per GPU count; per-GPU work is the same at every count 
 scaling), so tokens/s per GPU at N GPUs over that at 1 GPU is the scaling efficiency.
 
     torchrun --nproc-per-node 1 bench/trainer_step.py --model qwen3-1.7b
+    torchrun --nproc-per-node 1 bench/trainer_step.py --model qwen3-1.7b --fp8   # trainer.precision = "fp8"
     torchrun --nproc-per-node 2 bench/trainer_step.py --model qwen3-1.7b
     torchrun --nproc-per-node 8 bench/trainer_step.py --model qwen3-30b-a3b --ep 8 --cp 2 --seq 65536 --ac
 
@@ -39,6 +40,7 @@ from primerl_trainer.distributed import all_reduce_sum, init_distributed, shutdo
 from primerl_trainer.engine import peak_flops, train_flops
 from primerl_trainer.optim import build_optimizer, clip_grad_norm
 from primerl_trainer.placement import build_mesh, check_fits, parallelize
+from primerl_trainer.precision import check_fp8_device, convert_to_fp8
 from primerl_trainer.publish import FolderPublisher
 from primerl_trainer.rl import rl_loss
 
@@ -68,6 +70,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2, help="micro-batches per GPU per step")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--ac", action="store_true")
+    p.add_argument("--fp8", action="store_true", help='trainer.precision = "fp8": FP8 projections (precision.py)')
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism (trainer.parallel.ep)")
     p.add_argument("--cp", type=int, default=1, help="context parallelism (trainer.parallel.cp)")
@@ -80,6 +83,9 @@ def main() -> None:
     check_fits(args, mesh.ep, mesh.cp)
     with torch.device("meta"):
         model = Transformer(args)
+    if a.fp8:  # as placement.load_for_training does, before compile and FSDP2
+        check_fp8_device(d.device)
+        convert_to_fp8(model)
     parallelize(model, d.device, mesh, activation_checkpointing=a.ac, compile_layers=True, bf16=True)
     model.to_empty(device=d.device)
     model.init_weights()
@@ -132,6 +138,7 @@ def main() -> None:
             "docs": a.docs,
             "rows_per_gpu": a.rows,
             "ac": a.ac,
+            "precision": "fp8" if a.fp8 else "bf16",
             "s_per_step": step_s,
             "tokens_per_s_per_gpu": tokens_per_gpu,
             "mfu": mfu,

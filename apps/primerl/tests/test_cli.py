@@ -119,6 +119,14 @@ def test_config_error_exits_2_naming_the_key(config):
             "trainer.weights.keep = 3 with orchestrator.max_async_level = 3: .* set trainer.weights.keep >= 4",
         ),
         (["orchestrator.sampling.temperature=0"], "temperature 0 \\(greedy\\) cannot train"),
+        (
+            ["orchestrator.share_prompts=true", "transport.trainer_ranks=2", "trainer.parallel.cp=2"],
+            "orchestrator.share_prompts = true with trainer.parallel.cp = 2: rows whose samples share a prompt",
+        ),
+        (
+            ["orchestrator.share_prompts=true", 'trainer.attention="varlen"'],
+            'orchestrator.share_prompts = true with trainer.attention = "varlen": varlen kernels cannot attend',
+        ),
     ],
 )
 def test_values_trainer_and_orchestrator_must_agree_on_are_checked_at_load(config, overrides, message):
@@ -195,6 +203,37 @@ def test_the_servers_lora_rank_fits_the_published_adapters_before_anything_start
         fitted(glm4, "trainer.lora.rank=8", "inference.max_lora_rank=8")
     with pytest.raises(RunError, match=r"trainer.lora.publish = \"adapter\": trainer.lora.targets = \['qkv'\] matches"):
         fitted(qwen3, 'trainer.lora.targets=["qkv"]')
+
+
+def test_shared_prompts_are_on_where_exact_and_refused_elsewhere_before_anything_starts():
+    """`primerl rl` (and --slurm) resolve an unset orchestrator.share_prompts from the model and
+    the trainer's settings: on for models whose every mixer is attention (GPT-OSS's windows and
+    sinks included), off for recurrent ones (Qwen3.5, Nemotron-H), MLA (GLM-5), context
+    parallelism; asked for where it is not exact, the run is refused naming the key and why."""
+    from primerl.errors import CheckError
+    from primerl.launch import share_prompts
+    from primerl_models.families import FAMILIES, TinyShape
+
+    shape = TinyShape(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+
+    def resolved(family, *overrides):
+        cfg = load_config(RLConfig, ["model.name=m", *overrides])
+        return share_prompts(cfg, FAMILIES[family].tiny_config(shape)).orchestrator.share_prompts
+
+    for family in ("llama", "qwen3", "qwen3_moe", "glm4_moe", "gpt_oss", "minimax_m2"):
+        assert resolved(family) is True, family
+    for family in ("qwen3_5", "nemotron_h", "glm_moe_dsa"):
+        assert resolved(family) is False, family
+        assert resolved(family, "orchestrator.share_prompts=false") is False
+    assert resolved("qwen3", "transport.trainer_ranks=2", "trainer.parallel.cp=2") is False
+    assert resolved("qwen3", 'trainer.attention="varlen"') is False
+    assert resolved("qwen3", "orchestrator.share_prompts=false") is False
+    with pytest.raises(
+        CheckError,
+        match=r"orchestrator.share_prompts = true, but qwen3_5's layer 0 mixes tokens with GatedDeltaNet, which is "
+        r"recurrent .*set orchestrator.share_prompts = false",
+    ):
+        resolved("qwen3_5", "orchestrator.share_prompts=true")
 
 
 def test_merge_lora_refuses_a_missing_adapter_naming_it(tmp_path):

@@ -1,5 +1,5 @@
 """`primerl plan` and the check before a launch: Qwen3-30B-A3B's shape (its config.json in
-examples/models, no weights needed) on a node of 80 GiB GPUs. Four trainer ranks cannot hold
+examples/models, no weights needed) on a node of 80 GiB GPUs and 2 TiB of host memory. Four trainer ranks cannot hold
 its fp32 weights, gradients and AdamW states (16 B x 30.5B / 4 = 114 GiB a rank): the plan
 refuses it naming the keys that make it fit, and one of them does; `primerl rl --slurm` refuses
 it before writing the job, or writes it with a warning under plan.check = false. The
@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from primerl.cli import main
+from primerl_models.args import Attention, DenseMLP, Layer, ModelArgs, Rope
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "examples" / "models" / "qwen3-30b-a3b"
 
 
-def config(tmp_path: Path) -> Path:
+def config(tmp_path: Path, host_memory_gib: float | None = 2048) -> Path:
     path = tmp_path / "rl.toml"
     path.write_text(f"""
 seq_len = 16384
@@ -33,6 +34,7 @@ num_replicas = 4
 device = "cuda"
 [plan]
 gpu_memory_gib = 80
+{"" if host_memory_gib is None else f"host_memory_gib = {host_memory_gib}"}
 [[envs.train]]
 id = "reverse-text"
 """)
@@ -47,7 +49,10 @@ def test_a_layout_that_cannot_fit_is_refused_naming_the_keys_and_the_one_named_f
     assert "layouts that fit: trainer.optimizer.cpu_offload = true" in out.output
     ok = CliRunner().invoke(main, ["plan", "@", cfg, "trainer.optimizer.cpu_offload=true"])
     assert ok.exit_code == 0, ok.output
-    assert "DOES NOT FIT" not in ok.output and ok.output.count(": fits") == 1 and "\n  fits" in ok.output
+    assert "DOES NOT FIT" not in ok.output and ok.output.count(": fits") == 2 and "\n  fits" in ok.output
+    assert (
+        "host: 4 rank(s) a node x 113.7 GiB = 455.0 GiB of 1843.2 (0.9 of 2048.0 GiB" in ok.output
+    )  # its GPU and host lines
     # on a CPU run there is no GPU memory to plan
     cpu = CliRunner().invoke(main, ["plan", "@", cfg, "inference.device=cpu"])
     assert cpu.exit_code == 0 and "no GPU memory to plan" in cpu.output
@@ -131,3 +136,75 @@ def test_a_colocated_share_set_too_high_is_refused_by_the_plan(tmp_path):
 
     with pytest.raises(CheckError, match=r"a trainer rank needs \d+\.\d GiB at its peak and has 3\.0"):
         one_machine(tmp_path, "colocate=true", "inference.gpu_memory_utilization=0.9")
+
+
+def tiny_dense() -> ModelArgs:
+    """primerl-trainer's test_plan.py's Qwen3-like: q/k norms, tied embeddings, 2 layers."""
+    attn = Attention(num_heads=4, num_kv_heads=2, head_dim=16, rope=Rope(rotary_dim=16), qk_norm="head")
+    return ModelArgs(
+        "qwen3", vocab_size=1000, hidden_size=64, layers=[Layer(attn, DenseMLP(128))] * 2, tie_embeddings=True
+    )
+
+
+def test_the_host_memory_of_a_nodes_offloading_ranks_fits_exactly_at_the_boundary(tmp_path):
+    """4 trainer ranks, 2 a node, trainer.optimizer.cpu_offload: each rank keeps 16 B x N / 4 on
+    the host (fp32 weights 4, gradients 4, AdamW's moments 8), a node 2 x 4 N = 8 N bytes. A node
+    whose HOST_HEADROOM is exactly that fits; a little less memory is refused, naming the keys
+    to change, and the layout that fits GPU and host (no offload: these GPUs hold the states)."""
+    from primerl.configs import RLConfig
+    from primerl.plan import GIB, HOST_HEADROOM, plan_rl
+    from primerl_protocol.config import load_config
+
+    args = tiny_dense()
+    d, v, h, g, k, f = 64, 1000, 4, 2, 16, 128
+    n = 2 * (d * h * k * 2 + d * g * k * 2 + 2 * k + 3 * d * f + 2 * d) + v * d + d
+    assert args.num_params() == n == 138_112
+    overrides = ["transport.trainer_ranks=4", "trainer.parallel.ep=1", "trainer.optimizer.cpu_offload=true"]
+    cfg = load_config(RLConfig, ["@", str(config(tmp_path)), "seq_len=4096", *overrides])
+    need = 2 * 16 * n / 4
+    exact = need / GIB / HOST_HEADROOM
+    assert exact * GIB * HOST_HEADROOM == need  # the boundary itself, not a rounding of it
+
+    def plan(host_gib: float):
+        return plan_rl(cfg, args, 80, host_gib=host_gib, host_source="plan.host_memory_gib", node_ranks=2)
+
+    fits = plan(exact)
+    assert fits.host is not None and fits.host.need == need and fits.host.fits and fits.refusal() is None
+    assert "host: 2 rank(s) a node x " in fits.render() and "GiB, plan.host_memory_gib): fits" in fits.render()
+    short = plan(exact * (1 - 1e-9))
+    assert short.host is not None and not short.host.fits and short.trainer is not None and short.trainer.fits
+    why = short.refusal() or ""
+    assert "the trainer's 2 rank(s) on a node keep 0.0 GiB in host memory" in why, why
+    for key in ("plan.host_memory_gib", "trainer.optimizer.cpu_offload = false", "slurm.trainer_nodes"):
+        assert key in why, (key, why)
+    assert "layouts that fit GPU and host: trainer.optimizer.cpu_offload = false" in why, why
+    assert short.trainer_options and not any(o.layout.cpu_offload for _, o in short.trainer_options)  # none offload
+    assert "DOES NOT FIT" in short.render()
+
+
+def test_a_launch_whose_offloaded_states_exceed_the_nodes_memory_is_refused(tmp_path):
+    """One machine of 400 GiB: Qwen3-30B-A3B's 4 offloading ranks keep 16 B x 30.53B = 455 GiB
+    there, more than 0.9 x 400: `primerl rl` refuses it before anything starts."""
+    from primerl.errors import CheckError
+
+    with pytest.raises(CheckError, match=r"does not fit its GPUs or host memory .* keep 455\.0 GiB in host memory"):
+        one_machine(tmp_path, "plan.host_memory_gib=400")
+
+
+def test_the_nodes_memory_is_this_machines_here_and_unchecked_under_slurm_without_the_key(tmp_path, monkeypatch):
+    """Without plan.host_memory_gib: a run here is checked against /proc/meminfo's MemTotal (a
+    machine of 400 GiB: refused; of 600: fits), a Slurm job's nodes are not (the plan says so)."""
+    import primerl.plan
+
+    cfg = str(config(tmp_path, host_memory_gib=None))
+    offload = ["trainer.optimizer.cpu_offload=true", "seq_len=4096"]
+    meminfo = Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]
+    assert primerl.plan.machine_memory_gib() == int(meminfo) / 1024**2
+    for gib, code in ((400.0, 2), (600.0, 0)):
+        monkeypatch.setattr(primerl.plan, "machine_memory_gib", lambda gib=gib: gib)
+        out = CliRunner().invoke(main, ["plan", "@", cfg, *offload])
+        assert out.exit_code == code and f"(0.9 of {gib:.1f} GiB, this machine's MemTotal)" in out.output, out.output
+    job = ["slurm.gpus_per_node=8", "slurm.trainer_nodes=1", "slurm.inference_nodes=1"]
+    out = CliRunner().invoke(main, ["plan", "@", cfg, *offload, *job, "--slurm"])
+    assert out.exit_code == 0, out.output
+    assert "the node's memory unknown (--slurm without plan.host_memory_gib): not checked" in out.output

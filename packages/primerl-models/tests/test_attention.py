@@ -128,3 +128,74 @@ def test_sinks_without_a_window_and_a_window_longer_than_the_documents():
     torch.testing.assert_close(
         attention(q, k, v, seqs, "sdpa", window=50), attention(q, k, v, seqs, "sdpa"), atol=1e-12, rtol=0
     )
+
+
+# -- shared prompts: a document continues the first tokens of an earlier one -----------------
+
+SHARED = {  # seq_lens, prefix_lens, parents of one row; the layout sdpa picks for it
+    "padded": ([12, 5, 3, 6, 4, 7], [0, 9, 9, 0, 4, 4], [-1, 0, 0, -1, 3, 3]),
+    "dense": ([28, 1, 1, 1, 1, 2, 3], [0, 0, 0, 0, 0, 20, 20], [-1, -1, -1, -1, -1, 0, 0]),  # short roots
+}
+
+
+def each_completion_after_its_prompt(q, k, v, lens, prefix, parents, window, sinks):
+    """[1, T, H, K]: every document by the formula on its own, its shared prompt (its parent's
+    first tokens) put back in front of it."""
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    out = torch.zeros_like(q)
+    for s, (n, p, parent) in enumerate(zip(lens, prefix, parents)):
+        idx = torch.tensor([*range(cu[parent], cu[parent] + p), *range(cu[s], cu[s + 1])])
+        alone = by_the_formula(q[:, idx], k[:, idx], v[:, idx], torch.arange(len(idx))[None], window, sinks)
+        out = out.index_copy(1, torch.arange(cu[s], cu[s + 1]), alone[:, p:])
+    return out
+
+
+@pytest.mark.parametrize("window, with_sinks", [(None, False), (4, True)], ids=["causal", "window+sinks"])
+@pytest.mark.parametrize("layout", SHARED)
+def test_a_shared_prompt_is_attended_as_if_each_completion_followed_it_alone(layout, window, with_sinks):
+    """Documents that continue their parent's first P tokens (positions P, P + 1, ...) see those
+    and their own, in both of sdpa's layouts: outputs and the gradients of q, k, v and the sinks
+    (summed over the copies of the prompt) are the formula's on each completion after its
+    prompt. A window counts positions across the prompt's end; the parent sees no completion."""
+    lens, prefix, parents = SHARED[layout]
+    t = sum(lens)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, t, n, K, generator=g, dtype=torch.float64, requires_grad=True) for n in (H, G, G))
+    sinks = (torch.randn(H, dtype=torch.float64, generator=g) * 2).requires_grad_() if with_sinks else None
+    seqs = PackedSeqs.from_segments(lens, prefix, parents)
+    assert seqs.branched and seqs.padded_cheaper() is (layout == "padded")
+    got = attention(q, k, v, seqs, "sdpa", window=window, sinks_H=sinks)
+    ref = each_completion_after_its_prompt(q, k, v, lens, prefix, parents, window, sinks)
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
+    apart = attention(q, k, v, PackedSeqs.from_segments(lens, [0] * len(lens), [-1] * len(lens)), "sdpa")
+    assert (got - apart).abs().max() > 1e-3  # the prompt mattered
+    inputs = (q, k, v) + ((sinks,) if sinks is not None else ())
+    up = torch.randn_like(ref)
+    grads = torch.autograd.grad((got * up).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * up).sum(), inputs)
+    for name, a, e in zip(["q", "k", "v", "sinks"], grads, ref_grads):
+        assert e.abs().max() > 1e-3, name
+        torch.testing.assert_close(a, e, atol=1e-12, rtol=0, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_flex_reads_shared_prompts_as_sdpa_does(window):
+    """flex attention's block mask (built from the same mask_mod as sdpa's dense mask, which the
+    test above checks) on a row with shared prompts: the same outputs. On CPU torch runs flex
+    compiled, forward only and without sinks; GPUs run it in training (auto picks it there)."""
+    lens, prefix, parents = SHARED["padded"]
+    t = sum(lens)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, t, n, K, generator=g) for n in (H, G, G))
+    seqs = PackedSeqs.from_segments(lens, prefix, parents)
+    with torch.no_grad():
+        got = attention(q, k, v, seqs, "flex", window=window)
+    torch.testing.assert_close(got, attention(q, k, v, seqs, "sdpa", window=window), atol=2e-6, rtol=0)
+    assert window in seqs.block_masks
+
+
+def test_varlen_refuses_shared_prompts():
+    seqs = PackedSeqs.from_segments(*SHARED["padded"])
+    q = torch.zeros(1, seqs.doc_ids_BT.shape[1], H, K)
+    with pytest.raises(ValueError, match="'varlen' cannot attend to a shared prompt"):
+        attention(q, q[:, :, :G], q[:, :, :G], seqs, "varlen")

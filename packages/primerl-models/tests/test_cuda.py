@@ -137,6 +137,50 @@ def test_windows_and_sinks_agree_across_backends_on_packed_rows(backend, with_si
         assert worst < 0.03, (name, worst)
 
 
+@pytest.mark.parametrize("window, with_sinks", [(None, False), (128, True)], ids=["causal", "window+sinks"])
+def test_flex_attends_shared_prompts_as_the_fp32_sdpa_path_does(window, with_sinks):
+    """A 1000-token prompt and four completions that share it (300, 17, 731 and 5 tokens, at
+    positions 1000, 1001, ...) beside a document of its own: `auto` takes flex (the block mask
+    of packing.PackedSeqs.from_segments), every element within bf16's bound of the fp32 sdpa
+    path (proved against each completion after its prompt on CPU: test_attention.py), the
+    gradients of q, k, v (summed over the completions for the prompt) and the sinks within 3%."""
+    from primerl_models.blocks.attention import _auto
+
+    torch.manual_seed(0)
+    lens, prefix, parents = [1300, 17, 731, 5, 200], [0, 1000, 1000, 1000, 0], [-1, 0, 0, 0, -1]
+    t, h, g, k = sum(lens), 8, 2, 128
+    q, kk, v = (torch.randn(1, t, n, k, device=CUDA, dtype=torch.bfloat16) for n in (h, g, g))
+    sinks = (torch.randn(h, device=CUDA) * 2).requires_grad_() if with_sinks else None
+    seqs = PackedSeqs.from_segments(lens, prefix, parents, CUDA)
+    assert _auto(q, seqs, window, sinks) == "flex"
+    inputs = [x.clone().requires_grad_() for x in (q, kk, v)]
+    got = attention(*inputs, seqs, "auto", window=window, sinks_H=sinks)
+    ref_inputs = [x.float().requires_grad_() for x in (q, kk, v)]
+    ref_sinks = sinks.detach().clone().requires_grad_() if sinks is not None else None
+    ref_seqs = PackedSeqs.from_segments(lens, prefix, parents, CUDA)
+    ref = attention(*ref_inputs, ref_seqs, "sdpa", window=window, sinks_H=ref_sinks)
+    detached = [x.detach() for x in ref_inputs]
+    mass = attention(
+        detached[0],
+        detached[1],
+        detached[2].abs(),
+        ref_seqs,
+        "sdpa",
+        window=window,
+        sinks_H=None if ref_sinks is None else ref_sinks.detach(),
+    )
+    check_every_element(f"shared prompts[{window}, sinks {with_sinks}]", got.float(), ref, 2 * U * (ref.abs() + mass))
+    up = torch.randn_like(ref)
+    params = inputs + ([sinks] if sinks is not None else [])
+    ref_params = ref_inputs + ([ref_sinks] if ref_sinks is not None else [])
+    grads = torch.autograd.grad((got.float() * up).sum(), params)
+    ref_grads = torch.autograd.grad((ref * up).sum(), ref_params)
+    for name, a, e in zip(["q", "k", "v", "sinks"], grads, ref_grads):
+        worst = float((a.float() - e).abs().max() / e.abs().max())
+        print(f"d{name}[shared prompts] max err / max|ref| {worst:.4f}")
+        assert worst < 0.03, (name, worst)
+
+
 def test_varlen_refuses_sinks_by_name():
     q = torch.randn(1, 8, 2, 64, device=CUDA, dtype=torch.bfloat16)
     seqs = PackedSeqs.from_position_ids(packed_positions([8]))

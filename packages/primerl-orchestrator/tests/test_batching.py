@@ -62,3 +62,25 @@ def test_each_named_reward_and_metric_is_logged_as_its_mean_over_the_rollouts_th
     )
     _, m = build_step(1, [group], OrchestratorConfig(batch_size=2, group_size=2), seq_len=32, num_ranks=1)
     assert m["filter/longer_than_row"] == 1 and m["rollouts/trained"] == 1 and m["rollouts/filtered"] == 1
+
+
+def test_with_share_prompts_a_groups_prompt_is_packed_once_and_the_metrics_say_so():
+    # Three rollouts of one 6-token prompt, 2 completion tokens each: 24 tokens unshared, the
+    # prompt once shared (6 + 3 x 2 = 12); the same trained tokens either way.
+    turn = lambda c: Turn(prompt_ids=[1, 2, 3, 4, 5, 6], completion_ids=[c, c], completion_logprobs=[-0.5, -0.5])  # noqa: E731
+    rollouts = [Rollout(sample_id=i, group_id=0, turns=[turn(7 + i)], reward=float(i), env="toy") for i in range(3)]
+    steps = {
+        share: build_step(
+            0,
+            [Group(0, "toy", 0, list(rollouts))],
+            OrchestratorConfig(batch_size=3, group_size=3, share_prompts=share),
+            seq_len=32,
+            num_ranks=1,
+        )
+        for share in (None, True)
+    }
+    for share, ((batch,), m) in steps.items():
+        (mb,) = batch.micro_batches
+        assert m["batch/sample_tokens"] == 24 and batch.num_loss_tokens == 6 and int(mb.loss_mask.sum()) == 6
+        assert m["batch/row_tokens"] == mb.num_tokens == (12 if share else 24)
+        assert mb.shares_prompts is bool(share)

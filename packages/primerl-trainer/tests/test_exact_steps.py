@@ -2,7 +2,8 @@
 
 One launch pair covers it (torchrun, gloo on CPU, real ZeroMQ sockets, fp32, files on disk):
 
-  run A  2 ranks, step 0, rank 1 holding 3x (or more) the loss tokens of rank 0; it
+  run A  2 ranks, step 0, rank 1 holding 3x (or more) the loss tokens of rank 0, three of
+         them completions of one prompt laid with that prompt once (shared prompts); it
          checkpoints step 0 and stops;
   run B  1 rank, resumes run A's run directory from that 2-rank checkpoint (DCP reshards it)
          and trains step 1 on the whole batch of that step.
@@ -73,17 +74,22 @@ TIMEOUT_S = 240
 # -- data ------------------------------------------------------------------------------------
 
 
-def make_sequences(seed: int, n: int, completion: tuple[int, int], vocab: int) -> list[dict]:
+def make_sequences(seed: int, n: int, completion: tuple[int, int], vocab: int, one_prompt: bool = False) -> list[dict]:
     """`n` samples with random prompt/completion lengths, tokens, advantages (one per sample),
-    inference logprobs near the model's (about -log V) and a sampling temperature each."""
+    inference logprobs near the model's (about -log V) and a sampling temperature each;
+    `one_prompt`: all of them completions of the same prompt (a GRPO group)."""
     rng = np.random.default_rng(seed)
+    prompt = rng.integers(3, vocab, int(rng.integers(3, 7))).astype(np.int32)
     out = []
     for _ in range(n):
         p, c = int(rng.integers(3, 7)), int(rng.integers(*completion))
+        ids = rng.integers(3, vocab, p + c).astype(np.int32)
+        if one_prompt:
+            p, ids = len(prompt), np.r_[prompt, ids[p:]]
         mask = np.r_[np.zeros(p, bool), np.ones(c, bool)]
         out.append(
             dict(
-                input_ids=rng.integers(3, vocab, p + c).astype(np.int32),
+                input_ids=ids,
                 loss_mask=mask,
                 inference_logprobs=np.where(mask, -rng.uniform(3.5, 5.5, p + c), 0.0).astype(np.float32),
                 advantages=np.full(p + c, rng.standard_normal(), np.float32),
@@ -95,19 +101,30 @@ def make_sequences(seed: int, n: int, completion: tuple[int, int], vocab: int) -
 
 
 def pack(seqs: list[dict]) -> MicroBatch:
-    """One packed row of `seqs`; none: the orchestrator's padding row (one untrained token)."""
+    """One packed row of `seqs`; none: the orchestrator's padding row (one untrained token). A
+    sample whose prompt (its untrained first tokens) is the first sample's is laid without it,
+    after the first (orchestrator.share_prompts: MicroBatch.prefix_lens)."""
     if not seqs:
         return build_micro_batch([])
-    cat = lambda key: np.concatenate([s[key] for s in seqs])  # noqa: E731
+    first = seqs[0]
+    p = int(first["loss_mask"].argmax())
+    shared = [
+        j > 0 and int(s["loss_mask"].argmax()) == p and np.array_equal(s["input_ids"][:p], first["input_ids"][:p])
+        for j, s in enumerate(seqs)
+    ]
+    cut = [p if share else 0 for share in shared]
+    cat = lambda key: np.concatenate([s[key][n:] for s, n in zip(seqs, cut)])  # noqa: E731
     return MicroBatch(
         input_ids=cat("input_ids"),
         loss_mask=cat("loss_mask"),
         inference_logprobs=cat("inference_logprobs"),
         advantages=cat("advantages"),
         temperatures=cat("temperatures"),
-        seq_lens=np.array([len(s["input_ids"]) for s in seqs], np.int32),
+        seq_lens=np.array([len(s["input_ids"]) - n for s, n in zip(seqs, cut)], np.int32),
         sample_ids=np.array([s["sample_id"] for s in seqs], np.int64),
         policy_steps=np.zeros(len(seqs), np.int32),
+        prefix_lens=np.array(cut, np.int32),
+        parents=np.array([0 if n else -1 for n in cut], np.int32),
     )
 
 
@@ -130,11 +147,14 @@ def train_batches(step: int, ranks: list[list[list[dict]]]) -> list[TrainBatch]:
 
 def step0_split(vocab: int) -> list[list[list[dict]]]:
     """Step 0 on 2 ranks: rank 0 a row of 2 short samples and a padding row, rank 1 two rows
-    of 3 long ones. Every rank gets the same number of rows, as the orchestrator's packing
-    guarantees (FSDP runs collectives in each forward and backward: ranks must take as many)."""
+    of 3 long ones, the first row's three completions of one prompt, laid with the prompt once
+    (orchestrator.share_prompts; the reference computes each sample whole). Every rank gets the
+    same number of rows, as the orchestrator's packing guarantees (FSDP runs collectives in each
+    forward and backward: ranks must take as many)."""
     short = make_sequences(0, 2, (4, 7), vocab)
-    long = make_sequences(1, 6, (9, 13), vocab)
-    return [[short, []], [long[:3], long[3:]]]
+    group = make_sequences(1, 3, (9, 13), vocab, one_prompt=True)
+    long = make_sequences(3, 3, (9, 13), vocab)
+    return [[short, []], [group, long]]
 
 
 def step1_split(vocab: int) -> list[list[list[dict]]]:
@@ -319,6 +339,9 @@ def test_unequal_token_counts_train_like_one_process_on_the_union(runs):
     per-rank means, say, would weigh rank 0's tokens 3x too much and pass with equal counts)."""
     local = [sum(int(s["loss_mask"].sum()) for mb in rank for s in mb) for rank in runs["split0"]]
     assert local[1] >= 3 * local[0], local
+    group = runs["split0"][1][0]
+    prompt = int(group[0]["loss_mask"].argmax())
+    assert pack(group).prefix_lens.tolist() == [0, prompt, prompt]  # rank 1's first row shares its prompt
     (loss, norm, _), _ = runs["ref"]
     row = runs["rows"][0]
     assert row["step"] == 0 and row["trainer/lr"] == pytest.approx(LR / 2, rel=1e-12)

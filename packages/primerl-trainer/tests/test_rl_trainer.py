@@ -237,6 +237,8 @@ def test_validate_batch_checks_each_samples_images_against_its_image_tokens():
             seq_lens=lens,
             sample_ids=np.arange(len(lens), dtype=np.int64) + 10,
             policy_steps=np.zeros(len(lens), np.int32),
+            prefix_lens=np.zeros(len(lens), np.int32),
+            parents=np.full(len(lens), -1, np.int32),
             image_sizes=np.array(sizes, np.int32).reshape(-1, 2),
             image_pixels=np.zeros(sum(h * w * 3 for h, w in sizes), np.uint8),
         )

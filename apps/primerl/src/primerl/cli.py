@@ -427,8 +427,9 @@ for _name, _root, _summary, _engine, _slurm in [
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def plan(slurm_job: bool, args: tuple[str, ...]) -> None:
     """Whether an RL run fits its GPUs: per trainer rank and per inference GPU, what each part
-    takes, and layouts that fit when it does not (exit 2). `primerl rl` makes the same check
-    before it starts (plan.check).
+    takes (with trainer.optimizer.cpu_offload, what a node's trainer ranks keep in host memory,
+    against plan.host_memory_gib or this machine's), and layouts that fit when it does not
+    (exit 2). `primerl rl` makes the same check before it starts (plan.check).
 
     \b
     primerl plan @ cfg.toml [key=value ...] [--slurm]

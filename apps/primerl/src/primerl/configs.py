@@ -77,6 +77,10 @@ class PlanConfig(Config):
     gpu_memory_gib: Annotated[float, msgspec.Meta(gt=0)] | None = None
     """Memory of each GPU in GiB (an H100 80, an H200 139.8). None: the first visible GPU's
     (nvidia-smi); with none visible (a CPU run, a login node) nothing is checked."""
+    host_memory_gib: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """Host memory of each trainer node in GiB (`free -g`'s total), against which the plan checks
+    what the trainer's ranks on a node keep there (trainer.optimizer.cpu_offload). None: this
+    machine's (/proc/meminfo's MemTotal) for a run here; with --slurm that check is skipped."""
     check: bool = True
     """Refuse a launch the plan says does not fit, naming the keys to change (false: print the
     plan's verdict and start anyway)."""
@@ -118,6 +122,18 @@ class RLConfig(SharedConfig):
                 f"trainer.micro_batch_tokens = {rows} is below seq_len = {self.seq_len}: the orchestrator packs "
                 f"rows of up to seq_len tokens and the trainer would refuse every full one; leave it unset or >= seq_len"
             )
+        if self.orchestrator.share_prompts:
+            if (cp := self.trainer.parallel.cp) > 1:
+                raise ValueError(
+                    f"orchestrator.share_prompts = true with trainer.parallel.cp = {cp}: rows whose samples share a "
+                    "prompt are not split over context-parallel ranks; set one of them off (or leave "
+                    "orchestrator.share_prompts unset: it is then off with context parallelism)"
+                )
+            if self.trainer.attention == "varlen":
+                raise ValueError(
+                    'orchestrator.share_prompts = true with trainer.attention = "varlen": varlen kernels cannot attend '
+                    'to a shared prompt; use trainer.attention = "auto" (flex attention on GPUs) or "flex"'
+                )
         k, keep = self.orchestrator.max_async_level, self.trainer.weights.keep
         if keep <= k:
             raise ValueError(

@@ -3,7 +3,8 @@
 1. Checks what can be checked before anything starts, writing nothing (a refusal is a
    CheckError, exit 2): the run directory's path and its lock (one `primerl rl` per run
    directory: primerl.resume), the model folder and its architecture (primerl-models must
-   implement it), every environment loaded (import, arguments, one task drawn), the trainer's
+   implement it; it decides whether groups' prompts are packed once: orchestrator.share_prompts),
+   every environment loaded (import, arguments, one task drawn), the trainer's
    rank count, the ports (unset ones chosen free, set ones bind-tested: primerl.preflight), and
    what a resume would change (primerl.resume).
 2. Lays out the run directory: `configs/` (the resolved config, the previous one kept as
@@ -108,7 +109,32 @@ def check(cfg: RLConfig) -> RLConfig:
             f"{cfg.inference.data_parallel_size}: weights in memory reach servers without vLLM's own "
             "data parallelism only (for now); use inference.num_replicas for more servers"
         )
-    return fit_lora_rank(cfg, hf_config)
+    return fit_lora_rank(share_prompts(cfg, hf_config), hf_config)
+
+
+def share_prompts(cfg: RLConfig, hf_config: dict) -> RLConfig:
+    """orchestrator.share_prompts resolved: unset, on where the trainer computes shared prompts
+    exactly (every mixer attention, no context parallelism, not the varlen back-end), off
+    elsewhere; true where it is not exact, refused naming why."""
+    from primerl_models import family_for
+
+    asked = cfg.orchestrator.share_prompts
+    if asked is False:
+        return cfg
+    try:
+        problem = family_for(hf_config).args_from_hf(hf_config).prompt_sharing_problem()
+    except (KeyError, TypeError, ValueError) as err:  # the trainer names what is wrong with it when it loads
+        problem = f"its layers could not be read from {cfg.model.name}/config.json ({type(err).__name__}: {err})"
+    if asked and problem is not None:
+        raise CheckError(
+            f"orchestrator.share_prompts = true, but {problem}: a completion cannot continue from a shared "
+            "prompt exactly; set orchestrator.share_prompts = false (or leave it unset)"
+        )
+    if asked is None:
+        exact = problem is None and cfg.trainer.parallel.cp == 1 and cfg.trainer.attention != "varlen"
+        orchestrator = msgspec.structs.replace(cfg.orchestrator, share_prompts=exact)
+        return msgspec.structs.replace(cfg, orchestrator=orchestrator)
+    return cfg
 
 
 def fit_lora_rank(cfg: RLConfig, hf_config: dict) -> RLConfig:

@@ -1,4 +1,4 @@
-"""`primerl plan`: whether a run fits its GPUs, said before anything starts.
+"""`primerl plan`: whether a run fits its GPUs (and its nodes' memory), said before anything starts.
 
     plan = plan_rl(cfg, args, gpu_gib=80)      # args: the model's ModelArgs (from its config.json)
     print(plan.render())
@@ -19,6 +19,14 @@ took into the run's configs (`with_vllm_share`: launch.prepare here, the Slurm r
 
 The GPU's memory: `plan.gpu_memory_gib`, else the first visible GPU's (nvidia-smi); with neither
 (a CPU run, a login node) nothing is checked and the plan says so.
+
+Host memory: with `trainer.optimizer.cpu_offload` each trainer rank keeps its shards of the fp32
+weights, gradients and AdamW states on the host (`TrainerMemory.host`); a node's trainer ranks
+together must fit HOST_HEADROOM of the node's memory: `plan.host_memory_gib`, else this
+machine's (/proc/meminfo's MemTotal) for a run here; under --slurm without the key the check is
+skipped and the plan says so. Only what the plan computes is counted (the offloaded states), not
+the processes themselves, nor the servers, orchestrator or sandboxes on the node: HOST_HEADROOM
+leaves room for them.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import math
 import shutil
 import subprocess
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from primerl_inference.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from primerl_inference.plan import (
@@ -45,6 +54,12 @@ from primerl_trainer.plan import TrainerLayout, TrainerMemory, trainer_memory
 TRAINER_HEADROOM = 0.95
 """Share of a GPU the trainer's predicted peak may take: the rest for the allocator's
 fragmentation and the plan's own error (10% on the shapes measured: docs/benchmarks.md)."""
+
+HOST_HEADROOM = 0.9
+"""Share of a node's memory the trainer ranks' offloaded states (cpu_offload) may take: the rest
+for what the plan does not count: the OS, each process's own memory (Python, CUDA's and NCCL's
+host buffers, the loaded checkpoint while the model is placed) and the other roles on the node
+(orchestrator, servers, sandboxes)."""
 
 
 def colocated_share(trainer_peak: float, gpu_bytes: float, graphs: float) -> float:
@@ -116,6 +131,44 @@ def visible_gpu_gib() -> float | None:
         return None
 
 
+def machine_memory_gib() -> float | None:
+    """This machine's memory in GiB (/proc/meminfo's MemTotal), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1024**2  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@dataclass
+class HostPlan:
+    """What a node's trainer ranks keep in host memory (cpu_offload), against the node's memory."""
+
+    ranks: int
+    """Trainer ranks on a node."""
+    per_rank: float
+    """Bytes each keeps on the host (TrainerMemory.host)."""
+    node_gib: float | None
+    """The node's memory; None: unknown, not checked."""
+    source: str
+    """Where node_gib comes from (or why it is unknown)."""
+
+    @property
+    def need(self) -> float:
+        return self.ranks * self.per_rank
+
+    @property
+    def share(self) -> float | None:
+        """Bytes the ranks may keep: HOST_HEADROOM of the node's memory."""
+        return None if self.node_gib is None else self.node_gib * GIB * HOST_HEADROOM
+
+    @property
+    def fits(self) -> bool:
+        return self.share is None or self.need <= self.share
+
+
 @dataclass
 class TrainerPlan:
     layout: TrainerLayout
@@ -149,6 +202,8 @@ class Plan:
     gpu_gib: float | None
     trainer: TrainerPlan | None
     inference: InferencePlan | None
+    host: HostPlan | None = None
+    """The trainer's host memory a node; None: nothing offloaded (or GPU memory unknown)."""
     trainer_options: list[tuple[str, TrainerPlan]] = field(default_factory=list)
     inference_options: list[tuple[str, InferencePlan]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -169,6 +224,23 @@ class Plan:
                     "no layout of trainer.parallel.ep / cp, trainer.activation_checkpointing and "
                     "trainer.optimizer.cpu_offload fits: more trainer GPUs (transport.trainer_ranks) or a shorter seq_len"
                 )
+        if self.host is not None and not self.host.fits:
+            h = self.host
+            assert h.share is not None and h.node_gib is not None  # fits when unknown
+            why.append(
+                f"the trainer's {h.ranks} rank(s) on a node keep {h.need / GIB:.1f} GiB in host memory "
+                f"({h.per_rank / GIB:.1f} GiB a rank of weights, gradients and optimizer states: "
+                f"trainer.optimizer.cpu_offload) and the node has {h.share / GIB:.1f} ({HOST_HEADROOM} of "
+                f"{h.node_gib:.1f} GiB, {h.source})"
+            )
+            if self.trainer is not None and self.trainer.fits:  # else the GPU's reason listed the layouts
+                fit = "; ".join(name for name, _ in self.trainer_options[:4]) or "none on these ranks"
+                why.append(f"layouts that fit GPU and host: {fit}")
+            why.append(
+                "set plan.host_memory_gib if the node has more, trainer.optimizer.cpu_offload = false where the "
+                "GPUs hold the states, or more trainer nodes (slurm.trainer_nodes: each rank keeps 1/ranks of the "
+                "states, so a node's share shrinks as the ranks spread over more nodes)"
+            )
         if self.inference is not None and not self.inference.fits:
             why.extend(self.inference.memory.problems())
             if self.inference_options:
@@ -200,6 +272,15 @@ class Plan:
             )
             for part, source in t.memory.sources.items():
                 lines.append(f"    {part}: {source}")
+            if (h := self.host) is not None:
+                head = f"  host: {h.ranks} rank(s) a node x {h.per_rank / GIB:.1f} GiB = {h.need / GIB:.1f} GiB"
+                if h.share is None:
+                    lines.append(f"{head}; the node's memory unknown ({h.source}): not checked")
+                else:
+                    lines.append(
+                        f"{head} of {h.share / GIB:.1f} ({HOST_HEADROOM} of {h.node_gib:.1f} GiB, {h.source}): "
+                        + ("fits" if h.fits else "DOES NOT FIT")
+                    )
         if self.inference is not None:
             i, lay = self.inference, self.inference.layout
             m = i.memory
@@ -250,8 +331,11 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def trainer_options(args: ModelArgs, asked: TrainerLayout, share: float) -> list[tuple[str, TrainerPlan]]:
-    """Layouts of the same ranks that fit, fewest changed settings first, then smallest peak."""
+def trainer_options(
+    args: ModelArgs, asked: TrainerLayout, share: float, host_room: float | None = None
+) -> list[tuple[str, TrainerPlan]]:
+    """Layouts of the same ranks that fit (a GPU's `share`, and `host_room` bytes a rank of host
+    memory when known), fewest changed settings first, then smallest peak."""
     experts = {layer.mlp.num_experts for layer in args.layers if isinstance(layer.mlp, MoEMLP)}
     eps = [e for e in _divisors(asked.world) if all(n % e == 0 for n in experts)] if experts else [1]
     cps = [c for c in _divisors(asked.world) if asked.row_tokens % c == 0]
@@ -261,7 +345,7 @@ def trainer_options(args: ModelArgs, asked: TrainerLayout, share: float) -> list
         if lay == asked:
             continue
         mem = trainer_memory(args, lay)
-        if mem.peak > share:
+        if mem.peak > share or (host_room is not None and mem.host > host_room):
             continue
         changes = []
         if ep != asked.ep:
@@ -312,9 +396,19 @@ def _heads(args: ModelArgs) -> int:
 
 
 def plan_rl(
-    cfg, args: ModelArgs, gpu_gib: float | None, *, fp8_checkpoint: bool = False, servers: int | None = None
+    cfg,
+    args: ModelArgs,
+    gpu_gib: float | None,
+    *,
+    fp8_checkpoint: bool = False,
+    servers: int | None = None,
+    host_gib: float | None = None,
+    host_source: str = "no plan.host_memory_gib",
+    node_ranks: int | None = None,
 ) -> Plan:
-    """The plan of an RL run (an RLConfig) of the model `args` on GPUs of `gpu_gib`."""
+    """The plan of an RL run (an RLConfig) of the model `args` on GPUs of `gpu_gib`, its
+    `node_ranks` trainer ranks a node (default: all on one) on nodes of `host_gib` memory (None:
+    unknown, `host_source` says why)."""
     inf = cfg.inference
     plan = Plan(cfg.model.name, args.num_params(), gpu_gib, None, None)
     if gpu_gib is None:
@@ -354,8 +448,11 @@ def plan_rl(
                 f"and its CUDA graphs ({graphs / GIB:.1f} GiB) leave"
             )
     plan.trainer = TrainerPlan(asked, trainer, asked.world, share)
-    if not plan.trainer.fits:
-        plan.trainer_options = trainer_options(args, asked, share)
+    if trainer.host:
+        plan.host = HostPlan(node_ranks or asked.world, trainer.host, host_gib, host_source)
+    if not plan.trainer.fits or (plan.host is not None and not plan.host.fits):
+        room = None if plan.host is None or plan.host.share is None else plan.host.share / plan.host.ranks
+        plan.trainer_options = trainer_options(args, asked, share, room)
     if not plan.inference.fits:
         plan.inference_options = inference_options(
             shape, layout, _heads(args), gpu_gib=gpu_gib, seq_len=cfg.seq_len, in_flight=in_flight, servers=servers
@@ -380,7 +477,7 @@ def model_args(name: str, revision: str | None = None) -> tuple[ModelArgs, bool]
 def plan_for_launch(cfg, *, slurm: bool) -> Plan | None:
     """The plan of an RL config as it will launch (here, or as a Slurm job: trainer ranks =
     trainer_nodes x gpus_per_node, or x len(trainer_gpus) when set, servers = inference_nodes x
-    num_replicas); None on CPU."""
+    num_replicas; a node's memory `plan.host_memory_gib`, else here this machine's); None on CPU."""
     from primerl.errors import CheckError
 
     if slurm and not cfg.slurm.gpus_per_node:
@@ -393,10 +490,26 @@ def plan_for_launch(cfg, *, slurm: bool) -> Plan | None:
     except (FileNotFoundError, ValueError, KeyError, TypeError) as err:  # a config.json missing or malformed
         raise CheckError(f"model.name: {cfg.model.name}/config.json: {type(err).__name__}: {err}") from None
     servers = cfg.slurm.inference_nodes * cfg.inference.num_replicas if slurm else None
+    host_gib, host_source = cfg.plan.host_memory_gib, "plan.host_memory_gib"
+    if host_gib is None and slurm:
+        host_source = "--slurm without plan.host_memory_gib"
+    elif host_gib is None:
+        host_gib = machine_memory_gib()
+        host_source = "this machine's MemTotal" if host_gib else "no plan.host_memory_gib, no /proc/meminfo"
+    per_node = None
     if slurm:
         per_node = len(cfg.trainer_gpus) if cfg.trainer_gpus else cfg.slurm.gpus_per_node
         cfg = replace_ranks(cfg, cfg.slurm.trainer_nodes * per_node)
-    return plan_rl(cfg, args, gpu_gib, fp8_checkpoint=fp8, servers=servers)
+    return plan_rl(
+        cfg,
+        args,
+        gpu_gib,
+        fp8_checkpoint=fp8,
+        servers=servers,
+        host_gib=host_gib,
+        host_source=host_source,
+        node_ranks=per_node,
+    )
 
 
 def replace_ranks(cfg, ranks: int):
@@ -415,9 +528,9 @@ def check_fits(cfg, *, slurm: bool) -> Plan | None:
         return plan
     if cfg.plan.check:
         raise CheckError(
-            f"the run does not fit its GPUs (`primerl plan` says why; plan.check = false starts it anyway): {why}"
+            f"the run does not fit its GPUs or host memory (`primerl plan` says why; plan.check = false starts it anyway): {why}"
         )
-    print(f"warning: the run may not fit its GPUs: {why}", flush=True)
+    print(f"warning: the run may not fit its GPUs or host memory: {why}", flush=True)
     return plan
 
 

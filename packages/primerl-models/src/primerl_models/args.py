@@ -594,6 +594,23 @@ class ModelArgs:
         d = self.hidden_size
         return sum(layer.num_active_params(d) for layer in self.layers) + d + self.vocab_size * d
 
+    def prompt_sharing_problem(self) -> str | None:
+        """Why rows whose samples share a prompt (packing.PackedSeqs.from_segments) would not be
+        computed exactly by this model, or None: every layer's mixer must be softmax attention,
+        which a completion can continue from the prompt's keys and values. A recurrent state
+        (Gated DeltaNet, Mamba2) and its convolution would have to be forked at the prompt's
+        end; MLA's blocks (and DSA's top-k selection) read whole documents only."""
+        for i, layer in enumerate(self.layers):
+            if layer.mixer is not None and not isinstance(layer.mixer, Attention):
+                kind = type(layer.mixer).__name__
+                why = (
+                    "is recurrent (its state cannot branch at the prompt's end)"
+                    if isinstance(layer.mixer, GatedDeltaNet | Mamba2)
+                    else "attends over whole documents only"
+                )
+                return f"{self.model_type}'s layer {i} mixes tokens with {kind}, which {why}"
+        return None
+
     def train_flops(self, doc_lengths) -> float:
         """FLOPs of forward + backward over documents of these lengths (one packed row or many):
         6 N_active per token, plus what each layer's mixer does beyond its projections

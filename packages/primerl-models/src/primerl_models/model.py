@@ -202,6 +202,7 @@ class Transformer(nn.Module):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         mrope_positions: torch.Tensor | None = None,
+        sources_BT: torch.Tensor | None = None,
     ):
         """Final hidden states [B, T, D] of packed rows (positions restart at each document).
 
@@ -212,7 +213,13 @@ class Transformer(nn.Module):
 
         `seqs`: the document boundaries, when the rows given are chunks of longer rows (context
         parallelism: the boundaries of the whole rows, and an attention back-end that sees them
-        whole); by default they come from `position_ids`.
+        whole) or when documents share a prompt (PackedSeqs.from_segments: then `position_ids`
+        continue from the prompt, and this model's mixers must all be attention); by default
+        they come from `position_ids`.
+
+        `sources_BT` (int64 [B, T'], with `targets` [B, T']): the position in its row whose hidden
+        state predicts each target (default: the target's own position t). With shared prompts
+        the prompt's last token predicts the first token of every completion that shares it.
 
         Images (vision-language models, vision.py): `pixel_values` [patches, C * Tp * P * P]
         and `image_grid_thw` [images, 3] of every image in the rows, in order; their features
@@ -223,6 +230,12 @@ class Transformer(nn.Module):
         """
         if seqs is None:
             seqs = PackedSeqs.from_position_ids(position_ids_BT)
+        elif seqs.branched:
+            images = (
+                "the rows hold images (their positions restart at each document)" if pixel_values is not None else None
+            )
+            if problem := self.args.prompt_sharing_problem() or images:
+                raise ValueError(f"rows whose documents share a prompt cannot be computed exactly: {problem}")
         x_BTD, mrope_3BT = self._embed(input_ids_BT, seqs, pixel_values, image_grid_thw, mrope_positions)
         ropes = self._ropes(position_ids_BT, mrope_3BT)
         mixers = [layer.mixer for layer in self.decoder_layers]
@@ -234,6 +247,11 @@ class Transformer(nn.Module):
         hidden_BTD = self.norm(x_BTD)
         if targets_BT is None:
             return hidden_BTD
+        if sources_BT is not None:
+            if sources_BT.shape != targets_BT.shape:
+                raise ValueError(f"sources {tuple(sources_BT.shape)} and targets {tuple(targets_BT.shape)} differ")
+            d = hidden_BTD.shape[-1]
+            hidden_BTD = hidden_BTD.gather(1, sources_BT[..., None].expand(-1, -1, d))
         b, t, d = hidden_BTD.shape
         temps_N = 1.0 if temperatures_BT is None else temperatures_BT.reshape(-1)
         logprobs_N, entropy_N = chunked_logprobs(

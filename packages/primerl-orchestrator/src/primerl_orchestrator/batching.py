@@ -4,9 +4,10 @@
 
 Filters, then advantages per group (primerl_algos.filters.select), then each kept rollout's
 turns merged into samples (merging.merge_turns), samples longer than a row dropped and
-counted, then packed and balanced over the ranks (packing). A step whose groups leave nothing
-to train on still gets its batches (padding rows only, the trainer steps on nothing), so step
-numbers never skip.
+counted, then packed and balanced over the ranks (packing; with `share_prompts`, the samples
+of one prompt laid with that prompt once: packing.shared_prompts). A step whose groups leave
+nothing to train on still gets its batches (padding rows only, the trainer steps on nothing),
+so step numbers never skip.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from primerl_algos.filters import select
 from primerl_algos.merging import merge_turns
-from primerl_algos.packing import build_batches, plan_packing
+from primerl_algos.packing import build_batches, plan_packing, shared_prompts
 from primerl_algos.types import Sample
 from primerl_protocol.rollouts import Rollout
 
@@ -98,7 +99,8 @@ def build_step(
                 samples.append(sample)
                 trained.add(rollout.sample_id)
                 by_group[rollout.group_id].advantages[rollout.sample_id] = advantage
-    plan = plan_packing([len(s) for s in samples], seq_len, num_ranks)
+    shared = shared_prompts(samples, seq_len) if cfg.share_prompts else []
+    plan = plan_packing([len(s) for s in samples], seq_len, num_ranks, shared=shared)
     batches = build_batches(samples, plan, step, pad_token_id)
     metrics = rollout_metrics(rollouts)
     for reason, count in sorted(report.dropped.items()):
@@ -111,6 +113,8 @@ def build_step(
         metrics["batch/images"] = float(images)
     metrics["batch/loss_tokens"] = float(batches[0].num_loss_tokens)
     metrics["batch/rows_per_rank"] = float(plan.rows_per_rank)
+    metrics["batch/sample_tokens"] = float(sum(len(s) for s in samples))
+    metrics["batch/row_tokens"] = metrics["batch/sample_tokens"] - sum(n for _, n in plan.prefixes.values())
     if samples:
         lag = np.array([step - s.policy_step for s in samples], dtype=np.float64)
         metrics["off_policy/mean"] = float(lag.mean())

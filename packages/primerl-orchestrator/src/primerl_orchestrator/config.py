@@ -137,6 +137,15 @@ class OrchestratorConfig(Config):
     """Steps in a row above `max_error_rate` before the run stops."""
     samples: SamplesConfig = msgspec.field(default_factory=SamplesConfig)
     """Rollouts kept as text (the rollouts file and the W&B samples table)."""
+    share_prompts: bool | None = None
+    """Pack the samples of one prompt (a group's completions) as that prompt once and each
+    completion after it, attending to the prompt and to itself only: the trainer computes each
+    prompt once instead of group_size times, with the same logprobs, loss and gradients
+    (docs/algorithms.md, "Shared prompts"). Exact only where every layer's mixer is attention:
+    refused for models with recurrent layers (Qwen3.5, Nemotron-H) or MLA (GLM-5), with
+    trainer.parallel.cp > 1 and with trainer.attention = "varlen". Unset: `primerl rl` (and
+    --slurm) turn it on where it is exact, off elsewhere; an orchestrator started on its own
+    packs unshared."""
 
     def __post_init__(self) -> None:
         if self.batch_size % self.group_size:

@@ -22,12 +22,13 @@ import numpy as np
 
 from primerl_protocol.rollouts import RolloutSample
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any change to a message's fields; peers of other versions are refused.
 2: TrainBatch carries the orchestrator's metrics and resume state.
 3: MicroBatch carries its samples' images (image_pixels, image_sizes).
 4: TrainBatch carries readable samples of the step's rollouts (`samples`, for the W&B table).
-5: PolicyReady carries the servers that received the weights in memory (`served`)."""
+5: PolicyReady carries the servers that received the weights in memory (`served`).
+6: MicroBatch's samples may share a prompt (`prefix_lens`, `parents`)."""
 
 
 class Message(msgspec.Struct, tag=True, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -49,11 +50,19 @@ SEQUENCE_ARRAYS: dict[str, np.dtype] = {
     "seq_lens": np.dtype(np.int32),
     "sample_ids": np.dtype(np.int64),
     "policy_steps": np.dtype(np.int32),
+    "prefix_lens": np.dtype(np.int32),
+    "parents": np.dtype(np.int32),
 }
 
 
 class MicroBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One packed row: several samples laid end to end, attention never crossing a boundary."""
+    """One packed row: several samples laid end to end, attention never crossing a boundary.
+
+    Samples may share a prompt (the orchestrator's `share_prompts`): sample s with
+    prefix_lens[s] = P > 0 starts with the same P tokens as sample parents[s] (an earlier
+    sample of the row, whose own prefix is 0), and only its tokens after them are in the row.
+    Its tokens attend to those P tokens of its parent and to its own, and sit at positions
+    P, P + 1, ... (the positions they have in the whole sample)."""
 
     input_ids: np.ndarray
     """int32 [T]: prompt and completion tokens of every sample in the row, concatenated."""
@@ -71,6 +80,14 @@ class MicroBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """int64 [S]: the orchestrator's id of each sample (for resume and bookkeeping)."""
     policy_steps: np.ndarray
     """int32 [S]: the policy step that generated each sample (off-policy bookkeeping)."""
+    prefix_lens: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, np.int32))
+    """int32 [S]: how many first tokens of each sample are not in its segment of the row because
+    they are its parent's first tokens (its shared prompt); 0: the whole sample is there. Empty
+    (the default): 0 for every sample."""
+    parents: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, np.int32))
+    """int32 [S]: the sample of the row whose first prefix_lens[s] tokens sample s shares (an
+    earlier one, itself without a prefix), -1 where prefix_lens is 0. Empty (the default): -1
+    for every sample."""
     image_sizes: np.ndarray = msgspec.field(default_factory=lambda: np.zeros((0, 2), np.int32))
     """int32 [I, 2]: height and width of each image of the row, in the order of their runs of
     image tokens in `input_ids` (vision-language models; I = 0 otherwise)."""
@@ -78,6 +95,11 @@ class MicroBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """uint8 [sum of h * w * 3]: the images' RGB pixels, row-major, one after another."""
 
     def __post_init__(self) -> None:
+        num_seqs = len(self.seq_lens) if isinstance(self.seq_lens, np.ndarray) else 0
+        if isinstance(self.prefix_lens, np.ndarray) and not len(self.prefix_lens) and num_seqs:
+            self.prefix_lens = np.zeros(num_seqs, np.int32)
+        if isinstance(self.parents, np.ndarray) and not len(self.parents) and num_seqs:
+            self.parents = np.full(num_seqs, -1, np.int32)
         for name, dtype in (TOKEN_ARRAYS | SEQUENCE_ARRAYS).items():
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray):
@@ -99,6 +121,8 @@ class MicroBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         total = int(self.seq_lens.sum(dtype=np.int64))
         if total != num_tokens:
             raise ValueError(f"`seq_lens` sum to {total} but the row has {num_tokens} tokens")
+        if (problem := self._sharing_problem()) is not None:
+            raise ValueError(problem)
         sizes, pixels = self.image_sizes, self.image_pixels
         if not isinstance(sizes, np.ndarray) or sizes.dtype != np.int32 or sizes.ndim != 2 or sizes.shape[1] != 2:
             raise ValueError(f"`image_sizes` must be an int32 array [images, 2], got {_describe(sizes)}")
@@ -109,6 +133,31 @@ class MicroBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         need = int((sizes.astype(np.int64).prod(axis=1) * 3).sum())
         if need != len(pixels):
             raise ValueError(f"`image_sizes` need {need} bytes of pixels but `image_pixels` has {len(pixels)}")
+
+    def _sharing_problem(self) -> str | None:
+        """Why `prefix_lens` and `parents` do not describe samples sharing earlier samples'
+        prompts, or None."""
+        prefix, parents = self.prefix_lens, self.parents
+        if len(prefix) and int(prefix.min()) < 0:
+            return "`prefix_lens` must all be >= 0"
+        for s in np.flatnonzero((prefix != 0) | (parents != -1)).tolist():
+            p = int(parents[s])
+            if prefix[s] == 0 or not 0 <= p < s:
+                return (
+                    f"sample {s}: `parents` {p} with `prefix_lens` {int(prefix[s])}: a shared prompt needs "
+                    "both, and its parent must be an earlier sample of the row"
+                )
+            if prefix[p] != 0:
+                return f"sample {s}: its parent {p} shares a prompt itself (`prefix_lens` {int(prefix[p])})"
+            if prefix[s] > self.seq_lens[p]:
+                n, parent = int(prefix[s]), int(self.seq_lens[p])
+                return f"sample {s}: `prefix_lens` {n} is longer than its parent {p} ({parent})"
+        return None
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Some sample of the row shares another's prompt (prefix_lens > 0)."""
+        return bool(len(self.prefix_lens) and self.prefix_lens.any())
 
     def images(self) -> list[np.ndarray]:
         """Each image of the row as a read-only uint8 [height, width, 3] view, in order."""
@@ -123,9 +172,21 @@ class MicroBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return len(self.input_ids)
 
     def position_ids(self) -> np.ndarray:
-        """int32 [T]: position of each token within its own sample (restarting at 0)."""
-        starts = np.repeat(np.cumsum(self.seq_lens) - self.seq_lens, self.seq_lens)
+        """int32 [T]: position of each token within its own sample (restarting at 0, or at
+        prefix_lens for a sample that shares its parent's first tokens)."""
+        starts = np.repeat(np.cumsum(self.seq_lens) - self.seq_lens - self.prefix_lens, self.seq_lens)
         return (np.arange(self.num_tokens, dtype=np.int64) - starts).astype(np.int32)
+
+    def predecessors(self) -> np.ndarray:
+        """int64 [T]: the row index of the token each token follows in its sample (t - 1; for the
+        first token of a sample that shares a prompt, the prompt's last token in its parent; 0
+        for the row's first token). Token t's logprob is predicted from there."""
+        prev = np.arange(-1, self.num_tokens - 1, dtype=np.int64)
+        prev[0] = 0
+        starts = self.cu_seqlens()[:-1].astype(np.int64)
+        shared = np.flatnonzero(self.prefix_lens)
+        prev[starts[shared]] = starts[self.parents[shared]] + self.prefix_lens[shared] - 1
+        return prev
 
     def cu_seqlens(self) -> np.ndarray:
         """int32 [S + 1]: cumulative sequence boundaries, as varlen attention kernels take them."""

@@ -22,7 +22,8 @@ class OptimizerConfig(Config):
     max_grad_norm: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     """Clip the global gradient norm to this (inf: no clipping)."""
     cpu_offload: bool = False
-    """Keep optimizer state in CPU memory."""
+    """Keep optimizer state in CPU memory. Ignored, with a warning, on a CPU trainer (nothing to
+    offload there)."""
 
 
 class SchedulerConfig(Config):
@@ -171,6 +172,14 @@ class TrainerConfig(Config):
     single-document rows, varlen (flash) kernels for packed rows on GPUs."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype of the model (float32 master weights are kept by FSDP2 either way)."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """Matmul precision of the decoder layers' linear projections (docs/trainer.md, "Precision").
+    bf16: every matmul in trainer.dtype. fp8: the attention and MLP projections (q/k/v/o, gate/up/
+    down, linear-attention and shared-expert projections) run as FP8 e4m3 matmuls with row-wise
+    scales, forward and backward (torchao's "rowwise" recipe); master weights, optimizer state,
+    embeddings, lm_head, norms, routers and routed experts stay as in bf16. Needs GPUs of CUDA
+    compute capability 8.9 or newer (H100, H200, L40S, B200), trainer.dtype = "bfloat16" and no
+    trainer.lora; faster with trainer.compile, which fuses the casts into the ops before them."""
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
     """Optimizer."""
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
@@ -197,6 +206,16 @@ class TrainerConfig(Config):
             raise ValueError(
                 'trainer.weights.transport = "memory" with trainer.lora: adapters travel by folder '
                 'only (for now); use transport = "folder"'
+            )
+        if self.precision == "fp8" and self.lora is not None:
+            raise ValueError(
+                'trainer.precision = "fp8" with trainer.lora: FP8 training of adapted layers is not supported '
+                '(yet); use trainer.precision = "bf16" with LoRA'
+            )
+        if self.precision == "fp8" and self.dtype != "bfloat16":
+            raise ValueError(
+                f'trainer.precision = "fp8" with trainer.dtype = "{self.dtype}": FP8 matmuls run from the '
+                'bf16 activations and weights of trainer.dtype = "bfloat16"; set it, or precision = "bf16"'
             )
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from primerl_algos.losses import mean_metrics
 from primerl_models.hf import fp8_weights
+from primerl_models.packing import PackedSeqs
 from primerl_protocol import MicroBatch, PolicyReady
 from primerl_protocol.images import ImageSpec, patchify
 
@@ -36,6 +37,7 @@ from primerl_trainer.distributed import all_reduce_sum, all_reduce_tensor_sum, i
 from primerl_trainer.metrics import MetricsLogger
 from primerl_trainer.optim import apply_settings, build_optimizer, build_scheduler, clip_grad_norm
 from primerl_trainer.placement import build_mesh, load_for_training
+from primerl_trainer.precision import check_fp8_device
 from primerl_trainer.publish import FolderPublisher
 
 log = logging.getLogger("primerl.trainer")
@@ -87,8 +89,15 @@ def token_logprobs(
     Computed inside the model's forward by the chunked path (no full logits). With a
     context-parallel group, every rank of it runs its chunk of the row and gets the whole row's.
     `images`: the model's image settings (Session.image_spec), for rows with images."""
-    ids, pos, targets, temps = model_inputs(mb, device)
     pictures = image_inputs(mb, images, device)
+    if mb.shares_prompts:
+        if cp_group is not None:
+            raise ValueError(
+                "rows whose samples share a prompt are not split over context-parallel ranks: set "
+                "orchestrator.share_prompts = false or trainer.parallel.cp = 1"
+            )
+        return shared_prompt_logprobs(model, mb, device, pictures)
+    ids, pos, targets, temps = model_inputs(mb, device)
     if cp_group is None:
         logprobs, entropy = model(ids, pos, targets, temps, **pictures)
     elif pictures:
@@ -97,6 +106,31 @@ def token_logprobs(
         logprobs, entropy = row_logprobs(model, ids, pos, targets, temps, cp_group)
     zero = logprobs.new_zeros(1)
     return torch.cat([zero, logprobs[0, :-1]]), torch.cat([zero, entropy[0, :-1]])
+
+
+def shared_prompt_logprobs(
+    model, mb: MicroBatch, device: torch.device, pictures=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_logprobs of a row whose samples share prompts (MicroBatch.prefix_lens): the same
+    [T] of the same tokens as the unshared rows give for them. Each token is predicted from the
+    hidden state of its predecessor (MicroBatch.predecessors: the shared prompt's last token for
+    a completion's first), gathered before the output projection; its gradient sums the
+    predictions it makes."""
+    ids = torch.from_numpy(mb.input_ids.astype(np.int64)).to(device)[None]
+    pos = torch.from_numpy(mb.position_ids().astype(np.int64)).to(device)[None]
+    temps = torch.from_numpy(mb.temperatures.copy()).to(device)[None]
+    sources = torch.from_numpy(mb.predecessors()).to(device)[None]
+    seqs = PackedSeqs.from_segments(mb.seq_lens, mb.prefix_lens, mb.parents, device)
+    logprobs, entropy = model(ids, pos, ids, temps, seqs=seqs, sources_BT=sources, **(pictures or {}))
+    zero = logprobs.new_zeros(1)  # the row's first token has no context
+    return torch.cat([zero, logprobs[0, 1:]]), torch.cat([zero, entropy[0, 1:]])
+
+
+def row_flops(args, mb: MicroBatch) -> float:
+    """train_flops of one packed row: its samples' (each shared prompt once, and the attention of
+    each completion that shares it to its keys)."""
+    whole = mb.seq_lens + mb.prefix_lens  # each sample's tokens; a branch's prompt is counted ...
+    return train_flops(args, whole) - train_flops(args, mb.prefix_lens[mb.prefix_lens > 0])  # ... and taken off
 
 
 def expert_load(routed_LE: torch.Tensor) -> dict[str, float]:
@@ -149,6 +183,11 @@ class Session:
             self.mesh = build_mesh(self.tcfg.parallel, d)
         except ValueError as err:
             raise SetupError(f"cannot lay out the trainer's {d.world_size} ranks: {err}") from None
+        if self.tcfg.precision == "fp8":
+            try:
+                check_fp8_device(d.device)
+            except ValueError as err:
+                raise SetupError(str(err)) from None
         try:
             self.model, loaded = load_for_training(cfg, d, self.mesh)
         except (FileNotFoundError, ValueError) as err:
@@ -209,9 +248,10 @@ class Session:
         ).tolist()
         local += [
             count * sum(mb.num_tokens for mb in rows),
-            count * sum(train_flops(self.args, mb.seq_lens) for mb in rows),
+            count * sum(int(mb.seq_lens.sum()) + int(mb.prefix_lens.sum()) for mb in rows),
+            count * sum(row_flops(self.args, mb) for mb in rows),
         ]
-        *totals, tokens, flops = all_reduce_sum(local, d)  # every rank sees the same sums
+        *totals, tokens, sample_tokens, flops = all_reduce_sum(local, d)  # every rank sees the same sums
         total = dict(zip(keys, totals))
         loss_value = total.pop("loss")
         lr = float(self.sched.get_last_lr()[0])  # a float (build_optimizer's lr); torch's type allows a tensor
@@ -245,7 +285,10 @@ class Session:
             "step_empty": float(empty),
             "steps_skipped": float(self.steps_skipped),
             **({} if routed is None else expert_load(all_reduce_tensor_sum(routed, d))),
+            "row_tokens": tokens,
+            "sample_tokens": sample_tokens,
             "tokens_per_s": tokens / max(t2 - t0, 1e-9),
+            "sample_tokens_per_s": sample_tokens / max(t2 - t0, 1e-9),
             "mfu": flops / max(t2 - t0, 1e-9) / (self.peak * d.world_size) if self.peak else None,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else None,
             "time/fwd_bwd": t1 - t0,

@@ -1,7 +1,8 @@
 """Placing the model for training: the mesh of ranks, loading the model, then, in torchtitan's
-order, expert parallelism, activation checkpointing, torch.compile and FSDP2 (each MoE layer's
-experts, each decoder layer, then the root), and context parallelism as the attention back-end.
-All of it is applied from outside primerl-models' code, which stays plain modules.
+order, FP8 linear layers (trainer.precision, precision.py), expert parallelism, activation
+checkpointing, torch.compile and FSDP2 (each MoE layer's experts, each decoder layer, then the
+root), and context parallelism as the attention back-end. All of it is applied from outside
+primerl-models' code, which stays plain modules.
 
     mesh = build_mesh(cfg.trainer.parallel, d)          # dp x cp ranks, ep groups
     model, loaded = load_for_training(cfg, d, mesh)     # what the trainer does, from its config
@@ -29,11 +30,14 @@ the same model.
 Mixed precision: on GPUs the sharded parameters stay fp32 and are all-gathered as bf16
 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`); on CPUs everything is fp32.
 With `cpu_offload`, parameters, gradients and optimizer state live in CPU memory
-(FSDP2's CPUOffloadPolicy) and the optimizer step runs there.
+(FSDP2's CPUOffloadPolicy) and the optimizer step runs there. A CPU trainer has nothing to
+offload (its states are in host memory already): `cpu_offload` is ignored there, with one
+warning (FSDP2's policy would pin memory, which needs an accelerator).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +54,9 @@ from primerl_trainer.context_parallel import UlyssesAttention
 from primerl_trainer.distributed import Dist
 from primerl_trainer.expert_parallel import shard_experts
 from primerl_trainer.lora import apply_lora
+from primerl_trainer.precision import convert_to_fp8
+
+log = logging.getLogger("primerl.trainer")
 
 
 @dataclass(frozen=True)
@@ -142,6 +149,15 @@ def load_for_training(cfg: TrainerRunConfig | SFTRunConfig, d: Dist, mesh: Mesh)
     if tcfg.lora is not None:  # before FSDP2 wraps the layers: adapters and frozen weights shard alike
         apply_lora(model, tcfg.lora)
     check_fits(model.args, mesh.ep, mesh.cp)
+    if tcfg.precision == "fp8":  # before compile and FSDP2 (precision.py); the config refuses it with LoRA
+        converted = convert_to_fp8(model)
+        if d.is_main:
+            log.info(
+                "trainer.precision = fp8: %d linear projections of the decoder layers run as row-wise FP8 matmuls "
+                "(the rest in bf16: precision.py)%s",
+                len(converted),
+                "" if tcfg.compile else "; without trainer.compile the casts run as separate ops (little speed-up)",
+            )
     parallelize(
         model,
         d.device,
@@ -204,6 +220,13 @@ def parallelize(
     mp_policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if use_bf16 else torch.float32, reduce_dtype=torch.float32
     )
+    if cpu_offload and device.type != "cuda":
+        cpu_offload = False
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning(
+                "trainer.optimizer.cpu_offload = true on a CPU trainer: ignored (its weights, gradients and optimizer "
+                "states are in host memory already)"
+            )
     offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()  # the latter: fully_shard's default
     dense = None if mesh is None else mesh.dense
 

@@ -68,10 +68,12 @@ def validate_batch(
     max_row_tokens: int,
     vision: ModelImages | None = None,
     cp: int = 1,
+    sharing: str | None = None,
 ) -> str | None:
     """Why this rank's batch cannot be trained on (naming the sample), or None. `vision`: the
     model's image settings and image token id (None: a text model, whose rows hold no images);
-    `cp`: the context-parallel degree (rows with images are not split)."""
+    `cp`: the context-parallel degree (rows with images are not split); `sharing`: why this
+    trainer cannot train rows whose samples share a prompt (None: it can)."""
     if batch.step != step:
         return f"got a batch for step {batch.step} while expecting step {step}: a step was skipped"
     if batch.rank != d.rank or batch.num_ranks != d.world_size:
@@ -94,8 +96,10 @@ def validate_batch(
                 f"micro-batch {i}, sample {_sample_at(mb, t)}: token id {int(mb.input_ids[t])} "
                 f"is outside the vocabulary [0, {vocab_size})"
             )
+        if mb.shares_prompts and (problem := _sharing_problem(mb, sharing)) is not None:
+            return f"micro-batch {i}, {problem}"
         starts = mb.cu_seqlens()[:-1]
-        trained_start = np.flatnonzero(mb.loss_mask[starts])
+        trained_start = np.flatnonzero(mb.loss_mask[starts] & (mb.prefix_lens == 0))  # a shared prompt is context
         if len(trained_start):
             seq = int(trained_start[0])
             return f"micro-batch {i}, sample {int(mb.sample_ids[seq])}: its first token is marked for training but has no context"
@@ -118,6 +122,25 @@ def validate_batch(
             return (
                 f"micro-batch {i} holds images, and rows with images are not split over context-parallel "
                 f"ranks yet: set trainer.parallel.cp = 1 (it is {cp})"
+            )
+    return None
+
+
+def _sharing_problem(mb: MicroBatch, sharing: str | None) -> str | None:
+    """Why the row's shared prompts cannot be trained (naming the sample), or None. A shared
+    prompt is never trained: each sample that shares it would otherwise train its tokens once
+    for all of them."""
+    if sharing is not None:
+        return f"its samples share a prompt (orchestrator.share_prompts), but {sharing}: set orchestrator.share_prompts = false"
+    if len(mb.image_sizes):
+        return "its samples share a prompt and it holds images: rows with images are never packed with shared prompts"
+    starts = mb.cu_seqlens()
+    for s in np.flatnonzero(mb.prefix_lens).tolist():
+        p, n = int(mb.parents[s]), int(mb.prefix_lens[s])
+        if mb.loss_mask[starts[p] : starts[p] + n].any():
+            return (
+                f"sample {int(mb.sample_ids[s])} shares the first {n} tokens of sample {int(mb.sample_ids[p])}, "
+                "and some of them are trained: a shared prompt must not be"
             )
     return None
 
@@ -166,10 +189,16 @@ class BatchSource:
     """This rank's batches, validated in agreement with the other ranks."""
 
     def __init__(
-        self, cfg: TrainerRunConfig, d: Dist, vocab_size: int, max_row_tokens: int, vision: ModelImages | None = None
+        self,
+        cfg: TrainerRunConfig,
+        d: Dist,
+        vocab_size: int,
+        max_row_tokens: int,
+        vision: ModelImages | None = None,
+        sharing: str | None = None,
     ):
         t = cfg.transport
-        self.vision, self.cp = vision, cfg.trainer.parallel.cp
+        self.vision, self.cp, self.sharing = vision, cfg.trainer.parallel.cp, sharing
         self.receiver = Receiver(
             t.batch_endpoint(d.rank), BatchMessage, channel=f"batches/rank{d.rank}", settings=t.sockets
         )
@@ -188,7 +217,9 @@ class BatchSource:
         problem = (
             None
             if msg is None
-            else validate_batch(msg, step, self.d, self.vocab_size, self.max_row_tokens, self.vision, self.cp)
+            else validate_batch(
+                msg, step, self.d, self.vocab_size, self.max_row_tokens, self.vision, self.cp, self.sharing
+            )
         )
         if self.agree(step, msg, problem) == _STOP:
             log.info("stopping: %s", read_note("stopping"))
@@ -260,6 +291,18 @@ class BatchSource:
         self.receiver.close(linger_ms=0)
 
 
+def sharing_problem(cfg: TrainerRunConfig, args) -> str | None:
+    """Why this trainer cannot train rows whose samples share a prompt exactly (the model's
+    mixers, context parallelism, the varlen back-end), or None."""
+    if (problem := args.prompt_sharing_problem()) is not None:
+        return problem
+    if cfg.trainer.parallel.cp > 1:
+        return f"such rows are not split over context-parallel ranks (trainer.parallel.cp = {cfg.trainer.parallel.cp})"
+    if cfg.trainer.attention == "varlen":
+        return "trainer.attention = 'varlen' cannot attend to a shared prompt (use 'auto' or 'flex')"
+    return None
+
+
 def rl_loss(loss_cfg, scale: LossScale, device: torch.device, cp_group=None, images=None):
     """The configured RL loss of one micro-batch (its share of the global batch's loss), on
     whole rows (with context parallelism too: token_logprobs gathers them). `images`: the
@@ -317,7 +360,7 @@ def train(cfg: TrainerRunConfig) -> None:
         if session.image_spec and session.args.vision is not None
         else None
     )
-    source = BatchSource(cfg, d, session.args.vocab_size, row_tokens, vision)
+    source = BatchSource(cfg, d, session.args.vocab_size, row_tokens, vision, sharing_problem(cfg, session.args))
     policy = (
         Sender(cfg.transport.policy_endpoint(), PolicyMessage, channel="policy", settings=cfg.transport.sockets)
         if d.is_main

@@ -14,7 +14,16 @@ once per forward (primerl_models/packing.py); `attention(q, k, v, seqs, backend)
   varlen  torch.nn.attention.varlen (flash varlen kernels, CUDA): packed rows at full speed.
   flex    flex attention with a document-causal block mask (CUDA, compiled).
   auto    sdpa on CPU or for single-document rows; varlen on CUDA when available, else flex;
-          flex for attention sinks on CUDA (their gradient needs the log-sum-exp's).
+          flex for attention sinks or shared prompts on CUDA (the sinks' gradient needs the
+          log-sum-exp's; varlen's documents cannot branch).
+
+Shared prompts (`seqs.branched`, primerl_models/packing.py): a document that continues its
+parent's first P tokens also sees them. sdpa's padded layout takes the documents without a
+prompt as usual and those with one in rows of their own queries over copies of the prompt's
+keys and values followed by their own (the copies' gradients summed back into the parent's
+tokens; no query is spent on a copy), or the dense mask; flex reads them in its mask_mod
+(`document_mask`, which the dense mask is built from too); varlen cannot (auto picks flex).
+A window then counts positions, not distances in the row.
 
 Sliding windows (`window`: a query sees itself and the window - 1 tokens before it, within its
 document) and attention sinks (`sinks_H`: one learned logit per head in every query's softmax,
@@ -74,6 +83,11 @@ def attention(
     if backend == "sdpa":
         return _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs, window, sinks_H)
     if backend == "varlen":
+        if seqs.branched:
+            raise ValueError(
+                "attention backend 'varlen' cannot attend to a shared prompt (its documents do not "
+                "branch); use 'flex' or 'auto'"
+            )
         if sinks_H is not None:
             raise ValueError(
                 "attention backend 'varlen' cannot train attention sinks (flash kernels do not "
@@ -88,7 +102,7 @@ def attention(
 def _auto(q_BTHK, seqs: PackedSeqs, window, sinks_H) -> BackendName:
     if not q_BTHK.is_cuda:
         return "sdpa"
-    if sinks_H is not None:
+    if sinks_H is not None or seqs.branched:
         return "flex"
     if window is None and seqs.single_doc:
         return "sdpa"
@@ -107,10 +121,35 @@ def _sdpa(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window: int | None = None, s
     if seqs.single_doc and plain:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     else:
-        doc = seqs.doc_ids_BT
-        mask_B1TT = ((doc[:, :, None] == doc[:, None, :]) & _band(q.shape[2], window, q.device))[:, None]
+        b, t = seqs.doc_ids_BT.shape
+        idx = torch.arange(t, device=q.device)
+        batch = torch.arange(b, device=q.device)[:, None, None]
+        mask_B1TT = document_mask(seqs, window)(batch, None, idx[None, :, None], idx[None, None, :])[:, None]
         out = _masked(q, k, v, mask_B1TT, sinks_H)
     return out.transpose(1, 2)
+
+
+def document_mask(seqs: PackedSeqs, window: int | None = None) -> Callable[..., torch.Tensor]:
+    """flex attention's mask_mod(b, h, q, kv) of the rows: key kv is in query q's document and
+    not after it, or in the prompt q's document shares (its parent's tokens before
+    prefix_end); and within the window. Written with tensor ops only, so that it also builds
+    sdpa's dense mask from broadcast indices."""
+    doc = seqs.doc_ids_BT
+    if seqs.shared is None:
+
+        def document_causal(b, h, q, kv):
+            keep = (doc[b, q] == doc[b, kv]) & (q >= kv)
+            return keep & (q - kv < window) if window is not None else keep
+
+        return document_causal
+    parent, prefix_end, pos = seqs.shared.parent_BT, seqs.shared.prefix_end_BT, seqs.shared.positions_BT
+
+    def shared_prompt_causal(b, h, q, kv):
+        own = (doc[b, q] == doc[b, kv]) & (q >= kv)
+        keep = own | ((parent[b, q] == doc[b, kv]) & (kv < prefix_end[b, q]))
+        return keep & (pos[b, q] - pos[b, kv] < window) if window is not None else keep
+
+    return shared_prompt_causal
 
 
 def _band(t: int, window: int | None, device) -> torch.Tensor:
@@ -142,6 +181,8 @@ def _sdpa_padded(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window: int | None, s
     queries' outputs are dropped; a window or sinks go through the masked path. index_copy /
     index_select move the tokens both ways (on CPU several times faster, forward and backward,
     than advanced indexing or masked_select)."""
+    if seqs.shared is not None:
+        return _sdpa_shared(q_BTHK, k_BTGK, v_BTGK, seqs, window, sinks_H)
     b, t, h, kd = q_BTHK.shape
     at_N = seqs.padded_layout()
     s_, m = seqs.num_docs, seqs.max_seqlen
@@ -156,6 +197,34 @@ def _sdpa_padded(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window: int | None, s
     else:
         out_SHMK = _masked(q, k, v, _band(m, window, q.device), sinks_H)
     return out_SHMK.transpose(1, 2).reshape(s_ * m, h, kd).index_select(0, at_N).view(b, t, h, kd)
+
+
+def _sdpa_shared(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window: int | None, sinks_H) -> torch.Tensor:
+    """The padded layout of rows with shared prompts, one group of documents at a time
+    (packing.PaddedDocs): each document's queries in a row of their own, its prompt's keys and
+    values copied in front of its own (their gradients summed back into the prompt's tokens),
+    query i of a document with a P-token prompt seeing keys j <= P + i (and P + i - j < window)."""
+    assert seqs.shared is not None
+    b, t, h, kd = q_BTHK.shape
+    q_N, k_N, v_N = (x.reshape(b * t, x.shape[2], kd) for x in (q_BTHK, k_BTGK, v_BTGK))
+    out_N = q_N.new_zeros(b * t, h, kd)
+    for g in seqs.shared.groups:
+
+        def pad(x_N, tokens, slots, m):
+            x = x_N.new_zeros(g.num_docs * m, x_N.shape[1], kd).index_copy(0, slots, x_N.index_select(0, tokens))
+            return x.view(g.num_docs, m, x_N.shape[1], kd).transpose(1, 2)  # [docs, H|G, M, K]
+
+        q = pad(q_N, g.tokens, g.q_slots, g.mq)
+        k, v = (pad(x, g.kv_tokens, g.kv_slots, g.mk) for x in (k_N, v_N))
+        if g.mq == g.mk and window is None and sinks_H is None and not bool(g.prefix.any()):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            i = g.prefix[:, None, None] + torch.arange(g.mq, device=q.device)[None, :, None]  # query positions
+            j = torch.arange(g.mk, device=q.device)[None, None, :]
+            seen = (j <= i) & (i - j < window) if window is not None else j <= i
+            out = _masked(q, k, v, seen[:, None], sinks_H)
+        out_N = out_N.index_copy(0, g.tokens, out.transpose(1, 2).reshape(-1, h, kd).index_select(0, g.q_slots))
+    return out_N.view(b, t, h, kd)
 
 
 def _load_varlen() -> Callable[..., torch.Tensor] | None:
@@ -224,14 +293,9 @@ def _flex(q_BTHK, k_BTGK, v_BTGK, seqs: PackedSeqs, window: int | None = None, s
     from torch.nn.attention.flex_attention import create_block_mask
 
     if window not in seqs.block_masks:
-        doc = seqs.doc_ids_BT
-        b, t = doc.shape
-
-        def document_causal(b_idx, h_idx, q_idx, kv_idx):
-            keep = (doc[b_idx, q_idx] == doc[b_idx, kv_idx]) & (q_idx >= kv_idx)
-            return keep & (q_idx - kv_idx < window) if window is not None else keep
-
-        seqs.block_masks[window] = create_block_mask(document_causal, b, None, t, t, device=q_BTHK.device)
+        b, t = seqs.doc_ids_BT.shape
+        mask_mod = document_mask(seqs, window)
+        seqs.block_masks[window] = create_block_mask(mask_mod, b, None, t, t, device=q_BTHK.device)
     q, k, v = (x.transpose(1, 2) for x in (q_BTHK, k_BTGK, v_BTGK))
     gqa = q.shape[1] != k.shape[1]
     if sinks_H is None:
