@@ -59,6 +59,7 @@ LEFT_OUT = {
     "qwen3.5-0.8b-vl-2026-12-02.json": "vision-language rows: the vision tower's activations are not modelled",
     "qwen3.5-0.8b-vl-rerun-2026-12-02.json": "vision-language rows: the vision tower's activations are not modelled",
     "glm5-sparse-mla-16k-2026-12-05.json": "a kernel benchmark (sparse MLA alone), not a step",
+    "glm5-sparse-mla-16k-split-2026-12-06.json": "a kernel benchmark (sparse MLA alone), not a step",
 }
 
 

@@ -99,10 +99,10 @@ trainer, 2 in the bench). D hidden, H/G/K attention heads, kv heads, head dim; F
 - MLA (DSA's sparse path, `_SparseMLA`): q in the latent space 2 H X (X = kv_lora_rank +
   qk_rope_head_dim), the output latent 2 H L, the value heads 2 H Vd, q_b_proj's output 2 H (nope + rope), the query
   latent 4 Q, the kv row 2 X, log-sum-exp 4 H, the selected keys' indices and validity 9 S (S =
-  min(topk, T)), 8 of norms; compiled through the chunked torch `_SparseMLA`, the chunk loop's gathered rows 2 S X and probabilities
-  2 H S are saved too (eager `_SparseMLA` recomputes them: under torch.compile, dynamo traces the
-  Function's chunk loop and AOTAutograd keeps every chunk's gathered rows, 2 S X a token, 2.4 MB
-  at GLM-5's topk 2048, which no GPU holds at long rows); eager, the latents' norms keep fp32
+  min(topk, T)), 8 of norms; compiled, the query latent's norm 4 Q more: the attention itself runs
+  outside the graph as the Triton kernels on GPUs (kernels/sparse_mla.py), which save their
+  inputs, output and lse only (the chunked torch `_SparseMLA` compiled on a CPU would keep each
+  chunk's gathered rows too, 2 S X a token: not a GPU case); eager, the latents' norms keep fp32
   copies (4 Q + 4 L) and their normed values (2 Q + 2 L) instead;
 - Gated DeltaNet (fla's kernels, primerl's conv): the conv's input and output 2 C + 2 C (C =
   conv_dim), q and k L2-normed 4 Hk K, v, the rule's corrected v and output 6 Hv V, its WY factor
@@ -143,8 +143,8 @@ fragmentation; NCCL's buffers; expert-load imbalance under EP (a rank's expert r
 at the mean, T k); the vision tower's activations (its parameters are counted); the uneven
 last chunk of a row; LoRA on the routed experts; backward temporaries inside a kernel (flash
 attention's fp32 dq accumulator and the like); the Gated DeltaNet's fp32 torch form (used
-without fla: several times more); a sparse-MLA kernel that saves less than `_SparseMLA` compiled
-(counted as the torch Function saves).
+without fla: several times more); the sparse-MLA kernels' backward temporaries (its fp32 key
+gradient buffer, 4 X a key, lives during the backward only).
 """
 
 from __future__ import annotations
@@ -358,8 +358,8 @@ def _mla(m: MLA, t: float, row: float, rg: _Regime) -> float:
     q = m.q_lora_rank or 0
     s = min(m.topk, row) if m.sparse else row
     per = 2 * h * x + 2 * h * lat + 2 * h * m.v_head_dim + 2 * h * m.qk_head_dim + 2 * x + 4 * h + 9 * s + 8
-    if rg.compiled:
-        per += 4 * q + 2 * s * x + 2 * h * s
+    if rg.compiled:  # on GPUs the Triton kernels (kernels/sparse_mla.py), which save only their inputs, out and lse
+        per += 4 * q
     else:
         per += 8 * q + 6 * lat
     if not m.sparse:  # the oracle: SDPA over every head's keys and values of the row
