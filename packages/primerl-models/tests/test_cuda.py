@@ -188,6 +188,27 @@ def test_varlen_refuses_sinks_by_name():
         attention(q, q, q, seqs, "varlen", sinks_H=torch.zeros(2, device=CUDA))
 
 
+def test_relu2_grouped_experts_run_under_autocast_like_the_loop():
+    """Nemotron-H's relu^2 experts (no gate) through the grouped GEMMs under the trainer's bf16
+    autocast over fp32 weights: relu^2's square runs in fp32 there (pow is on autocast's fp32
+    list), and the down GEMM must still get bf16 rows (it raised a dtype error, 2026-12-06).
+    Against the loop path in fp64: within bf16's rounding of the operands (a few U, U = 2^-8)."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(8, 256, Experts(size=128, activation="relu2")).to(CUDA)
+    with torch.no_grad():
+        for w in experts.parameters():
+            w.copy_(torch.randn_like(w).mul(0.05))
+    counts = torch.tensor([5, 0, 17, 3, 40, 1, 0, 30], device=CUDA)
+    x = torch.randn(int(counts.sum()), 256, device=CUDA).bfloat16()  # the rows as the MoE block hands them over
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = experts(x, counts)
+    out.float().sum().backward()
+    ref = copy.deepcopy(experts).double()(x.double(), counts)
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert out.dtype == torch.bfloat16 and err < 8 * 2**-8, err
+    assert all(w.grad is not None and torch.isfinite(w.grad).all() for w in experts.parameters())
+
+
 @pytest.mark.parametrize("biased", [False, True])
 def test_grouped_mm_experts_match_the_loop(biased):
     """The grouped-GEMM path (gate and up as one GEMM, biases by one-hot matmuls) against the

@@ -75,7 +75,8 @@ class GroupedExperts(nn.Module):
         offs = counts_E.cumsum(0).to(torch.int32)
         if "w_gate" not in weights:
             up = _grouped_mm(x_AD, weights["w_up"].to(dtype), offs=offs)
-            return _grouped_mm(self._act(None, up), weights["w_down"].to(dtype), offs=offs)
+            # relu^2's square runs in fp32 under CUDA autocast (pow is on its fp32 list): back to the GEMM's dtype
+            return _grouped_mm(self._act(None, up).to(dtype), weights["w_down"].to(dtype), offs=offs)
         w_gate_up = torch.cat([weights["w_gate"].to(dtype), weights["w_up"].to(dtype)], dim=-1)
         gate_up = _grouped_mm(x_AD, w_gate_up, offs=offs)
         onehot_AE = None
