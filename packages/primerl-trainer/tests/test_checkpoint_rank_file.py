@@ -11,23 +11,16 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from primerl_protocol import rundir
 from primerl_trainer.checkpoint import Checkpointer, SetupError
-from primerl_trainer.distributed import init_distributed
-from primerl_trainer.testing import free_port_block
+from primerl_trainer.testing import one_rank_group
 
 
 @pytest.fixture
 def d(monkeypatch):
     """A one-rank gloo group in this process, torn down afterwards (environment restored)."""
-    for key, value in dict(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_block(1))
-    ).items():
-        monkeypatch.setenv(key, value)
-    d = init_distributed(timeout_s=60)
-    yield d
-    dist.destroy_process_group()
+    with one_rank_group(monkeypatch) as d:
+        yield d
 
 
 def parts(seed=0):

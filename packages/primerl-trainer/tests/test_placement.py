@@ -6,25 +6,18 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 from primerl_models import load_model
 from primerl_models.tiny import build_tiny_model
 from primerl_trainer.config import OptimizerConfig
-from primerl_trainer.distributed import init_distributed
 from primerl_trainer.optim import build_optimizer
 from primerl_trainer.placement import parallelize
-from primerl_trainer.testing import free_port_block
+from primerl_trainer.testing import one_rank_group
 
 
 @pytest.fixture
 def d(monkeypatch):
-    for key, value in dict(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_block(1))
-    ).items():
-        monkeypatch.setenv(key, value)
-    d = init_distributed(timeout_s=60)
-    yield d
-    dist.destroy_process_group()
+    with one_rank_group(monkeypatch) as d:
+        yield d
 
 
 def test_cpu_offload_on_a_cpu_trainer_is_ignored_with_a_warning_and_the_step_runs(tmp_path, d, caplog):

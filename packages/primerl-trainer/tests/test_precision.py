@@ -21,10 +21,10 @@ from primerl_models.tiny import build_tiny_model
 from primerl_protocol.config import ConfigError, load_config
 from primerl_trainer.checkpoint import SetupError
 from primerl_trainer.config import SFTDataConfig, SFTRunConfig, TrainerConfig, TrainerRunConfig
-from primerl_trainer.distributed import Dist, init_distributed
+from primerl_trainer.distributed import Dist
 from primerl_trainer.precision import check_fp8_device, convert_to_fp8
 from primerl_trainer.publish import FolderPublisher
-from primerl_trainer.testing import free_port_block
+from primerl_trainer.testing import free_port_block, one_rank_group
 from safetensors.torch import load_file
 
 U = 2.0**-4
@@ -230,13 +230,8 @@ def cuda_group(monkeypatch):
     """A one-rank NCCL group on the first GPU, torn down afterwards."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("needs a GPU with FP8 matmuls (compute capability 8.9 or newer)")
-    for key, value in dict(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_block(1))
-    ).items():
-        monkeypatch.setenv(key, value)
-    d = init_distributed(timeout_s=120)
-    yield d
-    dist.destroy_process_group()
+    with one_rank_group(monkeypatch, timeout_s=120) as d:
+        yield d
 
 
 @pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])

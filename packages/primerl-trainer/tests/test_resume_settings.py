@@ -5,23 +5,16 @@ checkpoints on a one-rank gloo group in this process."""
 
 import pytest
 import torch
-import torch.distributed as dist
 from primerl_trainer.checkpoint import Checkpointer
 from primerl_trainer.config import OptimizerConfig, SchedulerConfig
-from primerl_trainer.distributed import init_distributed
 from primerl_trainer.optim import apply_settings, build_optimizer, build_scheduler, lr_factor
-from primerl_trainer.testing import free_port_block
+from primerl_trainer.testing import one_rank_group
 
 
 @pytest.fixture
 def d(monkeypatch):
-    for key, value in dict(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_block(1))
-    ).items():
-        monkeypatch.setenv(key, value)
-    d = init_distributed(timeout_s=60)
-    yield d
-    dist.destroy_process_group()
+    with one_rank_group(monkeypatch) as d:
+        yield d
 
 
 def parts(opt_cfg: OptimizerConfig, sched_cfg: SchedulerConfig, max_steps: int):

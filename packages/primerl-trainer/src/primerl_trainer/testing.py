@@ -7,6 +7,7 @@ messages. `launch_trainer` starts the real trainer under torchrun as a subproces
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -225,3 +226,21 @@ def draw_adapters(model, std: float, seed: int) -> None:
         for m in model.modules():
             if isinstance(m, LoRALinear):
                 m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * std)
+
+
+@contextlib.contextmanager
+def one_rank_group(monkeypatch, timeout_s: float = 60):
+    """A one-rank process group in this process (gloo on CPU, NCCL on a GPU), its torchrun
+    environment set through `monkeypatch` (restored afterwards), torn down on exit; yields the Dist."""
+    import torch.distributed as dist
+
+    from primerl_trainer.distributed import init_distributed
+
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_block(1)))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    d = init_distributed(timeout_s=timeout_s)
+    try:
+        yield d
+    finally:
+        dist.destroy_process_group()
