@@ -69,8 +69,8 @@ BACKWARD_DKV = Tiles(BLOCK_H=32, BLOCK_S=32, num_warps=8, num_stages=1)
 
 
 @functools.cache
-def _triton_kernels() -> tuple[Any, Any, Any, Any, Any]:
-    """(triton, forward, backward, and the split backward's dq and dkv) kernels, built on first use (Triton comes with CUDA torch only).
+def _triton_kernels() -> tuple[Any, Any, Any, Any]:
+    """(triton, forward, backward, and the split backward's dkv) kernels, built on first use (Triton comes with CUDA torch only).
     Any: Triton's module and JIT functions, which the type checker cannot see without Triton."""
     import triton  # pyright: ignore[reportMissingImports]
     import triton.language as tl  # pyright: ignore[reportMissingImports]
@@ -155,6 +155,7 @@ def _triton_kernels() -> tuple[Any, Any, Any, Any, Any]:
         lse,
         dq,
         dkv,
+        delta_out,
         C,
         T,
         H,
@@ -167,7 +168,10 @@ def _triton_kernels() -> tuple[Any, Any, Any, Any, Any]:
         BLOCK_L: tl.constexpr,
         BLOCK_R: tl.constexpr,
         PRECISION: tl.constexpr,
+        KEY_GRAD: tl.constexpr,
     ):
+        # KEY_GRAD False: the split backward's first pass, dq alone; it leaves delta = sum(dO * O)
+        # [B * C, H] in delta_out for the second pass (`_backward_dkv`) and adds nothing to dkv
         X: tl.constexpr = L + R
         LOG2E: tl.constexpr = 1.4426950408889634
         t, hb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -185,6 +189,8 @@ def _triton_kernels() -> tuple[Any, Any, Any, Any, Any]:
         do = tl.load(dout + o_offs, mask=m_hl, other=0.0)
         o = tl.load(out + o_offs, mask=m_hl, other=0.0)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        if not KEY_GRAD:
+            tl.store(delta_out + row * H + rh, delta, mask=m_h)
         lse_2 = tl.load(lse + row * H + rh, mask=m_h, other=0.0) * LOG2E
         kv_b = kv + b.to(tl.int64) * T * X
         dkv_b = dkv + b.to(tl.int64) * T * X
@@ -200,73 +206,16 @@ def _triton_kernels() -> tuple[Any, Any, Any, Any, Any]:
             pc = p.to(q_l.dtype)
             dq_l = tl.dot(ds, k_l, dq_l, input_precision=PRECISION)
             dq_r = tl.dot(ds, k_r, dq_r, input_precision=PRECISION)
-            dk_l = tl.dot(tl.trans(ds), q_l, input_precision=PRECISION)
-            dk_l = tl.dot(tl.trans(pc), do, dk_l, input_precision=PRECISION)
-            dk_r = tl.dot(tl.trans(ds), q_r, input_precision=PRECISION)
-            k_row = dkv_b + idx * X
-            tl.atomic_add(k_row[:, None] + rl[None, :], dk_l, mask=ok[:, None] & (rl < L)[None, :], sem="relaxed")
-            tl.atomic_add(k_row[:, None] + L + rr[None, :], dk_r, mask=ok[:, None] & (rr < R)[None, :], sem="relaxed")
-        dq_h = dq + row * H * X + rh[:, None] * X
-        tl.store(dq_h + rl[None, :], dq_l.to(dq.dtype.element_ty), mask=m_hl)
-        tl.store(dq_h + L + rr[None, :], dq_r.to(dq.dtype.element_ty), mask=m_hr)
-
-    @triton.jit
-    def _backward_dq(
-        q,
-        kv,
-        index,
-        valid,
-        out,
-        dout,
-        lse,
-        dq,
-        delta_out,
-        C,
-        T,
-        H,
-        S,
-        scale,
-        L: tl.constexpr,
-        R: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-        BLOCK_L: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        # the split backward's first pass: dq as `_backward` computes it, no key gradient; it
-        # leaves delta = sum(dO * O) [B * C, H] for the second pass
-        X: tl.constexpr = L + R
-        LOG2E: tl.constexpr = 1.4426950408889634
-        t, hb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        row = b.to(tl.int64) * C + t
-        rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        rl = tl.arange(0, BLOCK_L)
-        rr = tl.arange(0, BLOCK_R)
-        m_h = rh < H
-        m_hl = m_h[:, None] & (rl < L)[None, :]
-        m_hr = m_h[:, None] & (rr < R)[None, :]
-        q_h = q + row * H * X + rh[:, None] * X
-        q_l = tl.load(q_h + rl[None, :], mask=m_hl, other=0.0)
-        q_r = tl.load(q_h + L + rr[None, :], mask=m_hr, other=0.0)
-        o_offs = row * H * L + rh[:, None] * L + rl[None, :]
-        do = tl.load(dout + o_offs, mask=m_hl, other=0.0)
-        o = tl.load(out + o_offs, mask=m_hl, other=0.0)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
-        tl.store(delta_out + row * H + rh, delta, mask=m_h)
-        lse_2 = tl.load(lse + row * H + rh, mask=m_h, other=0.0) * LOG2E
-        kv_b = kv + b.to(tl.int64) * T * X
-        dq_l = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-        dq_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-        for s0 in range(0, S, BLOCK_S):
-            ok, idx, k_l, k_r = _gather(kv_b, index, valid, row, s0, S, rl, rr, L, R, BLOCK_S)
-            scores = tl.dot(q_l, tl.trans(k_l), input_precision=PRECISION)
-            scores = tl.dot(q_r, tl.trans(k_r), scores, input_precision=PRECISION)
-            p = tl.where(m_h[:, None] & ok[None, :], tl.exp2(scores * (scale * LOG2E) - lse_2[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(k_l), input_precision=PRECISION)
-            ds = (p * (dp - delta[:, None]) * scale).to(q_l.dtype)
-            dq_l = tl.dot(ds, k_l, dq_l, input_precision=PRECISION)
-            dq_r = tl.dot(ds, k_r, dq_r, input_precision=PRECISION)
+            if KEY_GRAD:
+                dk_l = tl.dot(tl.trans(ds), q_l, input_precision=PRECISION)
+                dk_l = tl.dot(tl.trans(pc), do, dk_l, input_precision=PRECISION)
+                dk_r = tl.dot(tl.trans(ds), q_r, input_precision=PRECISION)
+                k_row = dkv_b + idx * X
+                m_kl = ok[:, None] & (rl < L)[None, :]
+                tl.atomic_add(k_row[:, None] + rl[None, :], dk_l, mask=m_kl, sem="relaxed")
+                tl.atomic_add(
+                    k_row[:, None] + L + rr[None, :], dk_r, mask=ok[:, None] & (rr < R)[None, :], sem="relaxed"
+                )
         dq_h = dq + row * H * X + rh[:, None] * X
         tl.store(dq_h + rl[None, :], dq_l.to(dq.dtype.element_ty), mask=m_hl)
         tl.store(dq_h + L + rr[None, :], dq_r.to(dq.dtype.element_ty), mask=m_hr)
@@ -332,7 +281,7 @@ def _triton_kernels() -> tuple[Any, Any, Any, Any, Any]:
             tl.atomic_add(k_row[:, None] + rl[None, :], dk_l, mask=ok[:, None] & (rl < L)[None, :], sem="relaxed")
             tl.atomic_add(k_row[:, None] + L + rr[None, :], dk_r, mask=ok[:, None] & (rr < R)[None, :], sem="relaxed")
 
-    return triton, _forward, _backward, _backward_dq, _backward_dkv
+    return triton, _forward, _backward, _backward_dkv
 
 
 def _blocks(h: int, lat: int, rope: int, tiles: Tiles) -> dict[str, int]:
@@ -389,7 +338,7 @@ def sparse_mla_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq in q's dtype, dkv fp32 [B, T, X]) by the backward kernel (or, with SPLIT_BACKWARD, its
     two passes); inputs contiguous, dout in q's dtype."""
-    triton, _, backward, backward_dq, backward_dkv = _triton_kernels()
+    triton, _, backward, backward_dkv = _triton_kernels()
     b, c, h, x = q_BCHX.shape
     t, s = kv_BTX.shape[1], index_BCS.shape[-1]
     v_dim = out_BCHV.shape[-1]
@@ -399,9 +348,9 @@ def sparse_mla_backward(
     if dq_BCHX.numel() and SPLIT_BACKWARD:
         delta_BCH = torch.empty(b, c, h, dtype=torch.float32, device=q_BCHX.device)
         sizes = dict(L=v_dim, R=x - v_dim, PRECISION=_precision(q_BCHX.dtype))
-        for kernel, grid_h, pass_tiles, args in (
-            (backward_dq, None, BACKWARD_DQ, (out_BCHV, dout_BCHV, lse_BCH, dq_BCHX, delta_BCH)),
-            (backward_dkv, 1, BACKWARD_DKV, (dout_BCHV, lse_BCH, delta_BCH, dkv_BTX)),
+        for kernel, grid_h, pass_tiles, args, key_grad in (
+            (backward, None, BACKWARD_DQ, (out_BCHV, dout_BCHV, lse_BCH, dq_BCHX, dkv_BTX, delta_BCH), False),
+            (backward_dkv, 1, BACKWARD_DKV, (dout_BCHV, lse_BCH, delta_BCH, dkv_BTX), None),
         ):
             pass_blocks = _blocks(h, v_dim, x - v_dim, pass_tiles)
             kernel[(c, grid_h or triton.cdiv(h, pass_blocks["BLOCK_H"]), b)](
@@ -419,6 +368,7 @@ def sparse_mla_backward(
                 num_stages=pass_tiles["num_stages"],
                 **sizes,
                 **pass_blocks,
+                **({} if key_grad is None else {"KEY_GRAD": key_grad}),
             )
     elif dq_BCHX.numel():
         backward[(c, triton.cdiv(h, blocks["BLOCK_H"]), b)](
@@ -431,6 +381,7 @@ def sparse_mla_backward(
             lse_BCH,
             dq_BCHX,
             dkv_BTX,
+            lse_BCH,  # delta_out: not written when KEY_GRAD
             c,
             t,
             h,
@@ -439,6 +390,7 @@ def sparse_mla_backward(
             L=v_dim,
             R=x - v_dim,
             PRECISION=_precision(q_BCHX.dtype),
+            KEY_GRAD=True,
             num_warps=tiles["num_warps"],
             num_stages=tiles["num_stages"],
             **blocks,
