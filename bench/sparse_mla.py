@@ -15,7 +15,8 @@ over fp32 weights):
 - flex:    the same selection as flex attention's block mask (the blocks any query of a block
            selects, a mask_mod reading the [T, T] selection) over every head's own q, k, v: the
            other GPU route the issue names, built here for the measurement only.
-"indexer" times the indexer and its top-k alone (forward; it is not differentiated).
+"indexer" times the indexer and its top-k alone (forward; it is not differentiated), by the
+Triton kernel (kernels/dsa_index.py, bf16 dots); "indexer-torch" by the torch forms (fp32).
 Attention TFLOP/s count 6 (qk + v) H FLOPs per selected (query, key) pair, the model's FLOPs
 (args.MLA.mixing_flops without the indexer), whatever a path computes.
 """
@@ -129,11 +130,13 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         row: dict = {"run": run, "seq": t, "topk": args.topk}
         try:
-            if run == "indexer":
+            if run in ("indexer", "indexer-torch"):
+                mla.INDEX_KERNEL = run == "indexer"
                 with torch.no_grad(), torch.autocast(CUDA, dtype=torch.bfloat16):
                     q_latent = block.q_a_layernorm(block.q_a_proj(x))
                     seqs = PackedSeqs.from_position_ids(pos)
                     row["s"] = timed(lambda: block._choose(x, q_latent, cos, sin, seqs, 0, None, True), args.reps)
+                mla.INDEX_KERNEL = True
             elif run in ("sparse", "sparse-split", "sparse-split-dq64", "sparse-torch", "oracle"):
                 mla.FAST_PATH, mla.KERNEL = run != "oracle", run.startswith("sparse") and run != "sparse-torch"
                 kernels.SPLIT_BACKWARD = run.startswith("sparse-split")
@@ -152,7 +155,7 @@ def main() -> None:
                 row["block_mask_sparsity"] = sparsity
                 row["s"] = timed(lambda: step(lambda: forward(x, cos, sin)), args.reps)
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            if run != "indexer":
+            if not run.startswith("indexer"):
                 row["attn_tflops_counted"] = attn_flops / row["s"] / 1e12
         except torch.OutOfMemoryError:
             row["oom"] = True

@@ -58,6 +58,7 @@ from primerl_models.args import MLA, DSAIndexer
 from primerl_models.blocks.mixer import Mixer
 from primerl_models.blocks.norms import RMSNorm
 from primerl_models.blocks.rope import apply_rope
+from primerl_models.kernels.dsa_index import index_keys_triton
 from primerl_models.kernels.sparse_mla import sparse_mla_triton
 from primerl_models.packing import PackedSeqs
 
@@ -65,6 +66,10 @@ FAST_PATH = True
 """The sparse absorbed path; False: the dense oracle (tests compare the two)."""
 KERNEL = True
 """The Triton kernel on CUDA (kernels/sparse_mla.py); False: the chunked torch _SparseMLA."""
+INDEX_KERNEL = True
+"""The sparse path's indexer scores and keys by the Triton kernel on CUDA (kernels/dsa_index.py),
+its dots in the compute dtype (bf16 under autocast or bf16 weights; fp32 otherwise); False: the
+torch `index_scores` in fp32."""
 CHUNK_BYTES = 1 << 30
 """Bytes of the largest temporary a chunk of queries may make (gathered rows, index scores)."""
 
@@ -103,17 +108,29 @@ def topk_keys(scores_BCT: torch.Tensor, allowed_BCT: torch.Tensor, topk: int) ->
     return chosen_BCT & allowed_BCT  # a query with fewer than topk keys also "chose" masked ones
 
 
-def topk_indices(scores_BCT: torch.Tensor, allowed_BCT: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sparse path's choice, the same keys as `topk_keys` as (indices, valid) [B, C, S]:
-    one torch.topk over int64 keys (the score's order-preserving bits, then the key's position),
-    all distinct, so that the later of equal scores wins without a sort. -0.0 counts as 0.0."""
+def order_keys(scores_BCT: torch.Tensor, allowed_BCT: torch.Tensor) -> torch.Tensor:
+    """int64 [B, C, T]: each allowed pair's score as an order-preserving int above its key's
+    position (the score's bits, -0.0 as 0.0, then the key), all distinct so that the later of
+    equal scores ranks first; int64's minimum where not allowed."""
     bits = (scores_BCT.float() + 0.0).view(torch.int32).long()
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # a float's order as a signed int
     t = scores_BCT.shape[-1]
     keys = (ordered << 32) | torch.arange(t, device=scores_BCT.device)
-    none = torch.iinfo(torch.int64).min
-    top = keys.masked_fill(~allowed_BCT, none).topk(min(topk, t), dim=-1, sorted=False).values
-    return top & 0xFFFFFFFF, top != none
+    return keys.masked_fill(~allowed_BCT, torch.iinfo(torch.int64).min)
+
+
+def top_keys(keys_BCT: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices, valid) [B, C, min(topk, T)] of the `topk` largest `order_keys` keys: one
+    torch.topk, no sort."""
+    top = keys_BCT.topk(min(topk, keys_BCT.shape[-1]), dim=-1, sorted=False).values
+    return top & 0xFFFFFFFF, top != torch.iinfo(torch.int64).min
+
+
+def topk_indices(scores_BCT: torch.Tensor, allowed_BCT: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse path's choice, the same keys as `topk_keys` as (indices, valid) [B, C, S]:
+    one torch.topk over `order_keys`' int64 keys, so that the later of equal scores wins without
+    a sort. -0.0 counts as 0.0."""
+    return top_keys(order_keys(scores_BCT, allowed_BCT), topk)
 
 
 class Indexer(nn.Module):
@@ -325,12 +342,20 @@ class MLAttention(Mixer):
             scores_BCT = index_scores(q_BCIK, w_BCI, k_BTK)
             return Selection(mask_BCT=topk_keys(scores_BCT, document_causal(seqs, start, c), topk))
         chunks = []
-        step = _rows(q_BCIK.shape[2] * k_BTK.shape[1] * 4 * 2, c)
+        kernel = INDEX_KERNEL and q_BCIK.is_cuda
+        low = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else self.indexer.wq_b.weight.dtype
+        dots_dtype = low if low in (torch.bfloat16, torch.float16) else torch.float32
+        per_row = k_BTK.shape[1] * 8 * 2 if kernel else q_BCIK.shape[2] * k_BTK.shape[1] * 4 * 2
+        step = _rows(per_row, c)
         for t0 in range(0, c, step):  # each chunk of queries against the keys up to its last
             t1 = min(t0 + step, c)
             end = start + t1
-            scores = index_scores(q_BCIK[:, t0:t1], w_BCI[:, t0:t1], k_BTK[:, :end])
-            chunks.append(topk_indices(scores, document_causal(seqs, start + t0, t1 - t0)[..., :end], topk))
+            q, w, k = q_BCIK[:, t0:t1], w_BCI[:, t0:t1], k_BTK[:, :end]
+            if kernel:
+                chunks.append(top_keys(index_keys_triton(q, w, k, seqs.doc_ids_BT, start + t0, dots_dtype), topk))
+            else:
+                allowed = document_causal(seqs, start + t0, t1 - t0)[..., :end]
+                chunks.append(topk_indices(index_scores(q, w, k), allowed, topk))
         s = max(index.shape[-1] for index, _ in chunks)  # the last chunk's keys (earlier ones may have fewer)
         index_BCS = torch.cat([F.pad(index, (0, s - index.shape[-1])) for index, _ in chunks], dim=1)
         valid_BCS = torch.cat([F.pad(valid, (0, s - valid.shape[-1])) for _, valid in chunks], dim=1)
