@@ -547,7 +547,12 @@ def build_ours(
 # gradient in bf16; fp8big converts only the layers torchao measured as faster in FP8 on an H100.
 # (fp8gw runs on CUDA only: torchao's Float8Linear follows CUDA's autocast alone, and the CPU's
 # bf16 activations then meet fp32 weights in its bf16 weight-gradient matmul.)
-FP8_RUNS = {"fp8": ("rowwise", False), "fp8gw": ("rowwise_with_gw_hp", False), "fp8big": ("rowwise", True)}
+FP8_RUNS = {
+    "fp8": ("rowwise", False),
+    "fp8gw": ("rowwise_with_gw_hp", False),
+    "fp8big": ("rowwise", True),
+    "fp8tw": ("tensorwise", False),
+}
 
 PROFILE = False
 KEEP_LOGITS = False  # the :keep flag: chunked_logprobs keeps the logits (trainer.keep_logits)

@@ -30,10 +30,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-RECIPES = ("rowwise", "rowwise_with_gw_hp")
-"""torchao's row-wise recipes: "rowwise" (all three matmuls FP8; trainer.precision = "fp8") and
-"rowwise_with_gw_hp" (the weight gradient in bf16: more accurate, a third of the FP8 GEMMs fewer;
-bench/fp8_mismatch.py compares them)."""
+RECIPES = ("rowwise", "rowwise_with_gw_hp", "tensorwise")
+"""torchao's recipes: "rowwise" (all three matmuls FP8, a scale per row; trainer.precision =
+"fp8"), "rowwise_with_gw_hp" (the weight gradient in bf16: more accurate, a third of the FP8 GEMMs
+fewer; bench/fp8_mismatch.py compares them) and "tensorwise" (one scale per tensor: the fewest
+amax reductions, coarser; bench/model_step.py's `:fp8tw` measures it)."""
 
 SKIPPED = {
     "in_proj_a": "Gated DeltaNet's per-head decay gate (a few outputs, exponentiated)",
@@ -44,7 +45,7 @@ SKIPPED = {
 """Layers left in bf16 by the last part of their name, with why."""
 
 SKIPPED_UNDER = (".indexer.",)
-"""Sub-blocks left alone whole: DSA's indexer is frozen and scores in fp32 (blocks/mla.py)."""
+"""Sub-blocks left alone whole: DSA's indexer is frozen and scored by its own kernel (blocks/mla.py)."""
 
 FP8_MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.0) and newer."""
