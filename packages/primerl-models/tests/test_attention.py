@@ -194,6 +194,14 @@ def test_flex_reads_shared_prompts_as_sdpa_does(window):
     assert window in seqs.block_masks
 
 
+def test_a_shared_prompt_longer_than_its_parent_is_refused():
+    """Bound exact: a prompt of all its parent's tokens is allowed, one token more is not (its
+    copies would come from the next document)."""
+    PackedSeqs.from_segments([4, 3, 2], [0, 4, 0], [-1, 0, -1])
+    with pytest.raises(ValueError, match="document 1 shares the first 5 tokens of document 0, which has 4"):
+        PackedSeqs.from_segments([4, 3, 2], [0, 5, 0], [-1, 0, -1])
+
+
 def test_varlen_refuses_shared_prompts():
     seqs = PackedSeqs.from_segments(*SHARED["padded"])
     q = torch.zeros(1, seqs.doc_ids_BT.shape[1], H, K)

@@ -105,6 +105,13 @@ class PackedSeqs:
             bad = shared_S & ((parents_S < 0) | (parents_S >= torch.arange(num_docs)))
             if bool(bad.any()) or bool((prefix_S[parents_S[shared_S]] > 0).any()):
                 raise ValueError("a document that shares a prompt needs an earlier document without one as its parent")
+            longer = shared_S.nonzero().flatten()[prefix_S[shared_S] > seq_S[parents_S[shared_S]]].tolist()
+            if longer:  # its prompt's copies would be read from the documents after the parent
+                s = longer[0]
+                raise ValueError(
+                    f"document {s} shares the first {int(prefix_S[s])} tokens of document {int(parents_S[s])}, "
+                    f"which has {int(seq_S[parents_S[s]])}"
+                )
             seqs.shared = SharedPrompts.build(seq_S, prefix_S, torch.where(shared_S, parents_S, -1), cu, doc_T, device)
         return seqs
 
