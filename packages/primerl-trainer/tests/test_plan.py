@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from primerl_models.args import Attention, DenseMLP, Experts, Layer, ModelArgs, MoEMLP, Rope, Routing
+from primerl_models.args import Attention, DenseMLP, Experts, Layer, Mamba2, ModelArgs, MoEMLP, Rope, Routing
 from primerl_trainer.plan import GIB, TrainerLayout, trainer_memory
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -85,6 +85,55 @@ def test_tiny_moe_by_hand():
     cat = 4 * (e // ep) * d * fe  # the concatenated bf16 gate-up weight of this rank's experts
     assert p["activations"] == 2 * (per_layer * t + cat)
     assert p["logits"] == (4 * d + 2 * d + 16) * t + 2 * d * t + 2 * 4096 * v + 4 * v * d
+
+
+def tiny_mamba2() -> ModelArgs:
+    """A Nemotron-H-like layer: Mamba2 alone (4 heads of 8, state 16, 2 groups, conv of 4), no MLP."""
+    mamba = Mamba2(num_heads=4, head_dim=8, state_size=16, n_groups=2, conv_kernel=4)
+    return ModelArgs("nemotron_h", vocab_size=1000, hidden_size=64, layers=[Layer(mamba, None)])
+
+
+@pytest.mark.parametrize("bench", [True, False], ids=["bench-autocast", "trainer-fsdp"])
+def test_mamba2_compiled_by_hand(bench):
+    """Mamba2 compiled on a GPU (plan.py's docstring): the graphs' saved tensors around the eager
+    _ChunkStates (the Triton scan), the backward matmuls' operands as bf16 casts under the bench's
+    autocast, as fp32 copies in the trainer (no autocast)."""
+    args = tiny_mamba2()
+    d, t, h, p, n, g, k, c = 64, 4096, 4, 8, 16, 2, 4, 64  # c: the scan's chunk (SCAN_CHUNK)
+    inner = h * p
+    conv = inner + 2 * g * n  # x, B, C
+    if bench:
+        layout = TrainerLayout(row_tokens=t, fsdp=False, states="bf16+sgd", packed=False)
+    else:
+        layout = TrainerLayout(row_tokens=t)
+    mem = trainer_memory(args, layout)
+    assert mem.phase == "loss (first row)"
+    # the layer's input (bf16 stream) 2 D, the mixer's normed input 2 D and its 1 / rms 4
+    per = 2 * d + 2 * d + 4
+    per += 2 * (inner + conv + h)  # in_proj's bf16 output (z, x B C, dt)
+    per += 2 * conv  # the conv's bf16 input
+    per += (k - 1) * (4 * conv + 1)  # each tap's shifted fp32 copy and its document mask
+    per += 4 * conv  # silu(conv) in fp32
+    per += 4 * h * n + 4 * h * n  # c and b in the chunk layout, fp32, every head
+    per += 4 * h + 4 * h  # G and the decays to each chunk's end
+    per += 4 * h * c + 4 * h * c  # c b^T and the segment sums, fp32
+    per += 4 * h * n * n / c  # _ChunkStates' m: a [N, N] matrix a head and chunk
+    per += 4 * h * n * p / c  # _ChunkStates' states: [N, P] a head and chunk
+    per += 4 * h / c  # exp of each chunk's last G
+    per += 4 * h * p  # the scan's output y, fp32
+    per += 2 * inner  # out_proj's bf16 input
+    per += 4 * g  # the gated norm's 1 / rms per group
+    per += 8  # the chunk slot of each token (int64)
+    if bench:  # the backward matmuls' operands as bf16 casts
+        per += 2 * h * c  # attn
+        per += 2 * h * n + 2 * h * n  # b weighted to its chunk's end; one of c, b
+        per += 2 * h * p + 2 * h * p  # v, in each of two graphs
+        per += 2 * h * n * p / c  # the states
+    else:  # as fp32 copies
+        per += 4 * h * c  # attn
+        per += 4 * h * n * 4  # b weighted, c, b^T, c exp(G)
+        per += 4 * h * p * 2  # v, twice
+    assert mem.parts["activations"] == pytest.approx(per * t)
 
 
 def layer_moments(mem) -> float:

@@ -108,9 +108,32 @@ trainer, 2 in the bench). D hidden, H/G/K attention heads, kv heads, head dim; F
   conv_dim), q and k L2-normed 4 Hk K, v, the rule's corrected v and output 6 Hv V, its WY factor
   w 2 Hv K and A 2 Hv 64, its chunk states 2 Hv K V / 64, z and the gated norm's output 4 Hv V,
   small per-head terms 26 Hv + 8 Hk + 8;
-- Mamba2 (the fp32 chunked torch form): in_proj's output 2 (inner + conv + H), conv input and
-  its fp32 forms 2 conv + 16 conv, the heads' x, B, C forms 8 H P + 8 H N, y 2 inner; the chunk
-  tensors 12 H C + 16 H N + 4 H N^2 / C + 4 H P + 4 H N P / C (C = 64), 4 groups + 16;
+- Mamba2 (H heads, P head_dim, N state_size, C = 64 tokens a chunk, K conv_kernel; mamba2.py's
+  chunked scan and recurrent.causal_conv, torch on every device: kernels/conv.py is the Gated
+  DeltaNet's). Compiled on a GPU, the chunk-to-chunk recurrence is kernels/state_scan.py's Triton
+  kernel, whose builder dynamo cannot trace (`_triton_scan`: triton.jit under the graph), so
+  `_ChunkStates` runs eagerly between the layer's graphs and keeps what its save_for_backward
+  names: m, the per-chunk decays as [N, N] matrices, 4 H N^2 / C, and the states 4 H N P / C
+  (fp32). The graphs around it save: in_proj's bf16 output 2 (inner + conv + H) (z and dt are
+  views of it), the conv's bf16 input (xbc) 2 conv, its K - 1 shifted fp32 copies 4 (K - 1) conv
+  and their document masks K - 1, silu(conv) in fp32 4 conv (x is a view of it), c and b in the
+  chunk layout (fp32, repeated to every head) 8 H N, G and the decays to each chunk's end 8 H,
+  c b^T and the segment sums 8 H C (fp32), exp of each chunk's last G 4 H / C, the scan's output y
+  4 H P, out_proj's bf16 input 2 inner, the gated norm's 1 / rms 4 groups, the chunk slots 8
+  (int64); and what the backward's matmuls read. Under bf16 autocast (bench/model_step.py) those
+  are bf16 casts even inside ssd_scan's fp32 region (the compiled backward is traced under the
+  forward's autocast: torch._functorch.config.backward_pass_autocast = "same_as_forward"): the
+  decay-weighted c b^T (attn) 2 H C, b weighted to its chunk's end and one of c, b 4 H N, v twice
+  (two graphs) 4 H P, the states 2 H N P / C; without autocast (the trainer: FSDP2's bf16
+  parameters, no autocast) fp32 contiguous copies: attn 4 H C, the weighted b, c, b^T and c
+  exp(G) 16 H N, v twice 8 H P. Listed with saved_tensors_hooks and the AOTAutograd partitions
+  (TORCH_LOGS=aot_graphs) of a compiled Mamba2 layer on a CPU, torch 2.13, with the CUDA branch's
+  `_triton_scan` traced (so the graph break falls where it does on a GPU): within 4 B a token
+  (per-head parameters' casts) at five shapes, one a row of two documents, Nemotron-3-Super's
+  mixer among them, both ways. Eager layers: the count first written for the chunked torch form,
+  not re-derived: in_proj's output 2 (inner + conv + H), conv input and its fp32 forms 2 conv +
+  16 conv, the heads' x, B, C forms 8 H P + 8 H N, y 2 inner; the chunk tensors 12 H C + 16 H N +
+  4 H N^2 / C + 4 H P + 4 H N P / C, 4 groups + 16;
 - dense MLP: SwiGLU gate, up and their product 6 F plus 2 D; relu^2 4 F; LoRA adapters their A's
   output 2 r each;
 - MoE: the tokens' rows gathered for their experts and their transpose 4 k De (De: D or the
@@ -144,7 +167,11 @@ at the mean, T k); the vision tower's activations (its parameters are counted); 
 last chunk of a row; LoRA on the routed experts; backward temporaries inside a kernel (flash
 attention's fp32 dq accumulator and the like); the Gated DeltaNet's fp32 torch form (used
 without fla: several times more); the sparse-MLA kernels' backward temporaries (its fp32 key
-gradient buffer, 4 X a key, lives during the backward only).
+gradient buffer, 4 X a key, lives during the backward only); Mamba2 compiled on a CPU (dynamo
+traces the scan's loop whole, and the partition recomputes m: less than on a GPU) and eager
+Mamba2 layers (the count above is not re-derived: an eager CPU layer of 16 heads of 64, state 128,
+under bf16 autocast kept 169 KB a token, the count 128 KB); a packed row's chunk padding (each
+document's last chunk filled to C tokens in the scan's chunk tensors).
 """
 
 from __future__ import annotations
@@ -327,6 +354,9 @@ class _Regime:
     repeat_kv: bool = False
     """Packed rows through varlen attention, which takes no GQA in torch 2.11: k and v repeated
     to every query head (primerl_models.blocks.attention._varlen) and saved so."""
+    autocast: bool = False
+    """The step runs under bf16 autocast (bench/model_step.py; the trainer does not): compiled
+    layers' backward is traced under it too, so their fp32 matmuls' backward reads bf16 casts."""
 
 
 def _attention(m: Attention, t: float, rg: _Regime) -> float:
@@ -375,10 +405,24 @@ def _gated_deltanet(m: GatedDeltaNet, t: float) -> float:
     return per * t
 
 
-def _mamba2(m: Mamba2, t: float) -> float:
-    h, p, n, c = m.num_heads, m.head_dim, m.state_size, SCAN_CHUNK
-    per = 2 * (m.inner + m.conv_dim + h) + 18 * m.conv_dim + 8 * h * p + 8 * h * n + 2 * m.inner
-    per += 12 * h * c + 16 * h * n + 4 * h * n * n / c + 4 * h * p + 4 * h * n * p / c + 4 * m.n_groups + 16
+def _mamba2(m: Mamba2, t: float, rg: _Regime) -> float:
+    """Mamba2's saved bytes for t tokens (module docstring: compiled = the GPU's path, the state
+    scan's Triton kernel in an eager `_ChunkStates` between the layer's graphs)."""
+    h, p, n, c, k, conv = m.num_heads, m.head_dim, m.state_size, SCAN_CHUNK, m.conv_kernel, m.conv_dim
+    if not rg.compiled:  # eager: the count first written for the chunked torch form (not re-derived)
+        per = 2 * (m.inner + conv + h) + 18 * conv + 8 * h * p + 8 * h * n + 2 * m.inner
+        per += 12 * h * c + 16 * h * n + 4 * h * n * n / c + 4 * h * p + 4 * h * n * p / c + 4 * m.n_groups + 16
+        return per * t
+    per = 2 * (m.inner + conv + h)  # in_proj's bf16 output (z, dt: views of it)
+    per += 2 * conv + 4 * (k - 1) * conv + (k - 1)  # the conv's bf16 input, its shifted fp32 copies, their masks
+    per += 4 * conv  # silu(conv), fp32 (x: a view of it)
+    per += 8 * h * n + 8 * h + 8 * h * c  # c, b in the chunk layout; G, to_end; c b^T, the segment sums
+    per += 4 * h * n * n / c + 4 * h * n * p / c + 4 * h / c  # _ChunkStates' m and states; exp(G_last)
+    per += 4 * h * p + 2 * m.inner + 4 * m.n_groups + 8  # y; out_proj's bf16 input; 1 / rms; slots (int64)
+    if rg.autocast:  # the backward matmuls' operands as bf16 casts: attn, b weighted and c, v twice, the states
+        per += 2 * h * c + 4 * h * n + 4 * h * p + 2 * h * n * p / c
+    else:  # as fp32 copies: attn, b weighted, c, b^T, c exp(G), v twice
+        per += 4 * h * c + 16 * h * n + 8 * h * p
     return per * t
 
 
@@ -461,7 +505,7 @@ def layer_saved_parts(
     elif isinstance(m, GatedDeltaNet):
         mixer = _gated_deltanet(m, tokens)
     elif isinstance(m, Mamba2):
-        mixer = _mamba2(m, tokens)
+        mixer = _mamba2(m, tokens, rg)
     mlp = keep = 0.0
     if isinstance(layer.mlp, DenseMLP):
         f, gated = layer.mlp.intermediate_size, layer.mlp.activation != "relu2"
@@ -509,6 +553,7 @@ def trainer_memory(args: ModelArgs, layout: TrainerLayout) -> TrainerMemory:
         wide=4 if fsdp else 2,
         compiled=lay.compiled,
         repeat_kv=lay.packed and not VARLEN_GQA,
+        autocast=not fsdp,
     )
     tokens, row = lay.row_tokens / cp, float(lay.row_tokens)
     n = len(layers)
