@@ -15,6 +15,9 @@ over fp32 weights):
 - flex:    the same selection as flex attention's block mask (the blocks any query of a block
            selects, a mask_mod reading the [T, T] selection) over every head's own q, k, v: the
            other GPU route the issue names, built here for the measurement only.
+"kernels" times the sparse MLA kernels alone on the indexer's selection (inputs of the block's
+sizes, bf16): the forward, the one-pass backward, and the two-pass backward's dq pass (no atomic
+adds) and key-gradient pass (one atomic add per query and key) apart.
 "indexer" times the indexer and its top-k alone (forward; it is not differentiated), by the
 Triton kernel (kernels/dsa_index.py, bf16 dots); "indexer-torch" by the torch forms (fp32).
 Attention TFLOP/s count 6 (qk + v) H FLOPs per selected (query, key) pair, the model's FLOPs
@@ -98,6 +101,59 @@ def flex_block(block: mla.MLAttention, chosen: mla.Selection):
     return forward, float(block_mask.sparsity())
 
 
+def kernel_times(spec: MLA, chosen: mla.Selection, reps: int) -> dict[str, float]:
+    """Seconds of each sparse MLA kernel alone on this selection (random bf16 q, kv and dout)."""
+    assert chosen.index_BCS is not None and chosen.valid_BCS is not None
+    index, valid = chosen.index_BCS.contiguous(), chosen.valid_BCS.contiguous()
+    b, t, _ = index.shape
+    lat, x_dim = spec.kv_lora_rank, spec.kv_lora_rank + spec.qk_rope_head_dim
+    q = torch.randn(b, t, spec.num_heads, x_dim, device=CUDA, dtype=torch.bfloat16)
+    kv = torch.randn(b, t, x_dim, device=CUDA, dtype=torch.bfloat16)
+    dout = torch.randn(b, t, spec.num_heads, lat, device=CUDA, dtype=torch.bfloat16)
+    scale = spec.scale
+    out, lse = kernels.sparse_mla_forward(q, kv, index, valid, scale, lat)
+    split = kernels.SPLIT_BACKWARD
+
+    def backward(split_now: bool, passes=(True, True)):
+        kernels.SPLIT_BACKWARD = split_now
+        try:
+            kernels.sparse_mla_backward(dout, q, kv, index, valid, out, lse, scale, split_passes=passes)
+        finally:
+            kernels.SPLIT_BACKWARD = split
+
+    times = {
+        "forward_s": timed(lambda: kernels.sparse_mla_forward(q, kv, index, valid, scale, lat), reps),
+        "backward_one_pass_s": timed(lambda: backward(False), reps),
+        "backward_dq_pass_s": timed(lambda: backward(True, (True, False)), reps),
+        "backward_dkv_pass_s": timed(lambda: backward(True, (False, True)), reps),
+    }
+    for which, (heads, keys, warps, stages) in OTHER_TILES:  # a pass at other tiles (no launch: printed)
+        attr, passes = ("BACKWARD_DQ", (True, False)) if which == "dq" else ("BACKWARD_DKV", (False, True))
+        default = getattr(kernels, attr)
+        setattr(kernels, attr, kernels.Tiles(BLOCK_H=heads, BLOCK_S=keys, num_warps=warps, num_stages=stages))
+        name = f"backward_{which}_pass_h{heads}_s{keys}_w{warps}_st{stages}_s"
+        try:
+            times[name] = timed(lambda: backward(True, passes), reps)
+        except Exception as e:  # out of shared memory or registers: say so, go on
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        finally:
+            setattr(kernels, attr, default)
+    return times
+
+
+OTHER_TILES = [
+    ("dq", (64, 32, 8, 1)),
+    ("dq", (64, 32, 8, 2)),
+    ("dq", (64, 16, 8, 2)),
+    ("dq", (64, 64, 8, 1)),
+    ("dkv", (64, 16, 8, 1)),
+    ("dkv", (16, 64, 4, 1)),
+    ("dkv", (32, 64, 8, 1)),
+]
+"""The two-pass backward's passes at other (BLOCK_H, BLOCK_S, warps, stages), which the "kernels"
+run also times."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=16384)
@@ -147,6 +203,11 @@ def main() -> None:
                 )
                 mla.FAST_PATH = mla.KERNEL = True
                 kernels.SPLIT_BACKWARD, kernels.BACKWARD_DQ = split_default, dq_default
+            elif run == "kernels":
+                with torch.no_grad(), torch.autocast(CUDA, dtype=torch.bfloat16):
+                    q_latent = block.q_a_layernorm(block.q_a_proj(x))
+                    chosen = block._choose(x, q_latent, cos, sin, PackedSeqs.from_position_ids(pos), 0, None, True)
+                row |= kernel_times(spec, chosen, args.reps)
             elif run == "flex":
                 with torch.no_grad(), torch.autocast(CUDA, dtype=torch.bfloat16):
                     q_latent = block.q_a_layernorm(block.q_a_proj(x))
@@ -155,7 +216,7 @@ def main() -> None:
                 row["block_mask_sparsity"] = sparsity
                 row["s"] = timed(lambda: step(lambda: forward(x, cos, sin)), args.reps)
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            if not run.startswith("indexer"):
+            if not run.startswith("indexer") and "s" in row:
                 row["attn_tflops_counted"] = attn_flops / row["s"] / 1e12
         except torch.OutOfMemoryError:
             row["oom"] = True
@@ -165,7 +226,9 @@ def main() -> None:
         rows.append(row)
     print(f"\n{'run':<18} {'ms':>8} {'attn TFLOP/s':>13} {'peak GiB':>9}")
     for r in rows:
-        if "s" in r:
+        if r["run"] == "kernels" and "forward_s" in r:
+            print("kernels: " + ", ".join(f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in r.items() if k.endswith("_s")))
+        elif "s" in r:
             print(f"{r['run']:<18} {r['s'] * 1e3:>8.1f} {r.get('attn_tflops_counted', 0):>13.0f} {r['peak_gib']:>9.1f}")
         else:
             print(f"{r['run']:<18} {'OOM' if r.get('oom') else r.get('error', '')[:60]}")

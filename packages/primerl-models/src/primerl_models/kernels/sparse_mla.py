@@ -334,10 +334,20 @@ def sparse_mla_forward(
 
 
 def sparse_mla_backward(
-    dout_BCHV, q_BCHX, kv_BTX, index_BCS, valid_BCS, out_BCHV, lse_BCH, scale: float, tiles: Tiles = BACKWARD
+    dout_BCHV,
+    q_BCHX,
+    kv_BTX,
+    index_BCS,
+    valid_BCS,
+    out_BCHV,
+    lse_BCH,
+    scale: float,
+    tiles: Tiles = BACKWARD,
+    split_passes: tuple[bool, bool] = (True, True),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq in q's dtype, dkv fp32 [B, T, X]) by the backward kernel (or, with SPLIT_BACKWARD, its
-    two passes); inputs contiguous, dout in q's dtype."""
+    two passes); inputs contiguous, dout in q's dtype. `split_passes`: which of the two passes
+    run (bench/sparse_mla.py times them apart; a skipped one leaves its gradient unfinished)."""
     triton, _, backward, backward_dkv = _triton_kernels()
     b, c, h, x = q_BCHX.shape
     t, s = kv_BTX.shape[1], index_BCS.shape[-1]
@@ -348,10 +358,15 @@ def sparse_mla_backward(
     if dq_BCHX.numel() and SPLIT_BACKWARD:
         delta_BCH = torch.empty(b, c, h, dtype=torch.float32, device=q_BCHX.device)
         sizes = dict(L=v_dim, R=x - v_dim, PRECISION=_precision(q_BCHX.dtype))
-        for kernel, grid_h, pass_tiles, args, key_grad in (
-            (backward, None, BACKWARD_DQ, (out_BCHV, dout_BCHV, lse_BCH, dq_BCHX, dkv_BTX, delta_BCH), False),
-            (backward_dkv, 1, BACKWARD_DKV, (dout_BCHV, lse_BCH, delta_BCH, dkv_BTX), None),
+        for run, (kernel, grid_h, pass_tiles, args, key_grad) in zip(
+            split_passes,
+            (
+                (backward, None, BACKWARD_DQ, (out_BCHV, dout_BCHV, lse_BCH, dq_BCHX, dkv_BTX, delta_BCH), False),
+                (backward_dkv, 1, BACKWARD_DKV, (dout_BCHV, lse_BCH, delta_BCH, dkv_BTX), None),
+            ),
         ):
+            if not run:
+                continue
             pass_blocks = _blocks(h, v_dim, x - v_dim, pass_tiles)
             kernel[(c, grid_h or triton.cdiv(h, pass_blocks["BLOCK_H"]), b)](
                 q_BCHX,
