@@ -7,17 +7,16 @@ Runs (each the whole block: projections, indexer and top-k, attention, o_proj; b
 over fp32 weights):
 - sparse:  ours, the absorbed form over the gathered latent rows of the selected keys, by the
            Triton kernels (kernels/sparse_mla.py);
-- sparse-split: the same with the kernels' backward in two passes (SPLIT_BACKWARD: dq, then the
-           key gradient summed over every head before its atomic adds); sparse-split-dq64: its
-           dq pass at 64 heads a program;
+- sparse-split, sparse-stored, sparse-one-pass: the same with the kernels' backward in that
+           form (kernels.BACKWARD_FORM; "sparse" runs the default);
 - sparse-torch: the same by the chunked torch `_SparseMLA` (the CPU path);
 - oracle:  ours, every head's keys and values under a dense [T, T] mask of the selection (SDPA);
 - flex:    the same selection as flex attention's block mask (the blocks any query of a block
            selects, a mask_mod reading the [T, T] selection) over every head's own q, k, v: the
            other GPU route the issue names, built here for the measurement only.
 "kernels" times the sparse MLA kernels alone on the indexer's selection (inputs of the block's
-sizes, bf16): the forward, the one-pass backward, and the two-pass backward's dq pass (no atomic
-adds) and key-gradient pass (one atomic add per query and key) apart.
+sizes, bf16): the forward, each backward form whole, and the split and stored forms' dq pass (no
+atomic adds) and key-gradient pass (one atomic add per query and key) apart.
 "indexer" times the indexer and its top-k alone (forward; it is not differentiated), by the
 Triton kernel (kernels/dsa_index.py, bf16 dots); "indexer-torch" by the torch forms (fp32).
 Attention TFLOP/s count 6 (qk + v) H FLOPs per selected (query, key) pair, the model's FLOPs
@@ -112,28 +111,28 @@ def kernel_times(spec: MLA, chosen: mla.Selection, reps: int) -> dict[str, float
     dout = torch.randn(b, t, spec.num_heads, lat, device=CUDA, dtype=torch.bfloat16)
     scale = spec.scale
     out, lse = kernels.sparse_mla_forward(q, kv, index, valid, scale, lat)
-    split = kernels.SPLIT_BACKWARD
+    form = kernels.BACKWARD_FORM
 
-    def backward(split_now: bool, passes=(True, True)):
-        kernels.SPLIT_BACKWARD = split_now
+    def backward(form_now: str, passes=(True, True)):
+        kernels.BACKWARD_FORM = form_now
         try:
-            kernels.sparse_mla_backward(dout, q, kv, index, valid, out, lse, scale, split_passes=passes)
+            kernels.sparse_mla_backward(dout, q, kv, index, valid, out, lse, scale, passes=passes)
         finally:
-            kernels.SPLIT_BACKWARD = split
+            kernels.BACKWARD_FORM = form
 
-    times = {
-        "forward_s": timed(lambda: kernels.sparse_mla_forward(q, kv, index, valid, scale, lat), reps),
-        "backward_one_pass_s": timed(lambda: backward(False), reps),
-        "backward_dq_pass_s": timed(lambda: backward(True, (True, False)), reps),
-        "backward_dkv_pass_s": timed(lambda: backward(True, (False, True)), reps),
-    }
+    times = {"forward_s": timed(lambda: kernels.sparse_mla_forward(q, kv, index, valid, scale, lat), reps)}
+    for name in ("one-pass", "split", "stored"):
+        times[f"backward_{name}_s"] = timed(lambda: backward(name), reps)
+    for name in ("split", "stored"):
+        times[f"backward_{name}_dq_pass_s"] = timed(lambda: backward(name, (True, False)), reps)
+        times[f"backward_{name}_dkv_pass_s"] = timed(lambda: backward(name, (False, True)), reps)
     for which, (heads, keys, warps, stages) in OTHER_TILES:  # a pass at other tiles (no launch: printed)
-        attr, passes = ("BACKWARD_DQ", (True, False)) if which == "dq" else ("BACKWARD_DKV", (False, True))
+        attr = "BACKWARD_DKV_STORED"
         default = getattr(kernels, attr)
         setattr(kernels, attr, kernels.Tiles(BLOCK_H=heads, BLOCK_S=keys, num_warps=warps, num_stages=stages))
-        name = f"backward_{which}_pass_h{heads}_s{keys}_w{warps}_st{stages}_s"
+        name = f"backward_{which}_dkv_pass_s{keys}_w{warps}_st{stages}_s"
         try:
-            times[name] = timed(lambda: backward(True, passes), reps)
+            times[name] = timed(lambda: backward(which, (False, True)), reps)
         except Exception as e:  # out of shared memory or registers: say so, go on
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         finally:
@@ -142,16 +141,13 @@ def kernel_times(spec: MLA, chosen: mla.Selection, reps: int) -> dict[str, float
 
 
 OTHER_TILES = [
-    ("dq", (64, 32, 8, 1)),
-    ("dq", (64, 32, 8, 2)),
-    ("dq", (64, 16, 8, 2)),
-    ("dq", (64, 64, 8, 1)),
-    ("dkv", (64, 16, 8, 1)),
-    ("dkv", (16, 64, 4, 1)),
-    ("dkv", (32, 64, 8, 1)),
+    ("stored", (64, 16, 8, 1)),
+    ("stored", (64, 64, 8, 1)),
+    ("stored", (64, 32, 4, 1)),
+    ("stored", (64, 32, 8, 2)),
 ]
-"""The two-pass backward's passes at other (BLOCK_H, BLOCK_S, warps, stages), which the "kernels"
-run also times."""
+"""The stored form's key-gradient pass at other (BLOCK_H, BLOCK_S, warps, stages), which the
+"kernels" run also times."""
 
 
 def main() -> None:
@@ -174,7 +170,7 @@ def main() -> None:
     pairs = sum(min(i + 1, args.topk) for i in range(t))
     attn_flops = 6 * spec.num_heads * (spec.qk_head_dim + spec.v_head_dim) * pairs
     rows = []
-    split_default, dq_default = kernels.SPLIT_BACKWARD, kernels.BACKWARD_DQ
+    form_default = kernels.BACKWARD_FORM
 
     def step(forward):
         with torch.autocast(CUDA, dtype=torch.bfloat16):
@@ -193,16 +189,15 @@ def main() -> None:
                     seqs = PackedSeqs.from_position_ids(pos)
                     row["s"] = timed(lambda: block._choose(x, q_latent, cos, sin, seqs, 0, None, True), args.reps)
                 mla.INDEX_KERNEL = True
-            elif run in ("sparse", "sparse-split", "sparse-split-dq64", "sparse-torch", "oracle"):
+            elif run in ("sparse", "sparse-one-pass", "sparse-split", "sparse-stored", "sparse-torch", "oracle"):
                 mla.FAST_PATH, mla.KERNEL = run != "oracle", run.startswith("sparse") and run != "sparse-torch"
-                kernels.SPLIT_BACKWARD = run.startswith("sparse-split")
-                if run == "sparse-split-dq64":
-                    kernels.BACKWARD_DQ = kernels.Tiles(BLOCK_H=64, BLOCK_S=32, num_warps=8, num_stages=1)
+                if run in ("sparse-one-pass", "sparse-split", "sparse-stored"):
+                    kernels.BACKWARD_FORM = run.removeprefix("sparse-")
                 row["s"] = timed(
                     lambda: step(lambda: block(x, cos, sin, PackedSeqs.from_position_ids(pos), "auto")), args.reps
                 )
                 mla.FAST_PATH = mla.KERNEL = True
-                kernels.SPLIT_BACKWARD, kernels.BACKWARD_DQ = split_default, dq_default
+                kernels.BACKWARD_FORM = form_default
             elif run == "kernels":
                 with torch.no_grad(), torch.autocast(CUDA, dtype=torch.bfloat16):
                     q_latent = block.q_a_layernorm(block.q_a_proj(x))

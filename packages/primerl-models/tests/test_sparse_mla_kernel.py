@@ -73,9 +73,11 @@ def _close(name, got, ref):
         (1, 4, 64, 16, 32, 16, 64),  # powers of two, S a multiple of BLOCK_S
     ],
 )
-@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split"])
-def test_kernel_matches_sparse_mla(b, c, t, h, lat, rope, s, split, monkeypatch):
-    monkeypatch.setattr(sparse_mla, "SPLIT_BACKWARD", split)
+@pytest.mark.parametrize("form", ["one-pass", "split", "stored"])
+def test_kernel_matches_sparse_mla(b, c, t, h, lat, rope, s, form, monkeypatch):
+    monkeypatch.setattr(sparse_mla, "BACKWARD_FORM", form)
+    if form == "stored":  # chunks of 2 queries: the last one short, queries past the first chunk
+        monkeypatch.setattr(sparse_mla, "STORED_BYTES", 2 * 2 * b * h * s * 4)
     assert s % FORWARD["BLOCK_S"] or s % BACKWARD["BLOCK_S"] or (h, lat, rope) == (16, 32, 16)
     g = torch.Generator().manual_seed(b * 1000 + c * 100 + h)
     q, kv, index, valid = _inputs(b, c, t, h, lat, rope, s, g)

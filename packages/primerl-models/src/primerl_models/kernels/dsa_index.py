@@ -73,7 +73,9 @@ def _triton_kernel() -> tuple[Any, Any]:
         m_r = (c_r < C) & (i_r < HEADS)
         rk = tl.arange(0, BLOCK_K)
         row_r = b.to(tl.int64) * C + c_r
-        qt = tl.load(q + (row_r * HEADS + i_r)[:, None] * K + rk[None, :], mask=m_r[:, None] & (rk < K)[None, :], other=0.0)
+        qt = tl.load(
+            q + (row_r * HEADS + i_r)[:, None] * K + rk[None, :], mask=m_r[:, None] & (rk < K)[None, :], other=0.0
+        )
         w_r = tl.load(w + row_r * HEADS + i_r, mask=m_r, other=0.0)
         rc = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         m_c = rc < C

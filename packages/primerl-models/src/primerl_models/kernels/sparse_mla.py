@@ -60,17 +60,32 @@ sm_90 builds read with cuobjdump, times on an H100 at S 2048, 4,096 queries and 
   BLOCK_H 64 or BLOCK_S 64 the shared memory passes 260 KB (no launch). 155 ms at 16,384 queries,
   where the key gradient's atomic adds (vectorized, 4 floats each) dominate."""
 
-SPLIT_BACKWARD = False
-"""The backward in two passes: dq (`BACKWARD_DQ`, no atomics), then the key gradient with one
-program a query summing every head's share before its atomic adds (`BACKWARD_DKV`: half the
-atomics of the one-pass backward at GLM-5's 64 heads, for the scores recomputed once more)."""
-BACKWARD_DQ = Tiles(BLOCK_H=32, BLOCK_S=32, num_warps=8, num_stages=1)
+BACKWARD_FORM = "one-pass"
+"""How the backward runs:
+- "one-pass": `_backward` at BACKWARD, dq and the key gradient together, an atomic add per key
+  for each block of heads (two at GLM-5's 64 heads at BLOCK_H 32).
+- "split": dq first (`_backward` without the key gradient, at BACKWARD_DQ: no atomics), then the
+  key gradient with one program a query summing every head's share before its atomic adds
+  (`_backward_dkv` at BACKWARD_DKV, the scores and dp recomputed once more).
+- "stored": the dq pass also writes the p and ds it rounds (bf16, [2, B, chunk, H, S] for a
+  chunk of queries at a time, STORED_BYTES at most), and `_backward_dkv_stored` reads them: the
+  key gradient's three dots and its atomic adds only, every head of a query in one program
+  (BLOCK_H >= H; above 64 heads it runs as "split")."""
+BACKWARD_DQ = Tiles(BLOCK_H=64, BLOCK_S=64, num_warps=8, num_stages=1)
+"""The dq pass at GLM-5's size, 16,384 queries, H100 (bench/sparse_mla.py --runs kernels): 28.4 ms
+(BLOCK_H 32, BLOCK_S 32: 76.7; 64, 32: 37.5; 64, 32 with 2 stages: 49.8)."""
 BACKWARD_DKV = Tiles(BLOCK_H=32, BLOCK_S=32, num_warps=8, num_stages=1)
+"""The split's key-gradient pass: 113.9 ms there (BLOCK_S 64: 512; BLOCK_H 16, BLOCK_S 64: 294)."""
+BACKWARD_DKV_STORED = Tiles(BLOCK_H=64, BLOCK_S=32, num_warps=8, num_stages=1)
+"""The stored form's key-gradient pass (its BLOCK_H is raised to H when H is larger)."""
+STORED_BYTES = 1 << 30
+"""The most the stored form's p and ds of one chunk of queries may take."""
 
 
 @functools.cache
-def _triton_kernels() -> tuple[Any, Any, Any, Any]:
-    """(triton, forward, backward, and the split backward's dkv) kernels, built on first use (Triton comes with CUDA torch only).
+def _triton_kernels() -> tuple[Any, Any, Any, Any, Any]:
+    """(triton, forward, backward, the split backward's dkv and the stored backward's dkv)
+    kernels, built on first use (Triton comes with CUDA torch only).
     Any: Triton's module and JIT functions, which the type checker cannot see without Triton."""
     import triton  # pyright: ignore[reportMissingImports]
     import triton.language as tl  # pyright: ignore[reportMissingImports]
@@ -169,12 +184,20 @@ def _triton_kernels() -> tuple[Any, Any, Any, Any]:
         BLOCK_R: tl.constexpr,
         PRECISION: tl.constexpr,
         KEY_GRAD: tl.constexpr,
+        ps_out,
+        t0,
+        CH,
+        B_CH_H_S,
+        STORE_PS: tl.constexpr,
     ):
         # KEY_GRAD False: the split backward's first pass, dq alone; it leaves delta = sum(dO * O)
-        # [B * C, H] in delta_out for the second pass (`_backward_dkv`) and adds nothing to dkv
+        # [B * C, H] in delta_out for the second pass (`_backward_dkv`) and adds nothing to dkv.
+        # STORE_PS: it also writes the rounded p and ds of its queries t0 .. t0 + CH to ps_out
+        # [2, B, CH, H, S] for `_backward_dkv_stored` (the grid's first axis is then CH)
         X: tl.constexpr = L + R
         LOG2E: tl.constexpr = 1.4426950408889634
-        t, hb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        tc, hb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        t = t0 + tc
         row = b.to(tl.int64) * C + t
         rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         rl = tl.arange(0, BLOCK_L)
@@ -206,6 +229,12 @@ def _triton_kernels() -> tuple[Any, Any, Any, Any]:
             pc = p.to(q_l.dtype)
             dq_l = tl.dot(ds, k_l, dq_l, input_precision=PRECISION)
             dq_r = tl.dot(ds, k_r, dq_r, input_precision=PRECISION)
+            if STORE_PS:
+                rs = s0 + tl.arange(0, BLOCK_S)
+                ps = ps_out + ((b.to(tl.int64) * CH + tc) * H + rh[:, None]) * S + rs[None, :]
+                m_ps = m_h[:, None] & (rs < S)[None, :]
+                tl.store(ps, pc, mask=m_ps)
+                tl.store(ps + B_CH_H_S, ds, mask=m_ps)
             if KEY_GRAD:
                 dk_l = tl.dot(tl.trans(ds), q_l, input_precision=PRECISION)
                 dk_l = tl.dot(tl.trans(pc), do, dk_l, input_precision=PRECISION)
@@ -281,18 +310,76 @@ def _triton_kernels() -> tuple[Any, Any, Any, Any]:
             tl.atomic_add(k_row[:, None] + rl[None, :], dk_l, mask=ok[:, None] & (rl < L)[None, :], sem="relaxed")
             tl.atomic_add(k_row[:, None] + L + rr[None, :], dk_r, mask=ok[:, None] & (rr < R)[None, :], sem="relaxed")
 
-    return triton, _forward, _backward, _backward_dkv
+    @triton.jit
+    def _backward_dkv_stored(
+        q,
+        index,
+        valid,
+        dout,
+        ps,
+        dkv,
+        C,
+        T,
+        H,
+        S,
+        t0,
+        CH,
+        B_CH_H_S,
+        L: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        # the stored backward's second pass, grid (CH, 1, B), BLOCK_H >= H: one program a query
+        # of t0 .. t0 + CH holds every head's q and dO (read once) and, per block of its keys,
+        # reads the p and ds the dq pass stored instead of recomputing them: the key gradient
+        # ds^T q (+ p^T dO on the first L columns), summed over the heads, one atomic add a key
+        X: tl.constexpr = L + R
+        tc, b = tl.program_id(0), tl.program_id(2)
+        t = t0 + tc
+        row = b.to(tl.int64) * C + t
+        rh = tl.arange(0, BLOCK_H)
+        rl = tl.arange(0, BLOCK_L)
+        rr = tl.arange(0, BLOCK_R)
+        m_h = rh < H
+        m_hl = m_h[:, None] & (rl < L)[None, :]
+        q_h = q + row * H * X + rh[:, None] * X
+        q_l = tl.load(q_h + rl[None, :], mask=m_hl, other=0.0)
+        q_r = tl.load(q_h + L + rr[None, :], mask=m_h[:, None] & (rr < R)[None, :], other=0.0)
+        do = tl.load(dout + row * H * L + rh[:, None] * L + rl[None, :], mask=m_hl, other=0.0)
+        dkv_b = dkv + b.to(tl.int64) * T * X
+        ps_row = ps + ((b.to(tl.int64) * CH + tc) * H + rh[:, None]) * S
+        for s0 in range(0, S, BLOCK_S):
+            rs = s0 + tl.arange(0, BLOCK_S)
+            m_s = rs < S
+            idx = tl.load(index + row * S + rs, mask=m_s, other=0).to(tl.int64)
+            ok = m_s & (tl.load(valid + row * S + rs, mask=m_s, other=0) != 0)
+            m_ps = m_h[:, None] & m_s[None, :]
+            pc = tl.load(ps_row + rs[None, :], mask=m_ps, other=0.0)
+            ds = tl.load(ps_row + B_CH_H_S + rs[None, :], mask=m_ps, other=0.0)
+            dk_l = tl.dot(tl.trans(ds), q_l, input_precision=PRECISION)
+            dk_l = tl.dot(tl.trans(pc), do, dk_l, input_precision=PRECISION)
+            dk_r = tl.dot(tl.trans(ds), q_r, input_precision=PRECISION)
+            k_row = dkv_b + idx * X
+            tl.atomic_add(k_row[:, None] + rl[None, :], dk_l, mask=ok[:, None] & (rl < L)[None, :], sem="relaxed")
+            tl.atomic_add(k_row[:, None] + L + rr[None, :], dk_r, mask=ok[:, None] & (rr < R)[None, :], sem="relaxed")
+
+    return triton, _forward, _backward, _backward_dkv, _backward_dkv_stored
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 def _blocks(h: int, lat: int, rope: int, tiles: Tiles) -> dict[str, int]:
-    def pow2(n: int) -> int:
-        return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-
     return dict(
-        BLOCK_H=min(tiles["BLOCK_H"], max(16, pow2(h))),
+        BLOCK_H=min(tiles["BLOCK_H"], max(16, _pow2(h))),
         BLOCK_S=tiles["BLOCK_S"],
-        BLOCK_L=max(16, pow2(lat)),
-        BLOCK_R=max(16, pow2(rope)),
+        BLOCK_L=max(16, _pow2(lat)),
+        BLOCK_R=max(16, _pow2(rope)),
     )
 
 
@@ -343,73 +430,88 @@ def sparse_mla_backward(
     lse_BCH,
     scale: float,
     tiles: Tiles = BACKWARD,
-    split_passes: tuple[bool, bool] = (True, True),
+    passes: tuple[bool, bool] = (True, True),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq in q's dtype, dkv fp32 [B, T, X]) by the backward kernel (or, with SPLIT_BACKWARD, its
-    two passes); inputs contiguous, dout in q's dtype. `split_passes`: which of the two passes
-    run (bench/sparse_mla.py times them apart; a skipped one leaves its gradient unfinished)."""
-    triton, _, backward, backward_dkv = _triton_kernels()
+    """(dq in q's dtype, dkv fp32 [B, T, X]) by the backward kernels in BACKWARD_FORM's way;
+    inputs contiguous, dout in q's dtype. `passes`: which of the split and stored forms' two
+    passes run (bench/sparse_mla.py times them apart; a skipped one leaves its gradient unfinished)."""
+    triton, _, backward, backward_dkv, backward_dkv_stored = _triton_kernels()
     b, c, h, x = q_BCHX.shape
     t, s = kv_BTX.shape[1], index_BCS.shape[-1]
     v_dim = out_BCHV.shape[-1]
     dq_BCHX = torch.empty_like(q_BCHX)
     dkv_BTX = torch.zeros(kv_BTX.shape, dtype=torch.float32, device=kv_BTX.device)
-    blocks = _blocks(h, v_dim, x - v_dim, tiles)
-    if dq_BCHX.numel() and SPLIT_BACKWARD:
-        delta_BCH = torch.empty(b, c, h, dtype=torch.float32, device=q_BCHX.device)
-        sizes = dict(L=v_dim, R=x - v_dim, PRECISION=_precision(q_BCHX.dtype))
-        for run, (kernel, grid_h, pass_tiles, args, key_grad) in zip(
-            split_passes,
-            (
-                (backward, None, BACKWARD_DQ, (out_BCHV, dout_BCHV, lse_BCH, dq_BCHX, dkv_BTX, delta_BCH), False),
-                (backward_dkv, 1, BACKWARD_DKV, (dout_BCHV, lse_BCH, delta_BCH, dkv_BTX), None),
-            ),
-        ):
-            if not run:
-                continue
-            pass_blocks = _blocks(h, v_dim, x - v_dim, pass_tiles)
-            kernel[(c, grid_h or triton.cdiv(h, pass_blocks["BLOCK_H"]), b)](
-                q_BCHX,
-                kv_BTX,
-                index_BCS,
-                valid_BCS.view(torch.uint8),
-                *args,
-                c,
-                t,
-                h,
-                s,
-                scale,
-                num_warps=pass_tiles["num_warps"],
-                num_stages=pass_tiles["num_stages"],
-                **sizes,
-                **pass_blocks,
-                **({} if key_grad is None else {"KEY_GRAD": key_grad}),
-            )
-    elif dq_BCHX.numel():
+    if not dq_BCHX.numel():
+        return dq_BCHX, dkv_BTX
+    inputs = (q_BCHX, kv_BTX, index_BCS, valid_BCS.view(torch.uint8))
+    sizes = dict(L=v_dim, R=x - v_dim, PRECISION=_precision(q_BCHX.dtype))
+    form = BACKWARD_FORM
+    heads_at_once = max(16, _pow2(h))  # the stored form's key-gradient pass: every head in one program
+    if form == "stored" and heads_at_once > 64:
+        form = "split"
+
+    def dq_pass(grid_c: int, delta_BCH, store=False, ps=None, t0=0, ch=c):
+        blocks = _blocks(h, v_dim, x - v_dim, BACKWARD_DQ)
+        backward[(grid_c, triton.cdiv(h, blocks["BLOCK_H"]), b)](
+            *inputs, out_BCHV, dout_BCHV, lse_BCH, dq_BCHX, dkv_BTX, delta_BCH, c, t, h, s, scale,
+            KEY_GRAD=False, ps_out=dkv_BTX if ps is None else ps, t0=t0, CH=ch, B_CH_H_S=b * ch * h * s,
+            STORE_PS=store, num_warps=BACKWARD_DQ["num_warps"], num_stages=BACKWARD_DQ["num_stages"],
+            **sizes, **blocks,
+        )  # fmt: skip
+
+    if form == "one-pass":
+        blocks = _blocks(h, v_dim, x - v_dim, tiles)
         backward[(c, triton.cdiv(h, blocks["BLOCK_H"]), b)](
-            q_BCHX,
-            kv_BTX,
-            index_BCS,
-            valid_BCS.view(torch.uint8),
+            *inputs,
             out_BCHV,
             dout_BCHV,
             lse_BCH,
             dq_BCHX,
             dkv_BTX,
-            lse_BCH,  # delta_out: not written when KEY_GRAD
+            lse_BCH,
             c,
             t,
             h,
             s,
             scale,
-            L=v_dim,
-            R=x - v_dim,
-            PRECISION=_precision(q_BCHX.dtype),
             KEY_GRAD=True,
+            ps_out=dkv_BTX,
+            t0=0,
+            CH=c,
+            B_CH_H_S=0,
+            STORE_PS=False,
             num_warps=tiles["num_warps"],
             num_stages=tiles["num_stages"],
+            **sizes,
             **blocks,
-        )
+        )  # fmt: skip  (delta_out = lse: not written when KEY_GRAD)
+    elif form == "split":
+        delta_BCH = torch.empty(b, c, h, dtype=torch.float32, device=q_BCHX.device)
+        if passes[0]:
+            dq_pass(c, delta_BCH)
+        if passes[1]:
+            blocks = _blocks(h, v_dim, x - v_dim, BACKWARD_DKV)
+            backward_dkv[(c, 1, b)](
+                *inputs, dout_BCHV, lse_BCH, delta_BCH, dkv_BTX, c, t, h, s, scale,
+                num_warps=BACKWARD_DKV["num_warps"], num_stages=BACKWARD_DKV["num_stages"], **sizes, **blocks,
+            )  # fmt: skip
+    elif form == "stored":
+        delta_BCH = torch.empty(b, c, h, dtype=torch.float32, device=q_BCHX.device)
+        ch = max(1, min(c, STORED_BYTES // (2 * b * h * s * q_BCHX.element_size())))
+        ps = torch.empty(2, b, ch, h, s, dtype=q_BCHX.dtype, device=q_BCHX.device)
+        blocks = _blocks(h, v_dim, x - v_dim, BACKWARD_DKV_STORED) | {"BLOCK_H": heads_at_once}
+        for t0 in range(0, c, ch):
+            n = min(ch, c - t0)
+            if passes[0]:
+                dq_pass(n, delta_BCH, store=True, ps=ps, t0=t0, ch=ch)
+            if passes[1]:
+                backward_dkv_stored[(n, 1, b)](
+                    q_BCHX, index_BCS, inputs[3], dout_BCHV, ps, dkv_BTX, c, t, h, s, t0, ch, b * ch * h * s,
+                    num_warps=BACKWARD_DKV_STORED["num_warps"], num_stages=BACKWARD_DKV_STORED["num_stages"],
+                    **sizes, **blocks,
+                )  # fmt: skip
+    else:
+        raise ValueError(f"BACKWARD_FORM must be 'one-pass', 'split' or 'stored', got {form!r}")
     return dq_BCHX, dkv_BTX
 
 
