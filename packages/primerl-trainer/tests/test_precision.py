@@ -145,8 +145,8 @@ def test_the_conversion_works_on_the_meta_device():
 
 
 def test_an_unknown_recipe_is_refused():
-    with pytest.raises(ValueError, match="unknown FP8 recipe 'tensorwise'"):
-        convert_to_fp8(tiny("qwen3", num_layers=1), recipe="tensorwise")
+    with pytest.raises(ValueError, match="unknown FP8 recipe 'blockwise'"):
+        convert_to_fp8(tiny("qwen3", num_layers=1), recipe="blockwise")
 
 
 # --- checkpoints and published weights -------------------------------------------------------
