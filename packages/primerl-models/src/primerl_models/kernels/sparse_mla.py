@@ -60,7 +60,7 @@ sm_90 builds read with cuobjdump, times on an H100 at S 2048, 4,096 queries and 
   BLOCK_H 64 or BLOCK_S 64 the shared memory passes 260 KB (no launch). 155 ms at 16,384 queries,
   where the key gradient's atomic adds (vectorized, 4 floats each) dominate."""
 
-BACKWARD_FORM = "one-pass"
+BACKWARD_FORM = "stored"
 """How the backward runs:
 - "one-pass": `_backward` at BACKWARD, dq and the key gradient together, an atomic add per key
   for each block of heads (two at GLM-5's 64 heads at BLOCK_H 32).
@@ -70,14 +70,19 @@ BACKWARD_FORM = "one-pass"
 - "stored": the dq pass also writes the p and ds it rounds (bf16, [2, B, chunk, H, S] for a
   chunk of queries at a time, STORED_BYTES at most), and `_backward_dkv_stored` reads them: the
   key gradient's three dots and its atomic adds only, every head of a query in one program
-  (BLOCK_H >= H; above 64 heads it runs as "split")."""
+  (BLOCK_H >= H; above 64 heads it runs as "split").
+At GLM-5's size, 16,384 queries, one H100 (bench/sparse_mla.py --runs kernels, 2026-12-06):
+one-pass 145.2 ms, split 142.8 (dq 29.8 + key gradient 113.6), stored 81.3 (dq and the stores
+34.8 + key gradient 47.0; 38.0 with 2 stages), for 1 GiB more at the peak (the chunk's p and ds):
+the default."""
 BACKWARD_DQ = Tiles(BLOCK_H=64, BLOCK_S=64, num_warps=8, num_stages=1)
 """The dq pass at GLM-5's size, 16,384 queries, H100 (bench/sparse_mla.py --runs kernels): 28.4 ms
 (BLOCK_H 32, BLOCK_S 32: 76.7; 64, 32: 37.5; 64, 32 with 2 stages: 49.8)."""
 BACKWARD_DKV = Tiles(BLOCK_H=32, BLOCK_S=32, num_warps=8, num_stages=1)
 """The split's key-gradient pass: 113.9 ms there (BLOCK_S 64: 512; BLOCK_H 16, BLOCK_S 64: 294)."""
-BACKWARD_DKV_STORED = Tiles(BLOCK_H=64, BLOCK_S=32, num_warps=8, num_stages=1)
-"""The stored form's key-gradient pass (its BLOCK_H is raised to H when H is larger)."""
+BACKWARD_DKV_STORED = Tiles(BLOCK_H=64, BLOCK_S=32, num_warps=8, num_stages=2)
+"""The stored form's key-gradient pass (its BLOCK_H is every head): 38.0 ms there (1 stage: 47.0;
+BLOCK_S 16: 47.9; 4 warps: 64.6)."""
 STORED_BYTES = 1 << 30
 """The most the stored form's p and ds of one chunk of queries may take."""
 
