@@ -167,7 +167,8 @@ at the mean, T k); the vision tower's activations (its parameters are counted); 
 last chunk of a row; LoRA on the routed experts; backward temporaries inside a kernel (flash
 attention's fp32 dq accumulator and the like); the Gated DeltaNet's fp32 torch form (used
 without fla: several times more); the sparse-MLA kernels' backward temporaries (its fp32 key
-gradient buffer, 4 X a key, lives during the backward only); Mamba2 compiled on a CPU (dynamo
+gradient buffer, 4 X a key, and the stored form's p and ds of a chunk of queries, at most
+kernels.sparse_mla.STORED_BYTES = 1 GiB, live during the backward only); Mamba2 compiled on a CPU (dynamo
 traces the scan's loop whole, and the partition recomputes m: less than on a GPU) and eager
 Mamba2 layers (the count above is not re-derived: an eager CPU layer of 16 heads of 64, state 128,
 under bf16 autocast kept 169 KB a token, the count 128 KB); a packed row's chunk padding (each
