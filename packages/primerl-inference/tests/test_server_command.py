@@ -29,7 +29,14 @@ def test_cpu_server():
     assert value(args_of(small.argv), "--kv-cache-memory-bytes") == str(64 * 2**20)  # fractions of a GiB
     assert spec.env["PRIMERL_INSPECT_IN_PROCESS"] == "1"  # CPU only: no subprocess inspects the model class
     assert spec.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # CPU only: the model in the engine process
+    assert spec.env["TORCHDYNAMO_DISABLE"] == "1"  # CPU only: the sampler's helpers eager, no compile at step 0
     assert spec.url == "http://127.0.0.1:8100"
+
+
+def test_a_cpu_server_keeps_the_users_torchdynamo_setting(monkeypatch):
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    spec = server_command(InferenceConfig(port=8100), "m", 512, replica=0, run_dir="/r", device="cpu")
+    assert spec.env["TORCHDYNAMO_DISABLE"] == "0"
 
 
 def test_replicas_get_their_own_ports_and_gpus():
@@ -39,6 +46,7 @@ def test_replicas_get_their_own_ports_and_gpus():
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["4,5", "6,7"]
     assert all("VLLM_ENABLE_V1_MULTIPROCESSING" not in s.env for s in specs)  # vLLM's default on GPUs
     assert all("PRIMERL_INSPECT_IN_PROCESS" not in s.env for s in specs)  # CUDA stays out of the server process
+    assert all("TORCHDYNAMO_DISABLE" not in s.env for s in specs)  # vLLM compiles on GPUs
     assert value(args_of(specs[1].argv), "--tensor-parallel-size") == "2"
 
 

@@ -137,6 +137,12 @@ def server_command(
         # engine's second thread spun between the many small steps of a CPU server (as much
         # CPU as the first) for no gain in step time (reverse-text: 0.62 s a step either way).
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or "1"
+        # No torch.compile in a CPU server unless the user asks for it: the model already runs
+        # eagerly (--enforce-eager), and what vLLM still compiles is its sampler's small helpers
+        # (the sampled token's rank among the logprobs, v1/sample/ops/logprobs.py), whose first
+        # call spent ~2 s of the first step in dynamo and inductor (from its disk cache, and a
+        # compiler probe in a subprocess) on the 2-core machine; eager, it is one comparison.
+        env["TORCHDYNAMO_DISABLE"] = os.environ.get("TORCHDYNAMO_DISABLE") or "1"
         # CPU only: the model runs inside the engine-core process instead of a worker process of
         # its own. One process fewer to start (22 s to healthy instead of 36 s on 2 cores) and no
         # engine core spinning (sched_yield) on the worker's shared-memory queue, which took
