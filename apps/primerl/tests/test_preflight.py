@@ -1,7 +1,9 @@
 """What `primerl rl` checks before anything starts: environments loaded (import, arguments, one
 task), the run directory's path, the ports. Each mistake exits 2 (as a config error) within
 seconds, naming the key, with nothing started and nothing written; unset ports are chosen free
-and written into the run's configs. No vLLM: the checks run before any server would start."""
+and written into the run's configs. No vLLM but in one test: the checks run before any server
+would start, except on CPU with a model vLLM can load (their stand-ins have no weights), where the
+servers start while the slower checks run and a refusal stops them."""
 
 import json
 import socket
@@ -81,6 +83,28 @@ def test_environment_mistakes_are_named_before_anything_starts(tmp_path, env, me
     result = rl("@", write_config(tmp_path, env=env.format(dir=envs)))
     assert result.exit_code == EXIT_CONFIG, result.output
     assert message.format(dir=envs) in result.output, result.output
+    assert_nothing_started(tmp_path)
+
+
+def test_a_refusal_stops_the_servers_started_early_and_leaves_nothing(tmp_path):
+    """On CPU, with a model vLLM can load, the servers start while the slower checks run
+    (primerl.launch.start_early: ~5 s of imports before vLLM's own start on 2 cores); an
+    environment mistake found after that stops them again: exit 2, the mistake named, no server
+    process left, no run directory (their logs were kept out of it until the checks passed)."""
+    from primerl.testing import processes
+    from primerl_models.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", hidden_size=32, num_layers=1)
+    path = tmp_path / "rl.toml"
+    path.write_text(
+        f'seq_len = 512\nrun_dir = "{tmp_path / "run"}"\n[model]\nname = "{model}"\n'
+        '[[envs.train]]\nid = "reverse_text"\n'
+    )
+    result = rl("@", path)
+    assert result.exit_code == EXIT_CONFIG, result.output
+    assert "inference server(s) on cpu while the checks run" in result.output, result.output
+    assert "envs.train[0]: environment 'reverse_text'" in result.output, result.output
+    assert not processes("primerl_inference.serve", model)
     assert_nothing_started(tmp_path)
 
 

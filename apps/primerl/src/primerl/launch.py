@@ -10,8 +10,9 @@
 2. Lays out the run directory: `configs/` (the resolved config, the previous one kept as
    rl.prev.toml, and each process's projection of it), `logs/` (one log per process).
 3. Starts the inference servers, the torchrun trainer and the orchestrator, each in its own
-   process group, all at once: the trainer builds its model and the orchestrator its
-   environments while vLLM loads (the orchestrator waits for the first server to serve, up to
+   process group, all at once (on CPU the servers a little earlier, while the slower checks of
+   step 1 run: `start_early`; a refusal then stops them and leaves the run directory as it
+   was): the trainer builds its model and the orchestrator its environments while vLLM loads (the orchestrator waits for the first server to serve, up to
    `inference.startup_timeout_s`). A server that exits or is not healthy within that time
    stops the run, as before.
 4. Watches them: prints one line per step (step, reward, tokens/s, off-policy level, ETA);
@@ -36,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-from primerl_inference.launcher import resolve_device
+from primerl_inference.launcher import Servers, resolve_device
 from primerl_inference.launcher import start as start_servers
 from primerl_orchestrator.health import console_notes, step_summary
 from primerl_protocol.config import to_toml, write_private
@@ -307,28 +309,22 @@ def run_rl(cfg: RLConfig) -> None:
     with RunLock(check_run_dir(cfg.run_dir)) as lock:
         if lock.took_over:
             print(f"taking over the lock of {lock.took_over}: that process is no longer running", flush=True)
-        cfg, device, trainer_gpus = prepare(cfg)
-        _run(cfg, device, trainer_gpus)
+        cfg, device, trainer_gpus, servers = prepare(cfg)
+        _run(cfg, device, trainer_gpus, servers)
 
 
-def prepare(cfg: RLConfig) -> tuple[RLConfig, str, list[int]]:
+def prepare(cfg: RLConfig) -> tuple[RLConfig, str, list[int], Servers | None]:
     """Every check before anything starts (CheckError), then the run directory laid out: the
     resolved config (free ports chosen, the run's admin token and socket keys) written to
-    configs/rl.toml, the previous one kept as configs/rl.prev.toml. Returns it, the device
-    and the trainer's GPUs. On GPUs, an unset inference.gpu_memory_utilization is resolved
-    here from the memory plan (primerl.plan.with_vllm_share) and the servers start with it."""
+    configs/rl.toml, the previous one kept as configs/rl.prev.toml. Returns it, the device,
+    the trainer's GPUs and the servers if they were started early (`start_early`: on CPU they
+    start while the slower checks run, and a refusal stops them again). On GPUs, an unset
+    inference.gpu_memory_utilization is resolved here from the memory plan
+    (primerl.plan.with_vllm_share) and the servers start with it."""
 
     given = cfg
-    cfg = check(cfg)
-    for section in ("envs.train", "envs.eval"):
-        check_environments(section, getattr(cfg.envs, section.split(".")[1]))
     device = resolve_device(cfg.inference)
     inference_gpus, trainer_gpus = gpu_plan(cfg, device)
-    if device != "cpu":  # the memory plan (primerl plan), before anything starts; vLLM's share from it
-        from primerl.plan import check_fits, with_vllm_share
-
-        cfg = msgspec.structs.replace(cfg, inference=msgspec.structs.replace(cfg.inference, device=device))
-        cfg = with_vllm_share(cfg, check_fits(cfg, slurm=False))
     token = cfg.inference.resolved_admin_token() or secrets.token_hex(16)
     cfg = with_ports(cfg)
     inference = msgspec.structs.replace(
@@ -337,26 +333,74 @@ def prepare(cfg: RLConfig) -> tuple[RLConfig, str, list[int]]:
     # per-run CURVE keys (unless configured): only this run's trainer and orchestrator can talk
     cfg = msgspec.structs.replace(cfg, inference=inference, transport=cfg.transport.with_run_keys())
     run_dir = Path(cfg.run_dir)
-    plan = plan_resume(cfg, given, run_dir)  # refuses a resume that changes what it cannot
-    plan.announce()
     paths = RunDir(run_dir)
-    paths.configs.mkdir(parents=True, exist_ok=True)
-    paths.logs.mkdir(exist_ok=True)
-    plan.keep_previous()
-    write_private(paths.config("rl"), to_toml(cfg))
-    return cfg, device, trainer_gpus
+    early = start_early(cfg, device)
+    try:
+        cfg = check(cfg)
+        if early is not None and cfg.inference != inference:  # start_early's rule was not kept: a bug to name
+            raise RunError("the checks changed the inference settings of servers already started")
+        for section in ("envs.train", "envs.eval"):
+            check_environments(section, getattr(cfg.envs, section.split(".")[1]))
+        if device != "cpu":  # the memory plan (primerl plan), before anything starts; vLLM's share from it
+            from primerl.plan import check_fits, with_vllm_share
+
+            cfg = with_vllm_share(cfg, check_fits(cfg, slurm=False))
+        plan = plan_resume(cfg, given, run_dir)  # refuses a resume that changes what it cannot
+        plan.announce()
+        paths.configs.mkdir(parents=True, exist_ok=True)
+        paths.logs.mkdir(exist_ok=True)
+        plan.keep_previous()
+        write_private(paths.config("rl"), to_toml(cfg))
+        if early is not None:  # their logs join the others (a rename: they go on writing)
+            for i, log in enumerate(early.logs):
+                early.logs[i] = log.replace(paths.log(log.stem))
+            (run_dir / STARTING).rmdir()
+    except BaseException:
+        if early is not None:
+            early.stop()
+            shutil.rmtree(run_dir / STARTING, ignore_errors=True)
+        raise
+    return cfg, device, trainer_gpus, early
 
 
-def _run(cfg: RLConfig, device: str, trainer_gpus: list[int]) -> None:
-    """Start the servers, the trainer and the orchestrator; watch them until done; stop them all."""
+STARTING = ".starting"
+"""The run directory's folder for the logs of servers started early, until the checks pass."""
+
+
+def start_early(cfg: RLConfig, device: str) -> Servers | None:
+    """On CPU, the inference servers start before the slower checks (the model's family: torch
+    and primerl-models imported; every environment loaded: verifiers imported), which took
+    ~5 s of `primerl rl`'s start on the 2-core machine, all of it before vLLM's own ~15 s start
+    began. Their logs go to run_dir/.starting/ until the checks pass; a refusal stops them and
+    removes it, so the run directory is left as it was. Not on GPUs (the memory plan decides
+    vLLM's share, and their start is minutes against these seconds), not for a model vLLM cannot
+    serve from a folder here (a hub id, no weights: the checks name the problem first), and not
+    with published LoRA adapters (the servers' --max-lora-rank comes from the checks)."""
+    folder = Path(cfg.model.name)
+    lora = cfg.trainer.lora
+    if device != "cpu" or not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        return None
+    if lora is not None and lora.publish == "adapter":
+        return None
+    print(
+        f"starting {cfg.inference.num_replicas} inference server(s) on cpu while the checks run "
+        f"(logs in {RunDir(cfg.run_dir).logs})",
+        flush=True,
+    )
+    return start_servers(cfg.inference, cfg.model.name, cfg.seq_len, cfg.run_dir, Path(cfg.run_dir) / STARTING)
+
+
+def _run(cfg: RLConfig, device: str, trainer_gpus: list[int], servers: Servers | None = None) -> None:
+    """Start the servers (unless `prepare` started them early), the trainer and the orchestrator;
+    watch them until done; stop them all."""
     run_dir = Path(cfg.run_dir)
     paths = RunDir(run_dir)
     logs = paths.logs
     procs: list[Proc] = []
-    servers = None
     try:
-        print(f"starting {cfg.inference.num_replicas} inference server(s) on {device} (logs in {logs})", flush=True)
-        servers = start_servers(cfg.inference, cfg.model.name, cfg.seq_len, run_dir)
+        if servers is None:
+            print(f"starting {cfg.inference.num_replicas} inference server(s) on {device} (logs in {logs})", flush=True)
+            servers = start_servers(cfg.inference, cfg.model.name, cfg.seq_len, run_dir)
         procs += [Proc(f"inference-{i}", p, log) for i, (p, log) in enumerate(zip(servers.procs, servers.logs))]
         startup = ServersStartup(servers)
 

@@ -333,16 +333,20 @@ class Servers:
                 raise LaunchError(self.problem(i, f"exited with code {p.returncode}"))
 
 
-def start(cfg: InferenceConfig, model: str, max_model_len: int, run_dir: str | Path) -> Servers:
-    """Start every replica and return at once (`Servers.wait_healthy` waits until they serve)."""
+def start(
+    cfg: InferenceConfig, model: str, max_model_len: int, run_dir: str | Path, log_dir: str | Path | None = None
+) -> Servers:
+    """Start every replica and return at once (`Servers.wait_healthy` waits until they serve).
+    Each logs to `log_dir/inference-<i>.log` (default: the run directory's logs/)."""
     device = resolve_device(cfg)
     paths = RunDir(run_dir)
-    paths.logs.mkdir(parents=True, exist_ok=True)
+    logs_at = Path(log_dir) if log_dir is not None else paths.logs
+    logs_at.mkdir(parents=True, exist_ok=True)
     specs = [server_command(cfg, model, max_model_len, i, run_dir, device) for i in range(cfg.num_replicas)]
     procs, logs = [], []
     try:
         for spec in specs:
-            log = paths.log(f"inference-{spec.replica}")
+            log = logs_at / f"inference-{spec.replica}.log"
             procs.append(
                 subprocess.Popen(
                     spec.argv,
