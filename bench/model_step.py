@@ -784,6 +784,14 @@ def main() -> None:
     parser.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (torch's global switch)")
     parser.add_argument("--seq", type=int, default=None, help="tokens in the row (default: the shape's)")
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a config.json field of every shape run (a JSON value), e.g. n_routed_experts=64; "
+        "the rows record it",
+    )
+    parser.add_argument(
         "--runs",
         default="transformers,ours",
         help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower][:torchgdn][:keep][:bf16][:fp8], e.g. "
@@ -809,6 +817,13 @@ def main() -> None:
     # fla's kernels where installed (transformers' Qwen3.5 takes them too), with primerl's
     # replacement for the one fla refuses on Hopper with this Triton (gated_delta.py), registered now
     fla = DEVICE == "cuda" and gated_delta.available()
+    overrides = {}
+    for item in args.set:
+        field, _, raw = item.partition("=")
+        overrides[field] = json.loads(raw)
+    for name in args.models.split(","):
+        model_type, fields, seq_len = SHAPES[name]
+        SHAPES[name] = (model_type, fields | overrides, seq_len)
     rows = []
     for name in args.models.split(","):
         for spec in args.runs.split(","):
@@ -842,6 +857,8 @@ def main() -> None:
             row["weights"] = "bf16 + SGD" if BF16 else "fp32 + AdamW"
             row["lora_rank"] = lora
             row["tf32"] = args.tf32
+            if overrides:
+                row["overrides"] = overrides
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
