@@ -86,6 +86,7 @@ def test_environment_mistakes_are_named_before_anything_starts(tmp_path, env, me
     assert_nothing_started(tmp_path)
 
 
+@pytest.mark.slow  # a vLLM server starts (and is stopped within seconds)
 def test_a_refusal_stops_the_servers_started_early_and_leaves_nothing(tmp_path):
     """On CPU, with a model vLLM can load, the servers start while the slower checks run
     (primerl.launch.start_early: ~5 s of imports before vLLM's own start on 2 cores); an
@@ -106,6 +107,31 @@ def test_a_refusal_stops_the_servers_started_early_and_leaves_nothing(tmp_path):
     assert "envs.train[0]: environment 'reverse_text'" in result.output, result.output
     assert not processes("primerl_inference.serve", model)
     assert_nothing_started(tmp_path)
+
+
+@pytest.mark.slow  # a vLLM server starts and serves
+def test_servers_started_early_log_into_the_run_once_the_checks_pass(tmp_path):
+    """The same early start when the checks pass: `prepare` returns the running servers, their
+    logs moved into run_dir/logs (the server goes on writing there) and run_dir/.starting gone,
+    including what a killed `primerl rl` had left in it."""
+    from primerl.launch import STARTING, prepare
+    from primerl_models.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", hidden_size=32, num_layers=1)
+    stale = tmp_path / "run" / STARTING
+    stale.mkdir(parents=True)
+    (stale / "inference-1.log").write_text("a killed run's log\n")
+    cfg = load_config(RLConfig, ["@", str(write_config(tmp_path)), f"model.name={model}"])
+    _, device, _, servers = prepare(cfg)
+    try:
+        assert device == "cpu" and servers is not None
+        assert servers.logs == [tmp_path / "run" / "logs" / "inference-0.log"]
+        assert not stale.exists()
+        servers.wait_healthy()  # it serves, and its start-up was logged where the run keeps logs
+        assert "Starting vLLM" in servers.logs[0].read_text()
+    finally:
+        if servers is not None:
+            servers.stop()
 
 
 def test_eval_environments_are_checked_too(tmp_path):

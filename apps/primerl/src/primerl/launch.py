@@ -354,7 +354,7 @@ def prepare(cfg: RLConfig) -> tuple[RLConfig, str, list[int], Servers | None]:
         if early is not None:  # their logs join the others (a rename: they go on writing)
             for i, log in enumerate(early.logs):
                 early.logs[i] = log.replace(paths.log(log.stem))
-            (run_dir / STARTING).rmdir()
+            shutil.rmtree(run_dir / STARTING)
     except BaseException:
         if early is not None:
             early.stop()
@@ -382,6 +382,7 @@ def start_early(cfg: RLConfig, device: str) -> Servers | None:
         return None
     if lora is not None and lora.publish == "adapter":
         return None
+    shutil.rmtree(Path(cfg.run_dir) / STARTING, ignore_errors=True)  # what a killed `primerl rl` left there
     print(
         f"starting {cfg.inference.num_replicas} inference server(s) on cpu while the checks run "
         f"(logs in {RunDir(cfg.run_dir).logs})",
