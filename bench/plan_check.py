@@ -132,6 +132,9 @@ def measured_rows(results: Path = RESULTS) -> tuple[list[Measured], list[tuple[s
             if r.get("oom") or "peak_gib" not in r:
                 left.append((what, "out of memory: no peak"))
                 continue
+            if r.get("overrides"):  # bench/model_step.py --set: not the shape our_args builds
+                left.append((what, f"the shape's config changed by --set {r['overrides']}"))
+                continue
             if str(r.get("tree", "after")).startswith("before"):
                 left.append(
                     (what + f" ({r.get('file')})", "the tree before 0920262 (the same peaks as its 'after' rows)")
