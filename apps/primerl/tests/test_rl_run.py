@@ -101,6 +101,15 @@ def wait_until(launcher: subprocess.Popen, condition, what: str, timeout_s: floa
         time.sleep(0.5)
 
 
+def parent_of(pid: int) -> str:
+    """The command line of `pid`'s parent ("" once either has exited)."""
+    try:
+        ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        return Path(f"/proc/{ppid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+    except (OSError, IndexError):
+        return ""
+
+
 def rows_of(run_dir: Path) -> list[dict]:
     """metrics.jsonl's whole lines (read while the run writes it: a line without its newline yet is left out)."""
     path = run_dir / "metrics.jsonl"
@@ -656,7 +665,8 @@ def test_the_agentic_tasksets_train_with_a_sandbox_per_rollout_and_leave_none(mo
     """2 steps of `primerl rl` on swe, terminal and search at once (one group of each a step, by
     the mix's round-robin; swe_rewarded.py adds to swe a reward a random tiny model's rollouts
     differ in, so that steps train): every swe and terminal rollout gets its own workspace (the
-    toolset's) and a judge's after it, every search rollout its own index server; each
+    toolset's) and a judge's after it, while every search rollout calls one index server, the
+    taskset's (verifiers' taskset-scoped server: the rollouts' state travels with each call); each
     taskset's reward and the judges' metrics reach the step rows (swe's untouched repository:
     its 4 PASS_TO_PASS tests pass, its FAIL_TO_PASS test does not), every rollout's episode
     metrics too; no sandbox or tool server of the run is left."""
@@ -674,15 +684,32 @@ def test_the_agentic_tasksets_train_with_a_sandbox_per_rollout_and_leave_none(mo
         )
     )
     cfg.write_text(cfg.read_text().replace('[[envs.train]]\nid = "reverse-text"\nargs = {num_tasks = 64}', envs))
-    out = subprocess.run(
-        [PRIMERL, "rl", "@", str(cfg), "orchestrator.batch_size=12", "orchestrator.max_async_level=0", "seq_len=1024"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    log = tmp_path / "primerl.log"
+    with log.open("w") as sink:
+        launcher = subprocess.Popen(
+            [
+                PRIMERL,
+                "rl",
+                "@",
+                str(cfg),
+                "orchestrator.batch_size=12",
+                "orchestrator.max_async_level=0",
+                "seq_len=1024",
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+        search_servers: set[int] = set()  # every search tool server the run's orchestrator started
+        deadline = time.monotonic() + 900
+        while launcher.poll() is None and time.monotonic() < deadline:
+            search_servers |= {pid for pid, _ in processes("primerl_search.tools") if str(run_dir) in parent_of(pid)}
+            time.sleep(0.2)
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.wait() == 0, log.read_text()[-3000:]
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
+    assert len(search_servers) == 1, search_servers  # 8 search rollouts, one server (it was one each)
     for r in rows:
         assert r["rollouts/error_rate"] == 0 and r["rollouts/count"] == 12, r
         assert {"reward/swe/mean", "reward/terminal/mean", "reward/search/mean"} <= set(r), sorted(r)

@@ -51,6 +51,9 @@ def test_the_tools_list_hits_and_open_documents(generated):
     opened = asyncio.run(tools.open(f"[{doc}]"))
     assert opened.startswith(texts[ids.index(doc)][:30]) and opened.endswith("[cut at 30 characters]")
     assert asyncio.run(tools.open("people/nobody.txt")).startswith("error: no document")
+    # the taskset's server takes each rollout's corpus from its state; with neither, the call says so
+    with pytest.raises(ValueError, match="no corpus"):
+        asyncio.run(SearchTools(SearchToolsConfig()).search("weaver"))
 
 
 def test_grading_by_exact_match_and_token_f1():

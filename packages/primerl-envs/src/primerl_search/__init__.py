@@ -2,8 +2,8 @@
 offline).
 
 A corpus is a folder of text documents (`*.txt`, `*.md`; the document's id is its path in the
-folder, its title its first line). The toolset (`SearchTools`) indexes it with BM25 (`bm25s`),
-once per corpus and process, and offers `search(query)` (the `top_k` best documents: id, title,
+folder, its title its first line). The toolset (`SearchTools`, one server for the taskset's
+rollouts) indexes it with BM25 (`bm25s`), once per corpus, and offers `search(query)` (the `top_k` best documents: id, title,
 a snippet) and `open(doc_id)` (the text, cut at `max_chars`). Tasks come from JSONL
 (`questions = "path.jsonl"`: `question`, `answers` (a list; any one counts), `corpus` (relative
 to the file's folder)), or are generated (`num_tasks = N`: a corpus of made-up places and
@@ -92,9 +92,10 @@ class SearchTaskConfig(vf.TaskConfig):
 
 
 class SearchTask(vf.Task[SearchData, SearchState, SearchTaskConfig]):
-    @classmethod
-    def toolsets(cls, config: SearchTaskConfig) -> list[vf.Toolset]:
-        return [SearchTools(config.tools)]  # pyright: ignore[reportReturnType] (verifiers' generics are invariant)
+    async def setup(self, trace: vf.Trace, runtime) -> None:
+        state = trace.state
+        assert isinstance(state, SearchState), "SearchTask's rollouts carry a SearchState"
+        state.corpus = self.data.corpus  # the taskset's one tool server reads it with each call
 
     def _graded(self, trace: vf.Trace) -> tuple[float, float]:
         answer = extract_answer(trace.last_reply or "")
@@ -136,6 +137,12 @@ class SearchConfig(vf.TasksetConfig):
 
 
 class SearchTaskset(vf.Taskset[SearchTask, SearchConfig]):  # pyright: ignore[reportInvalidTypeArguments] (its State is SearchState; verifiers' bound is invariant)
+    @classmethod
+    def toolsets(cls, config: SearchConfig) -> list[vf.Toolset]:
+        """One tool server for the taskset's rollouts (verifiers' taskset-scoped server: each call
+        carries its rollout's state), not one a rollout (tools.py says why)."""
+        return [SearchTools(config.task.tools)]  # pyright: ignore[reportReturnType] (verifiers' generics are invariant)
+
     def load(self):
         cfg = self.config
         if cfg.questions:
@@ -149,8 +156,6 @@ class SearchTaskset(vf.Taskset[SearchTask, SearchConfig]):  # pyright: ignore[re
         for i, row in enumerate(rows):
             corpus = str(Path(row["corpus"]).resolve())
             load_corpus(corpus)  # a corpus without documents fails here, naming it
-            tools = cfg.task.tools.model_copy(update={"corpus": corpus})
-            task_config = cfg.task.model_copy(update={"tools": tools})
             data = SearchData.model_validate(
                 {
                     "id": row.get("id") or f"search-{i}",
@@ -160,7 +165,7 @@ class SearchTaskset(vf.Taskset[SearchTask, SearchConfig]):  # pyright: ignore[re
                     "corpus": corpus,
                 }
             )
-            yield SearchTask(data, task_config)
+            yield SearchTask(data, cfg.task)
 
 
 def read_questions(path: Path) -> list[dict]:

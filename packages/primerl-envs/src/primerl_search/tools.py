@@ -1,5 +1,9 @@
-"""The search taskset's tools: BM25 over a folder of documents (`bm25s`), served per rollout by
-verifiers (`python -m primerl_search.tools`)."""
+"""The search taskset's tools: BM25 over a folder of documents (`bm25s`), served by verifiers
+(`python -m primerl_search.tools`) once for the taskset, not once per rollout: the server
+indexes each corpus once and answers every rollout's calls, each with the rollout's own state
+(its corpus, its counts), which verifiers passes with each call. (Per rollout, each episode
+started a server process, ~185 MiB and ~5 s of CPU on the 2-core machine, verifiers imported,
+and built its own index of the whole corpus: 256 of each for a step of the search example.)"""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ MAX_DOCS = 200_000
 
 
 class SearchState(vf.State):
+    corpus: str = ""
+    """The rollout's corpus folder (its task's, set by `SearchTask.setup`)."""
     searches: int = 0
     opens: int = 0
     tool_errors: int = 0
@@ -20,7 +26,7 @@ class SearchState(vf.State):
 
 class SearchToolsConfig(vf.ToolsetConfig):
     corpus: str = ""
-    """The corpus folder."""
+    """The corpus folder for calls whose rollout state names none (the tools used alone)."""
     top_k: int = 5
     snippet_chars: int = 200
     max_chars: int = 4000
@@ -65,15 +71,23 @@ def search(folder: str, query: str, top_k: int) -> list[tuple[str, float]]:
 class SearchTools(vf.Toolset[SearchToolsConfig, SearchState]):
     TOOL_PREFIX = None
 
+    def _corpus(self) -> str:
+        corpus = self.state.corpus or self.config.corpus
+        if not corpus:
+            raise ValueError("search: no corpus (the rollout's state and the toolset's config name none)")
+        return corpus
+
     async def setup(self) -> None:
-        load_index(self.config.corpus)  # before the first call, once per server
+        if self.config.corpus:
+            load_index(self.config.corpus)  # before the first call; a rollout's corpus: at its first call
 
     @vf.tool
     async def search(self, query: str) -> str:
         """The documents that best match `query`: id, title and the start of the text."""
         self.state.searches += 1
-        ids, texts = load_corpus(self.config.corpus)
-        hits = search(self.config.corpus, query, self.config.top_k)
+        corpus = self._corpus()
+        ids, texts = load_corpus(corpus)
+        hits = search(corpus, query, self.config.top_k)
         if not hits:
             return "no documents match"
         by_id = dict(zip(ids, texts))
@@ -86,7 +100,7 @@ class SearchTools(vf.Toolset[SearchToolsConfig, SearchState]):
     @vf.tool
     async def open(self, doc_id: str) -> str:
         """The text of the document `doc_id` (as `search` names it)."""
-        ids, texts = load_corpus(self.config.corpus)
+        ids, texts = load_corpus(self._corpus())
         try:
             text = texts[ids.index(doc_id.strip().strip("[]"))]
         except ValueError:
