@@ -101,6 +101,18 @@ def wait_until(launcher: subprocess.Popen, condition, what: str, timeout_s: floa
         time.sleep(0.5)
 
 
+def stop_when(launcher: subprocess.Popen, condition, what: str) -> str:
+    """SIGTERM to `primerl rl` once `condition()` holds (a scheduler's stop); its output."""
+    try:
+        wait_until(launcher, condition, what)
+        launcher.send_signal(signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    return output
+
+
 def parent_of(pid: int) -> str:
     """The command line of `pid`'s parent ("" once either has exited)."""
     try:
@@ -380,18 +392,12 @@ def test_weights_in_memory_reach_two_servers_from_two_ranks(family, layout, tmp_
         stderr=subprocess.STDOUT,
         text=True,
     )
-    try:
-        # (the trainer joins a server that comes up late, which serves from the update it first receives)
-        wait_until(
-            launcher,
-            lambda: sum(r["servers/healthy"] == 2 for r in rows_of(run_dir)) >= 2,
-            "two steps sampled with both servers serving",
-        )
-        launcher.send_signal(signal.SIGTERM)
-        output, _ = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    # (the trainer joins a server that comes up late, which serves from the update it first receives)
+    output = stop_when(
+        launcher,
+        lambda: sum(r["servers/healthy"] == 2 for r in rows_of(run_dir)) >= 2,
+        "two steps sampled with both servers serving",
+    )
     assert launcher.returncode == 143, output
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == list(range(len(rows)))
@@ -648,13 +654,7 @@ def test_sigterm_stops_every_process_of_the_run(model, tmp_path):
     launcher = subprocess.Popen(
         [PRIMERL, "rl", "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    try:
-        wait_until(launcher, lambda: max(steps_of(run_dir), default=-1) >= 0, "step 0")
-        launcher.send_signal(signal.SIGTERM)
-        output, _ = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    output = stop_when(launcher, lambda: max(steps_of(run_dir), default=-1) >= 0, "step 0")
     assert launcher.returncode == 143, output
     assert "stopping every process (SIGTERM)" in output
     assert "primerl rl: stopped (SIGTERM); rerun the same command to resume" in output
