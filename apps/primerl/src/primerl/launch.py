@@ -13,8 +13,8 @@
    process group, all at once (on CPU the servers a little earlier, while the slower checks of
    step 1 run: `start_early`; a refusal then stops them and leaves the run directory as it
    was): the trainer builds its model and the orchestrator its environments while vLLM loads
-   (the orchestrator waits for the first server to serve, up to `inference.startup_timeout_s`). A server that exits or is not healthy within that time
-   stops the run, as before.
+   (the orchestrator waits for the first server to serve, up to `inference.startup_timeout_s`).
+   A server that exits or is not healthy within that time stops the run, as before.
 4. Watches them: prints one line per step (step, reward, tokens/s, off-policy level, ETA);
    when a process exits with an error, on Ctrl-C, SIGTERM or SIGHUP, stops all of them (SIGTERM, then
    SIGKILL) and says which one failed, its exit code and the end of its log.

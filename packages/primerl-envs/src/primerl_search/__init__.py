@@ -3,11 +3,11 @@ offline).
 
 A corpus is a folder of text documents (`*.txt`, `*.md`; the document's id is its path in the
 folder, its title its first line). The toolset (`SearchTools`, one server for the taskset's
-rollouts) indexes it with BM25 (`bm25s`), once per corpus, and offers `search(query)` (the `top_k` best documents: id, title,
-a snippet) and `open(doc_id)` (the text, cut at `max_chars`). Tasks come from JSONL
-(`questions = "path.jsonl"`: `question`, `answers` (a list; any one counts), `corpus` (relative
-to the file's folder)), or are generated (`num_tasks = N`: a corpus of made-up places and
-people, each fact stated in one document among distractors).
+rollouts) indexes it with BM25 (`bm25s`), once per corpus, and offers `search(query)` (the
+`top_k` best documents: id, title, a snippet) and `open(doc_id)` (the text, cut at
+`max_chars`). Tasks come from JSONL (`questions = "path.jsonl"`: `question`, `answers` (a list;
+any one counts), `corpus` (relative to the file's folder)), or are generated (`num_tasks = N`:
+a corpus of made-up places and people, each fact stated in one document among distractors).
 
 The answer is the last reply's `\\boxed{...}`, else what follows its last "Answer:", else the
 whole reply; it is graded against each reference answer after SQuAD's normalisation (lower

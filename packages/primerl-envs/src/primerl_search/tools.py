@@ -45,6 +45,13 @@ def load_corpus(folder: str) -> tuple[list[str], list[str]]:
 
 
 @functools.cache
+def documents(folder: str) -> dict[str, str]:
+    """A corpus's text by document id (built once per process: the taskset's one server answers
+    every rollout's calls, so no call rebuilds it or scans the ids)."""
+    return dict(zip(*load_corpus(folder)))
+
+
+@functools.cache
 def load_index(folder: str):
     """The BM25 index of a corpus (built once per process)."""
     import bm25s
@@ -86,11 +93,10 @@ class SearchTools(vf.Toolset[SearchToolsConfig, SearchState]):
         """The documents that best match `query`: id, title and the start of the text."""
         self.state.searches += 1
         corpus = self._corpus()
-        ids, texts = load_corpus(corpus)
         hits = search(corpus, query, self.config.top_k)
         if not hits:
             return "no documents match"
-        by_id = dict(zip(ids, texts))
+        by_id = documents(corpus)
         lines = []
         for doc_id, _ in hits:
             title, _, body = by_id[doc_id].partition("\n")
@@ -100,10 +106,8 @@ class SearchTools(vf.Toolset[SearchToolsConfig, SearchState]):
     @vf.tool
     async def open(self, doc_id: str) -> str:
         """The text of the document `doc_id` (as `search` names it)."""
-        ids, texts = load_corpus(self._corpus())
-        try:
-            text = texts[ids.index(doc_id.strip().strip("[]"))]
-        except ValueError:
+        text = documents(self._corpus()).get(doc_id.strip().strip("[]"))
+        if text is None:
             self.state.tool_errors += 1
             return f"error: no document {doc_id!r}"
         self.state.opens += 1
