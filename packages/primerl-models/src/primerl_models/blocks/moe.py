@@ -33,6 +33,36 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor) -> torc
     return torch._grouped_mm(a, b, offs=offs)  # pyright: ignore[reportPrivateImportUsage]
 
 
+class _TakeRows(torch.autograd.Function):
+    """x[take] whose backward gathers too: row i of the gradient comes from row back[i] of the
+    output's (back: the inverse of take), summed over the `k` consecutive rows that took the same
+    row of x, in fp32 at least. Autograd's own backward of x[take] scatter-adds each output row into x's
+    gradient (atomic adds on CUDA, in the rows' dtype: bf16 roundings in a run-dependent order)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, take: torch.Tensor, back: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(back)
+        ctx.k = k
+        return x[take]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        (back,) = ctx.saved_tensors
+        g = grads[0][back]
+        if ctx.k > 1:
+            wide = torch.promote_types(g.dtype, torch.float32)  # bf16 rows summed in fp32
+            g = g.view(-1, ctx.k, g.shape[-1]).to(wide).sum(dim=1).to(g.dtype)
+        return g, None, None, None
+
+
+def take_rows(x: torch.Tensor, take: torch.Tensor, back: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """x[take] for a `take` that lists each row of x exactly k times, consecutively in `back`'s
+    order: back is the inverse of take's permutation of x's rows repeated k times (row a of
+    `back`-order is x's row a // k; take[back[a]] == a // k). Its backward is a gather (and with
+    k > 1 a sum over the k copies in a fixed order, in fp32 at least), never a scatter-add."""
+    return _TakeRows.apply(x, take, back, k)
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts: w_gate, w_up [E, D, F]; w_down [E, F, D]; with expert_bias, b_gate,
     b_up [E, F] and b_down [E, D]. Every parameter is stacked on dim 0 (expert parallelism
@@ -220,11 +250,12 @@ class MoE(nn.Module):
         # scatter_add, not bincount: a fixed output shape keeps torch.compile graphs whole.
         counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=x_ND.device)
         counts_E.scatter_add_(0, flat_experts_A, torch.ones_like(flat_experts_A))
-        out_AL = self.experts(rows_NL[order_A // self.top_k], counts_E)
-        # Back to assignment order by a gather (no atomics), then each token's weighted sum of
-        # its top_k expert outputs, accumulated in fp32.
         position_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(len(order_A), device=order_A.device))
-        out_NKL = out_AL[position_A].view(x_ND.shape[0], self.top_k, -1)
+        # Both moves are gathers forward and backward (take_rows): the rows to their experts
+        # (each token's gradient the fp32 sum of its top_k rows'), then the outputs back to
+        # assignment order, for each token's weighted sum of its top_k outputs in fp32.
+        out_AL = self.experts(take_rows(rows_NL, order_A // self.top_k, position_A, self.top_k), counts_E)
+        out_NKL = take_rows(out_AL, position_A, order_A).view(x_ND.shape[0], self.top_k, -1)
         out_ND = (out_NKL.float() * weights_NK[..., None]).sum(dim=1)
         if self.fc2_latent_proj is not None:  # the sum back to D in the experts' dtype (as transformers)
             out_ND = self.fc2_latent_proj(out_ND.to(x_ND.dtype)).float()
