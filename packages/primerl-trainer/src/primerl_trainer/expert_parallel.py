@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from primerl_models.blocks.moe import GroupedExperts, MoE, take_rows
+from primerl_models.blocks.moe import GroupedExperts, MoE, inverse_order, take_rows
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -52,7 +52,7 @@ def _dispatch(experts: GroupedExperts, group, size: int, local: int):
         # 3. regroup by local expert (stable: within an expert, source rank order)
         expert_R = torch.repeat_interleave(torch.arange(local, device=x_AD.device).repeat(size), recv_PL.flatten())
         order_R = expert_R.argsort(stable=True)
-        back_R = order_R.argsort()
+        back_R = inverse_order(order_R)
         weights = {name: _local(p) for name, p in experts.named_parameters(recurse=False)}
         out_RD = experts.run(take_rows(rows_RD, order_R, back_R), recv_PL.sum(0), weights)
         # 4. back to source-rank order, then to the ranks the rows came from

@@ -55,6 +55,11 @@ class _TakeRows(torch.autograd.Function):
         return g, None, None, None
 
 
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of the permutation `order` (inverse[order[i]] = i), by one scatter, no sort."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+
+
 def take_rows(x: torch.Tensor, take: torch.Tensor, back: torch.Tensor, k: int = 1) -> torch.Tensor:
     """x[take] for a `take` that lists each row of x exactly k times, consecutively in `back`'s
     order: back is the inverse of take's permutation of x's rows repeated k times (row a of
@@ -250,7 +255,7 @@ class MoE(nn.Module):
         # scatter_add, not bincount: a fixed output shape keeps torch.compile graphs whole.
         counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=x_ND.device)
         counts_E.scatter_add_(0, flat_experts_A, torch.ones_like(flat_experts_A))
-        position_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(len(order_A), device=order_A.device))
+        position_A = inverse_order(order_A)
         # Both moves are gathers forward and backward (take_rows): the rows to their experts
         # (each token's gradient the fp32 sum of its top_k rows'), then the outputs back to
         # assignment order, for each token's weighted sum of its top_k outputs in fp32.
