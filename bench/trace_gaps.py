@@ -39,18 +39,9 @@ def host_chain(ops_by_tid: dict, tid, t: float, depth: int) -> str:
     return " > ".join(names[-depth:]) if names else "(no host op)"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("trace")
-    parser.add_argument("--min-us", type=float, default=5.0, help="smaller idle intervals are not gaps")
-    parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--depth", type=int, default=3, help="host ops named per gap, innermost last")
-    args = parser.parse_args()
-
-    events = load(args.trace)
-    gpu = sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
-    if not gpu:
-        raise SystemExit(f"{args.trace}: no GPU events (a trace of a CPU run?)")
+def host_index(events: list[dict]):
+    """(host ops, {tid: (starts, ops sorted by start)} for host_chain, {correlation: the host's
+    launch call}) of a trace's events."""
     host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
     launches = {
         e["args"]["correlation"]: e
@@ -64,6 +55,22 @@ def main() -> None:
         tid: ([op["ts"] for op in ops], ops)
         for tid, ops in ((tid, sorted(ops, key=lambda op: op["ts"])) for tid, ops in ops_by_tid.items())
     }
+    return host, ops_by_tid, launches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("trace")
+    parser.add_argument("--min-us", type=float, default=5.0, help="smaller idle intervals are not gaps")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--depth", type=int, default=3, help="host ops named per gap, innermost last")
+    args = parser.parse_args()
+
+    events = load(args.trace)
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+    if not gpu:
+        raise SystemExit(f"{args.trace}: no GPU events (a trace of a CPU run?)")
+    host, ops_by_tid, launches = host_index(events)
 
     step_start = min(e["ts"] for e in host) if host else gpu[0]["ts"]
     busy, end, gaps = 0.0, gpu[0]["ts"], []
