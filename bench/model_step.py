@@ -39,7 +39,7 @@ import statistics
 import time
 
 import torch
-from primerl_models import ModelArgs, Transformer, chunked_logprobs
+from primerl_models import ModelArgs, Transformer, chunked_logprobs, chunked_token_loss
 from primerl_models.blocks import gated_deltanet
 from primerl_models.kernels import gated_delta
 
@@ -541,6 +541,9 @@ def build_ours(
     def step(ids, pos, **images):
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             hidden = model(ids, pos, **images)[0, :-1].to(torch.bfloat16)
+            if LOSS_IN_FORWARD:  # the NLL's gradients computed in the forward (trainer.loss_in_forward)
+                n = hidden.shape[0]
+                return chunked_token_loss(hidden, model.output_weight, ids[0, 1:], lambda pi, s, e: -pi / n)[0]
             logprobs, _ = chunked_logprobs(hidden, model.output_weight, ids[0, 1:], keep_logits=KEEP_LOGITS)
         return -logprobs.mean()
 
@@ -561,6 +564,7 @@ FP8_RUNS = {
 
 PROFILE = False
 KEEP_LOGITS = False  # the :keep flag: chunked_logprobs keeps the logits (trainer.keep_logits)
+LOSS_IN_FORWARD = False  # the :lossfwd flag: chunked_token_loss (trainer.loss_in_forward)
 
 
 HOST_PROFILE = False  # --host-profile
@@ -794,10 +798,10 @@ def main() -> None:
     parser.add_argument(
         "--runs",
         default="transformers,ours",
-        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower][:torchgdn][:keep][:bf16][:fp8], e.g. "
+        help="comma list of impl[:ac][:eager][:cudnn][:docsN][:loraR][:tower][:torchgdn][:keep][:lossfwd][:bf16][:fp8], e.g. "
         "transformers:ac,ours,ours:docs8,ours:lora16,ours:tower (tower: the vision tower trained, "
         "not frozen; torchgdn: Gated DeltaNet in the fp32 torch form, not fla's kernels; keep: the logits kept "
-        "for the backward, not recomputed; bf16: weights in bf16 and plain SGD, for shapes whose fp32 weights "
+        "for the backward, not recomputed; lossfwd: the loss's gradients computed in the forward, chunk by chunk (trainer.loss_in_forward); bf16: weights in bf16 and plain SGD, for shapes whose fp32 weights "
         "and AdamW states do not fit; fp8: ours with trainer.precision = fp8's FP8 projections, fp8gw the same with "
         "the weight gradient in bf16, fp8big only the large projections; MFU stays against the bf16 peak)",
     )
@@ -808,7 +812,7 @@ def main() -> None:
         help="cpu: check the code path (tiny shapes, :eager runs); no memory, timings mean nothing",
     )
     args = parser.parse_args()
-    global PROFILE, DEVICE, KEEP_LOGITS, TRACE, HOST_PROFILE, BF16
+    global PROFILE, DEVICE, KEEP_LOGITS, LOSS_IN_FORWARD, TRACE, HOST_PROFILE, BF16
     PROFILE = args.profile
     HOST_PROFILE = args.host_profile
     TRACE = args.trace
@@ -833,6 +837,9 @@ def main() -> None:
             # torchgdn: Gated DeltaNet layers through the exact fp32 chunked form, not fla's kernels
             gated_deltanet.FAST_KERNELS = "torchgdn" not in flags
             KEEP_LOGITS = "keep" in flags
+            LOSS_IN_FORWARD = "lossfwd" in flags
+            if LOSS_IN_FORWARD and impl != "ours":
+                raise SystemExit(f"--runs {spec}: :lossfwd is for ours (transformers computes its own loss)")
             BF16 = "bf16" in flags
             fp8 = next((f for f in flags if f in FP8_RUNS), None)
             if fp8 and impl != "ours":
@@ -854,6 +861,7 @@ def main() -> None:
             row["precision"] = fp8 or "bf16"
             row["gdn"] = "fla" if fla and "torchgdn" not in flags else "torch"
             row["keep_logits"] = KEEP_LOGITS
+            row["loss_in_forward"] = LOSS_IN_FORWARD
             row["weights"] = "bf16 + SGD" if BF16 else "fp32 + AdamW"
             row["lora_rank"] = lora
             row["tf32"] = args.tf32
@@ -892,7 +900,7 @@ def main() -> None:
         )
         attn = "cudnn" if r["cudnn"] else "auto"
         head = (
-            f"{r['model']:<18} {r['impl']:<13} {r.get('precision', 'bf16'):<6} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['gdn']:<5} {'y' if r.get('keep_logits') else 'n':<4} {r['docs']:>4} "
+            f"{r['model']:<18} {r['impl']:<13} {r.get('precision', 'bf16'):<6} {'y' if r['ac'] else 'n':<3} {attn:<6} {r['gdn']:<5} {'fwd' if r.get('loss_in_forward') else 'y' if r.get('keep_logits') else 'n':<4} {r['docs']:>4} "
             f"{r.get('tower', '-'):<7}"
         )
         if "tokens_per_s" not in r:

@@ -74,6 +74,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism (trainer.parallel.ep)")
     p.add_argument("--cp", type=int, default=1, help="context parallelism (trainer.parallel.cp)")
+    p.add_argument(
+        "--no-loss-in-forward",
+        action="store_true",
+        help="the loss's gradients through the logprobs' backward (trainer.loss_in_forward = false)",
+    )
     p.add_argument("--publish-dir", default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -98,6 +103,7 @@ def main() -> None:
         LossScale(tokens=loss_tokens, sequences=a.docs * len(rows) * mesh.dp),
         d.device,
         mesh.cp_group,
+        in_forward=not a.no_loss_in_forward,
     )
     flops = sum(train_flops(args, mb.seq_lens) for mb in rows) / mesh.cp  # this rank's share
     times = []
@@ -139,6 +145,7 @@ def main() -> None:
             "rows_per_gpu": a.rows,
             "ac": a.ac,
             "precision": "fp8" if a.fp8 else "bf16",
+            "loss_in_forward": not a.no_loss_in_forward,
             "s_per_step": step_s,
             "tokens_per_s_per_gpu": tokens_per_gpu,
             "mfu": mfu,

@@ -7,10 +7,12 @@ import torch
 from primerl_algos.config import BUILTIN_LOSSES, LossConfig
 from primerl_algos.losses import (
     LOSSES,
+    TOKEN_LOCAL,
     LossInputs,
     LossScale,
     compute_loss,
     mean_metrics,
+    token_loss_terms,
 )
 
 LN2 = math.log(2)
@@ -285,3 +287,39 @@ def test_a_masked_minus_inf_logprob_gives_no_nan_gradient(kind):
     loss, grad, _ = run(x, scale=LossScale(tokens=1, sequences=1), type=kind)
     assert loss == pytest.approx(-1.0)
     assert grad == [pytest.approx(-1.0), 0.0]
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "mis"])
+@pytest.mark.parametrize("normalization", ["tokens", "sequence", "constant"])
+@pytest.mark.parametrize("kind", sorted(TOKEN_LOCAL))
+def test_token_terms_chunk_by_chunk_sum_to_the_loss_with_its_gradient(kind, normalization, correction):
+    """token_loss_terms (the loss in the trainer's forward, chunk by chunk): over chunks that cut
+    sequences, its terms sum to compute_loss's loss, and their gradients with respect to each
+    chunk's logprobs are compute_loss's gradient."""
+    g = torch.Generator().manual_seed(3)
+    n, seq_lens = 23, [5, 9, 1, 8]
+    pi = -torch.rand(n, generator=g, dtype=torch.float64) * 3
+    mu = pi + torch.randn(n, generator=g, dtype=torch.float64) * 0.7
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = torch.rand(n, generator=g) < 0.75
+    x = inputs(pi.tolist(), mu.tolist(), adv.tolist(), mask.tolist(), seq_lens)
+    cfg = LossConfig(type=kind, normalization=normalization, importance_correction=correction, importance_cap=1.5)
+    scale = LossScale(tokens=31, sequences=6)
+    loss, _ = compute_loss(x, cfg, scale)
+    loss.backward()
+    terms = token_loss_terms(x, cfg, scale)
+    total, grads = 0.0, []
+    for s, e in [(0, 4), (4, 11), (11, 12), (12, 23)]:  # chunks that cut sequences 1 and 2
+        leaf = pi[s:e].clone().requires_grad_()
+        t = terms(leaf, s, e)
+        assert t.shape == (e - s,)
+        total = total + t.sum()
+        grads.append(torch.autograd.grad(t.sum(), leaf)[0])
+    torch.testing.assert_close(total.detach(), loss.detach(), atol=1e-14, rtol=1e-12)
+    torch.testing.assert_close(torch.cat(grads), x.logprobs.grad, atol=1e-14, rtol=1e-12)
+
+
+def test_token_terms_refuse_a_sequence_level_loss():
+    x = inputs([-1.0, -2.0], [-1.0, -2.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="loss 'gspo' is not token-local"):
+        token_loss_terms(x, LossConfig(type="gspo"), LossScale(tokens=2, sequences=1))

@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from primerl_models import PackedSeqs, attention, chunked_logprobs, load_model
+from primerl_models import PackedSeqs, attention, chunked_logprobs, chunked_token_loss, load_model
 from primerl_models.args import Experts
 from primerl_models.blocks.moe import GroupedExperts
 from primerl_models.tiny import build_tiny_model
@@ -434,6 +434,41 @@ def test_chunked_logprobs_bf16_on_gpu(keep):
         ha = h64.abs()
         tol_w = 1.5 * U * (w64.grad.abs() + (2 * g_abs + dp).T @ ha)
         check_every_element("logprobs grad weight", w.grad, w64.grad, tol_w)
+
+
+def test_token_loss_in_the_forward_equals_the_logprobs_backward_on_gpu():
+    """chunked_token_loss (trainer.loss_in_forward) through the Triton kernels, bf16 hidden
+    states: the same kernels on the same logits in the same chunks as chunked_logprobs' backward,
+    with the loss's gradient arriving in the forward instead. The logits' gradient is the same
+    per-element product either way, and the two matmuls of each chunk see the same operands:
+    the gradients agree to fp32 accumulation order, 1e-5 of the largest (a bf16 hidden gradient
+    that differed at all would differ by 2^-8 of itself); the loss to 1e-6 relative."""
+    torch.manual_seed(0)
+    n, d, v, temp = 3000, 512, 151936, 0.8
+    h0 = (torch.randn(n, d, device=CUDA) * 0.5).bfloat16()
+    w0 = (torch.randn(v, d, device=CUDA) * 0.05).bfloat16().float()
+    tgt = torch.randint(0, v, (n,), device=CUDA)
+    mu = -torch.rand(n, device=CUDA) * 6
+    adv = torch.randn(n, device=CUDA)
+    mask = torch.rand(n, device=CUDA) < 0.8
+
+    def terms(pi, s, e):  # AIPO's shape: -min(exp(pi - mu), 2) A over the loss tokens
+        return torch.where(mask[s:e], -torch.exp(pi - mu[s:e]).clamp(max=2.0) * adv[s:e], 0.0) / 2500
+
+    h1, w1 = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    loss, lp, _ = chunked_token_loss(h1, w1, tgt, terms, temp, chunk_size=1024)
+    loss.backward()
+    h2, w2 = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    lp2, _ = chunked_logprobs(h2, w2, tgt, temp, chunk_size=1024)
+    ref = terms(lp2, 0, n).sum()
+    ref.backward()
+    torch.testing.assert_close(lp, lp2.detach(), atol=0, rtol=0)
+    torch.testing.assert_close(loss, ref.detach(), atol=0, rtol=1e-6)
+    for name, a, b in (("hidden", h1.grad, h2.grad), ("weight", w1.grad, w2.grad)):
+        top = float(b.float().abs().max())
+        assert top > 0
+        gap = float((a.float() - b.float()).abs().max())
+        assert gap <= 1e-5 * top, f"{name} gradient: max gap {gap:.3g} against max |grad| {top:.3g}"
 
 
 def test_gated_delta_rule_on_gpu_matches_fp64_cpu_with_gradients():

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from primerl_models import chunked_logprobs
+from primerl_models import chunked_logprobs, chunked_token_loss
 
 
 def reference(hidden, weight, targets, temps):
@@ -116,3 +116,58 @@ def test_kept_logits_refuse_a_second_backward(data):
     lp.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="keep_logits=True.*differentiates once"):
         lp.sum().backward()
+
+
+def aipo_like_terms(mu, adv, mask, scale):
+    """A token-local loss that is not linear in the logprob: -min(exp(pi - mu), 2) A, masked,
+    over `scale` tokens (the shape of the RL losses)."""
+
+    def terms(pi, s, e):
+        ratio = torch.exp(pi - mu[s:e]).clamp(max=2.0)
+        return torch.where(mask[s:e], -ratio * adv[s:e], 0.0) / scale
+
+    return terms
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 37, 100])
+def test_token_loss_in_the_forward_equals_the_loss_of_the_full_logits(data, chunk):
+    """chunked_token_loss: the loss and the gradients of hidden and weight (computed in the
+    forward, scaled by the loss's own gradient in the backward) equal autograd's through the
+    full logits, in float64."""
+    hidden, weight, targets, temps = data
+    g = torch.Generator().manual_seed(1)
+    n = len(targets)
+    mu = -torch.rand(n, generator=g, dtype=torch.float64) * 4
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = torch.rand(n, generator=g) < 0.7
+    terms = aipo_like_terms(mu, adv, mask, 29.0)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, lp, ent = chunked_token_loss(h1, w1, targets, terms, temps, chunk_size=chunk)
+    ref_lp, ref_ent = reference(h2, w2, targets, temps)
+    ref_loss = terms(ref_lp, 0, n).sum()
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lp, ref_lp.detach(), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(ent, ref_ent.detach(), atol=1e-10, rtol=1e-10)
+    assert not lp.requires_grad and not ent.requires_grad
+    (0.3 * loss).backward()  # the backward scales the forward's gradients by the loss's
+    (0.3 * ref_loss).backward()
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-12, rtol=1e-10)
+
+
+def test_token_loss_without_gradients_and_bad_terms(data):
+    hidden, weight, targets, temps = data
+    with torch.no_grad():
+        loss, lp, _ = chunked_token_loss(hidden, weight, targets, lambda pi, s, e: -pi, temps, chunk_size=8)
+    ref_lp, _ = reference(hidden, weight, targets, temps)
+    torch.testing.assert_close(loss, -ref_lp.sum(), atol=1e-10, rtol=1e-10)
+    # only the hidden states trained (LoRA, a frozen output projection): no weight gradient
+    h = hidden.clone().requires_grad_()
+    loss, _, _ = chunked_token_loss(h, weight, targets, lambda pi, s, e: -pi, temps, chunk_size=8)
+    loss.backward()
+    h2 = hidden.clone().requires_grad_()
+    (-reference(h2, weight, targets, temps)[0].sum()).backward()
+    torch.testing.assert_close(h.grad, h2.grad, atol=1e-12, rtol=1e-10)
+    with pytest.raises(ValueError, match=r"the loss's terms of tokens \[0, 8\) have shape \(\)"):
+        chunked_token_loss(hidden, weight, targets, lambda pi, s, e: pi.sum(), temps, chunk_size=8)

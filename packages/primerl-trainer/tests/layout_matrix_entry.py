@@ -104,7 +104,8 @@ def rl_scale(rows: list[MicroBatch]) -> LossScale:
 
 def reference(folder: Path, dtype: torch.dtype) -> dict:
     """One process, the plain model in `dtype`, the whole batch: each step's loss, gradient norm
-    and gradients."""
+    and gradients, the loss's gradients through the logprobs' backward (the layouts compute them
+    in the forward where the rows allow it: trainer.loss_in_forward's default)."""
     out = {}
     for job in ("rl", "sft"):
         model = load_model(folder, device="cpu").to(dtype)
@@ -112,10 +113,10 @@ def reference(folder: Path, dtype: torch.dtype) -> dict:
         vocab = model.args.vocab_size
         if job == "rl":
             rows = rl_rows(vocab)
-            loss_fn = rl_loss(LOSS, rl_scale(rows), torch.device("cpu"))
+            loss_fn = rl_loss(LOSS, rl_scale(rows), torch.device("cpu"), in_forward=False)
         else:
             rows, tokens = my_rows(sft_samples(vocab), SFT_ROW, 0, 1)
-            loss_fn = nll_loss(tokens, torch.device("cpu"))
+            loss_fn = nll_loss(tokens, torch.device("cpu"), in_forward=False)
         total = 0.0
         for mb in rows:
             loss, _ = loss_fn(model, mb)

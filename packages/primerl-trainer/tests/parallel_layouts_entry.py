@@ -77,7 +77,9 @@ def reference(folder: Path, rows: list[list[MicroBatch]]) -> dict:
     model = load_model(folder, device="cpu")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, weight_decay=OPTIM.weight_decay)
-    loss_fn = rl_loss(LOSS, scale_of(rows), torch.device("cpu"))
+    # the loss's gradients through the logprobs' backward (not in the forward, which the layouts
+    # run by default where the rows allow it: trainer.loss_in_forward)
+    loss_fn = rl_loss(LOSS, scale_of(rows), torch.device("cpu"), in_forward=False)
     losses, norms = [], []
     for _ in range(STEPS):
         total = 0.0

@@ -168,39 +168,92 @@ def importance_weights(ratio: torch.Tensor, kind: str, cap: float) -> torch.Tens
     raise ValueError(f"importance_correction {kind!r} is not one of none, tis, mis")
 
 
-def compute_loss(x: LossInputs, cfg: LossConfig, scale: LossScale) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(scalar loss, metric sums as 0-dim tensors) of one micro-batch, with the configured loss.
+TOKEN_LOCAL = {"aipo", "cispo", "ppo", "dppo"}
+"""Losses whose term of a token depends on that token's logprob only (with its own inputs and
+the counts of its sequence): `token_loss_terms` serves them, and the trainer computes their
+gradients chunk by chunk in the forward (trainer.loss_in_forward). GSPO's sequence ratio mixes
+a sequence's tokens. A plugin loss that is token-local may add its name (the config's `type`)."""
 
-    Metrics stay tensors (no host sync here); `mean_metrics` turns many of them into means."""
+
+def _token_terms(x: LossInputs, log_ratio: torch.Tensor, cfg: LossConfig):
+    """(the loss's output, the detached ratio, importance weights, kept tokens, the token terms
+    with correction and mask applied, before normalisation)."""
+    out = LOSSES.get(cfg.type)(x, log_ratio, cfg)
+    ratio = log_ratio.detach().exp()
+    weights = importance_weights(ratio, cfg.importance_correction, cfg.importance_cap)
+    token_loss = out.loss if weights is None else out.loss * weights
+    mask = x.loss_mask.bool()
+    keep = mask if out.masked is None else mask & ~out.masked
+    token_loss = torch.where(keep, token_loss, 0.0)  # where, not *: a masked inf must not become NaN
+    return out, ratio, weights, token_loss
+
+
+def _log_ratio(logprobs: torch.Tensor, inference_logprobs: torch.Tensor) -> torch.Tensor:
+    return (logprobs - inference_logprobs.to(logprobs.dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def _normalizers(x: LossInputs, normalization: str, cfg: LossConfig, scale: LossScale, dtype) -> torch.Tensor:
+    """[N]: each token's factor in the micro-batch's share of the batch loss (the module's
+    docstring: tokens, sequence, constant)."""
+    mask = x.loss_mask.bool()
+    ones = torch.ones(mask.shape, dtype=dtype, device=mask.device)
+    if normalization == "tokens":
+        return ones / max(scale.tokens, 1)
+    if normalization == "sequence":
+        seq_N = _sequence_index(x.seq_lens)
+        num_S = torch.zeros(len(x.seq_lens), dtype=dtype, device=mask.device)
+        num_S.index_add_(0, seq_N, mask.to(dtype))
+        return ones / (num_S.clamp(min=1)[seq_N] * max(scale.sequences, 1))
+    if normalization == "constant":
+        return ones / (max(scale.sequences, 1) * cfg.constant)
+    raise ValueError(f"normalization {normalization!r} is not one of tokens, sequence, constant")
+
+
+def _check_inputs(x: LossInputs) -> None:
     n = x.logprobs.shape[0]
     for name in ("inference_logprobs", "advantages", "loss_mask"):
         if getattr(x, name).shape != (n,):
             raise ValueError(f"{name} has shape {tuple(getattr(x, name).shape)}, logprobs has ({n},)")
     if int(x.seq_lens.sum()) != n:
         raise ValueError(f"seq_lens sum to {int(x.seq_lens.sum())}, but there are {n} tokens")
+
+
+def token_loss_terms(x: LossInputs, cfg: LossConfig, scale: LossScale):
+    """terms(logprobs_C, s, e) -> [e - s]: the normalised loss terms of tokens s..e-1 from their
+    logprobs, for a loss in TOKEN_LOCAL; summed over all tokens they make compute_loss's loss
+    (to rounding). `x.logprobs` is not read (the terms get them chunk by chunk); the other
+    inputs are the whole micro-batch's."""
+    if cfg.type not in TOKEN_LOCAL:
+        raise ValueError(f"loss {cfg.type!r} is not token-local (TOKEN_LOCAL: {sorted(TOKEN_LOCAL)})")
+    _check_inputs(x)
+    factor_N = _normalizers(x, cfg.normalization, cfg, scale, x.logprobs.dtype)
+
+    def terms(logprobs_C: torch.Tensor, s: int, e: int) -> torch.Tensor:
+        part = LossInputs(
+            logprobs=logprobs_C,
+            inference_logprobs=x.inference_logprobs[s:e],
+            advantages=x.advantages[s:e],
+            loss_mask=x.loss_mask[s:e],
+            seq_lens=torch.tensor([e - s], device=logprobs_C.device),
+        )
+        out, _, _, token_loss = _token_terms(part, _log_ratio(logprobs_C, part.inference_logprobs), cfg)
+        if out.per_sequence:
+            raise ValueError(f"loss {cfg.type!r} is in TOKEN_LOCAL but returned a per-sequence loss")
+        return token_loss * factor_N[s:e].to(token_loss.dtype)
+
+    return terms
+
+
+def compute_loss(x: LossInputs, cfg: LossConfig, scale: LossScale) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(scalar loss, metric sums as 0-dim tensors) of one micro-batch, with the configured loss.
+
+    Metrics stay tensors (no host sync here); `mean_metrics` turns many of them into means."""
+    _check_inputs(x)
     mask = x.loss_mask.bool()
-    mu = x.inference_logprobs.to(x.logprobs.dtype)
-    log_ratio = (x.logprobs - mu).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    out = LOSSES.get(cfg.type)(x, log_ratio, cfg)
-
-    ratio = log_ratio.detach().exp()
-    weights = importance_weights(ratio, cfg.importance_correction, cfg.importance_cap)
-    token_loss = out.loss if weights is None else out.loss * weights
-    keep = mask if out.masked is None else mask & ~out.masked
-    token_loss = torch.where(keep, token_loss, 0.0)  # where, not *: a masked inf must not become NaN
-
+    log_ratio = _log_ratio(x.logprobs, x.inference_logprobs)
+    out, ratio, weights, token_loss = _token_terms(x, log_ratio, cfg)
     normalization = "sequence" if out.per_sequence else cfg.normalization
-    if normalization == "tokens":
-        loss = token_loss.sum() / max(scale.tokens, 1)
-    elif normalization == "sequence":
-        seq_N = _sequence_index(x.seq_lens)
-        num_S = torch.zeros(len(x.seq_lens), dtype=token_loss.dtype, device=token_loss.device)
-        num_S.index_add_(0, seq_N, mask.to(token_loss.dtype))
-        loss = (token_loss / num_S.clamp(min=1)[seq_N]).sum() / max(scale.sequences, 1)
-    elif normalization == "constant":
-        loss = token_loss.sum() / (max(scale.sequences, 1) * cfg.constant)
-    else:
-        raise ValueError(f"normalization {normalization!r} is not one of tokens, sequence, constant")
+    loss = (token_loss * _normalizers(x, normalization, cfg, scale, token_loss.dtype)).sum()
 
     def count(flags: torch.Tensor | None) -> torch.Tensor:
         return torch.zeros((), device=mask.device) if flags is None else (flags & mask).sum().float()

@@ -33,7 +33,7 @@ from primerl_models.hf import (
     to_hf,
     to_ours,
 )
-from primerl_models.logprobs import chunked_logprobs
+from primerl_models.logprobs import chunked_logprobs, chunked_token_loss
 from primerl_models.model import Transformer
 from primerl_models.packing import PackedSeqs
 
@@ -56,6 +56,7 @@ __all__ = [
     "build_model",
     "carried_tensors",
     "chunked_logprobs",
+    "chunked_token_loss",
     "family_for",
     "is_hub_id",
     "load_model",

@@ -35,7 +35,7 @@ from primerl_models.blocks.moe import MoE
 from primerl_models.blocks.norms import RMSNorm
 from primerl_models.blocks.rope import attention_factor, inv_freq, mrope_cos_sin, rope_cos_sin
 from primerl_models.blocks.vision import VisionTower, mrope_positions, scatter_images
-from primerl_models.logprobs import chunked_logprobs
+from primerl_models.logprobs import TokenTerms, chunked_logprobs, chunked_token_loss
 from primerl_models.packing import PackedSeqs
 
 MIXERS: dict[type, tuple[str, Callable[..., Mixer]]] = {
@@ -203,13 +203,17 @@ class Transformer(nn.Module):
         image_grid_thw: torch.Tensor | None = None,
         mrope_positions: torch.Tensor | None = None,
         sources_BT: torch.Tensor | None = None,
+        loss_terms: TokenTerms | None = None,
     ):
         """Final hidden states [B, T, D] of packed rows (positions restart at each document).
 
         With `targets`, returns (logprobs, entropy) [B, T] of the targets instead, computed
         inside the forward by the chunked path (no full logits; and under FSDP the output
         weight is only gathered inside the forward): logprobs[b, t] = log p(targets[b, t] |
-        tokens <= t) at temperatures[b, t] (default 1).
+        tokens <= t) at temperatures[b, t] (default 1). With `loss_terms` as well, returns
+        (loss, logprobs, entropy): the loss is the sum of `loss_terms(logprobs_C, s, e)` over
+        the flattened [B * T] tokens, its gradients computed inside the forward
+        (logprobs.chunked_token_loss: token-local losses only), logprobs and entropy detached.
 
         `seqs`: the document boundaries, when the rows given are chunks of longer rows (context
         parallelism: the boundaries of the whole rows, and an attention back-end that sees them
@@ -254,6 +258,16 @@ class Transformer(nn.Module):
             hidden_BTD = hidden_BTD.gather(1, sources_BT[..., None].expand(-1, -1, d))
         b, t, d = hidden_BTD.shape
         temps_N = 1.0 if temperatures_BT is None else temperatures_BT.reshape(-1)
+        if loss_terms is not None:
+            loss, logprobs_N, entropy_N = chunked_token_loss(
+                hidden_BTD.reshape(b * t, d),
+                self.output_weight,
+                targets_BT.reshape(-1),
+                loss_terms,
+                temps_N,
+                chunk_size,
+            )
+            return loss.clone(), logprobs_N.reshape(b, t), entropy_N.reshape(b, t)
         logprobs_N, entropy_N = chunked_logprobs(
             hidden_BTD.reshape(b * t, d),
             self.output_weight,

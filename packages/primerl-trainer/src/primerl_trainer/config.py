@@ -166,7 +166,14 @@ class TrainerConfig(Config):
     keep_logits: bool = False
     """Keep each micro-batch's logits from the forward to the backward instead of recomputing
     them (one output-projection matmul less per step; micro_batch_tokens x vocab x 2 bytes more
-    memory: 8 GB at 16k tokens of a 248k vocabulary)."""
+    memory: 8 GB at 16k tokens of a 248k vocabulary). Only where the loss is not computed in the
+    forward (loss_in_forward), which saves the same matmul without the memory."""
+    loss_in_forward: bool = True
+    """Compute the loss's gradients inside the forward, chunk by chunk while each chunk's logits
+    exist (primerl_models.chunked_token_loss): one output-projection matmul less per micro-batch
+    and no logits kept. Where the loss allows it: SFT's NLL and the token-local RL losses
+    (primerl_algos.losses.TOKEN_LOCAL: aipo, cispo, ppo, dppo; not gspo), on rows not split by
+    context parallelism and not sharing prompts; elsewhere the logprobs' backward as before."""
     attention: Literal["auto", "sdpa", "varlen", "flex"] = "auto"
     """Attention back-end (primerl_models.attention): auto picks SDPA on CPU and for
     single-document rows, varlen (flash) kernels for packed rows on GPUs."""

@@ -108,6 +108,36 @@ def token_logprobs(
     return torch.cat([zero, logprobs[0, :-1]]), torch.cat([zero, entropy[0, :-1]])
 
 
+def can_compute_loss_in_forward(mb: MicroBatch, cp_group) -> bool:
+    """trainer.loss_in_forward's rows: whole rows (no context parallelism) not sharing prompts."""
+    return cp_group is None and not mb.shares_prompts
+
+
+def token_loss_in_forward(
+    model, mb: MicroBatch, device: torch.device, terms, images: ImageSpec | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, pi, entropy) of a row, the loss's gradients computed inside the forward
+    (trainer.loss_in_forward; primerl_models.chunked_token_loss). `terms(pi_C, a, b)` gives the
+    loss's terms [b - a] of the row's tokens a..b-1 from their logprobs, indexed as
+    token_logprobs' pi (pi[t] predicts token t from those before it; token 0 has none and gets
+    no term). pi and entropy come back detached, as token_logprobs' would be values."""
+    if not can_compute_loss_in_forward(mb, None):
+        raise ValueError("rows whose samples share a prompt compute their loss after the forward")
+    pictures = image_inputs(mb, images, device)
+    ids, pos, targets, temps = model_inputs(mb, device)
+    last = ids.shape[1] - 1  # the row's last position predicts nothing
+
+    def row_terms(logprobs_C: torch.Tensor, s: int, e: int) -> torch.Tensor:
+        # model position j predicts token j + 1: pi[j + 1]
+        b = min(e, last)
+        inner = terms(logprobs_C[: b - s], s + 1, b + 1) if b > s else logprobs_C[:0]
+        return torch.cat([inner, logprobs_C.new_zeros(e - max(b, s))])
+
+    loss, logprobs, entropy = model(ids, pos, targets, temps, loss_terms=row_terms, **pictures)
+    zero = logprobs.new_zeros(1)
+    return loss, torch.cat([zero, logprobs[0, :-1]]), torch.cat([zero, entropy[0, :-1]])
+
+
 def shared_prompt_logprobs(
     model, mb: MicroBatch, device: torch.device, pictures=None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from primerl_algos.losses import LossInputs, LossScale, compute_loss
+from primerl_algos.losses import TOKEN_LOCAL, LossInputs, LossScale, compute_loss, token_loss_terms
 from primerl_protocol import (
     BatchMessage,
     Heartbeat,
@@ -50,7 +50,7 @@ from primerl_protocol.images import ModelImages, placeholder_runs, tokens_proble
 
 from primerl_trainer.config import TrainerRunConfig
 from primerl_trainer.distributed import Dist, all_gather_objects, all_reduce_maxes, post_note, read_note
-from primerl_trainer.engine import Session, token_logprobs
+from primerl_trainer.engine import Session, can_compute_loss_in_forward, token_logprobs, token_loss_in_forward
 from primerl_trainer.transfer import MemoryPublisher
 
 log = logging.getLogger("primerl.trainer")
@@ -303,21 +303,29 @@ def sharing_problem(cfg: TrainerRunConfig, args) -> str | None:
     return None
 
 
-def rl_loss(loss_cfg, scale: LossScale, device: torch.device, cp_group=None, images=None):
+def rl_loss(loss_cfg, scale: LossScale, device: torch.device, cp_group=None, images=None, in_forward: bool = True):
     """The configured RL loss of one micro-batch (its share of the global batch's loss), on
     whole rows (with context parallelism too: token_logprobs gathers them). `images`: the
-    model's ImageSpec (Session.image_spec)."""
+    model's ImageSpec (Session.image_spec). `in_forward` (trainer.loss_in_forward): a
+    token-local loss on a row that allows it has its gradients computed inside the forward; its
+    value and metrics are compute_loss's of the same logprobs."""
+    token_local = loss_cfg.type in TOKEN_LOCAL
 
     def loss_fn(model, mb: MicroBatch):
-        pi, entropy = token_logprobs(model, mb, device, cp_group, images)
         x = LossInputs(
-            logprobs=pi,
+            logprobs=torch.empty(0),
             inference_logprobs=torch.from_numpy(mb.inference_logprobs.copy()).to(device),
             advantages=torch.from_numpy(mb.advantages.copy()).to(device),
             loss_mask=torch.from_numpy(mb.loss_mask.copy()).to(device),
             seq_lens=torch.from_numpy(mb.seq_lens.astype(np.int64)).to(device),
-            entropy=entropy,
         )
+        if in_forward and token_local and can_compute_loss_in_forward(mb, cp_group):
+            x.logprobs = x.inference_logprobs.new_zeros(mb.num_tokens, dtype=torch.float64)  # shape and dtype only
+            terms = token_loss_terms(x, loss_cfg, scale)
+            fused, x.logprobs, x.entropy = token_loss_in_forward(model, mb, device, terms, images)
+            value, metrics = compute_loss(x, loss_cfg, scale)  # of the same logprobs, detached
+            return fused + (value - fused).detach(), metrics
+        x.logprobs, x.entropy = token_logprobs(model, mb, device, cp_group, images)
         return compute_loss(x, loss_cfg, scale)
 
     return loss_fn
@@ -392,7 +400,14 @@ def train(cfg: TrainerRunConfig) -> None:
             scale = LossScale(tokens=batch.num_loss_tokens, sequences=batch.num_sequences)
             stats = session.train_step(
                 batch.micro_batches,
-                rl_loss(cfg.trainer.loss, scale, d.device, session.mesh.cp_group, session.image_spec),
+                rl_loss(
+                    cfg.trainer.loss,
+                    scale,
+                    d.device,
+                    session.mesh.cp_group,
+                    session.image_spec,
+                    cfg.trainer.loss_in_forward,
+                ),
                 empty=batch.num_loss_tokens == 0,
             )
             ready, publish_s = session.publish(step, unchanged=bool(stats["step_skipped"] or stats["step_empty"]))

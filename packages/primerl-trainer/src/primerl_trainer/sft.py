@@ -24,20 +24,31 @@ from primerl_protocol.images import ImageSpec, ModelImages
 
 from primerl_trainer.config import SFTRunConfig
 from primerl_trainer.distributed import all_reduce_sum
-from primerl_trainer.engine import Session, token_logprobs
+from primerl_trainer.engine import Session, can_compute_loss_in_forward, token_logprobs, token_loss_in_forward
 from primerl_trainer.sft_data import DataError, load_samples
 
 log = logging.getLogger("primerl.trainer")
 
 
-def nll_loss(num_tokens: int, device: torch.device, cp_group=None, images: ImageSpec | None = None):
+def nll_loss(
+    num_tokens: int, device: torch.device, cp_group=None, images: ImageSpec | None = None, in_forward: bool = True
+):
     """Summed NLL of the masked tokens over `num_tokens` (all ranks' loss tokens of the step).
-    `images`: the model's ImageSpec (Session.image_spec), for rows with images."""
+    `images`: the model's ImageSpec (Session.image_spec), for rows with images. `in_forward`
+    (trainer.loss_in_forward): on rows that allow it, the gradients computed inside the forward."""
 
     def loss_fn(model, mb):
-        pi, _ = token_logprobs(model, mb, device, cp_group, images)
         mask = torch.from_numpy(mb.loss_mask.copy()).to(device)
-        return -torch.where(mask, pi, 0.0).sum() / max(num_tokens, 1), {"loss_tokens": mask.sum().float()}
+        count = {"loss_tokens": mask.sum().float()}
+        if in_forward and can_compute_loss_in_forward(mb, cp_group):
+
+            def terms(pi_C, a, b):
+                return -torch.where(mask[a:b], pi_C, 0.0) / max(num_tokens, 1)
+
+            loss, _, _ = token_loss_in_forward(model, mb, device, terms, images)
+            return loss, count
+        pi, _ = token_logprobs(model, mb, device, cp_group, images)
+        return -torch.where(mask, pi, 0.0).sum() / max(num_tokens, 1), count
 
     return loss_fn
 
@@ -124,7 +135,10 @@ def train(cfg: SFTRunConfig) -> None:
             t0 = time.monotonic()
             rows, loss_tokens = my_rows(batches.next(), row_tokens, d.rank, d.world_size)
             t_data = time.monotonic() - t0
-            stats = session.train_step(rows, nll_loss(loss_tokens, d.device, session.mesh.cp_group, session.image_spec))
+            stats = session.train_step(
+                rows,
+                nll_loss(loss_tokens, d.device, session.mesh.cp_group, session.image_spec, cfg.trainer.loss_in_forward),
+            )
             last = step + 1 == max_steps
             checkpointed = session.maybe_checkpoint(step, batches.state, final=last)
             publish_s = session.publish(step)[1] if (checkpointed or last) else 0.0
