@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -122,20 +123,26 @@ dtype = "float32"
     return cfg
 
 
-def run_sft(cfg):
+def run_sft(cfg, killed_after_checkpoint: int | None = None):
+    """`primerl sft` on 2 ranks; with `killed_after_checkpoint`, every rank dies (exit 137) the
+    moment that step's checkpoint is whole (faulty_trainer_entry.py)."""
+    entry = ["-m", "primerl.sft_entry"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if killed_after_checkpoint is not None:
+        entry = [str(Path(__file__).with_name("faulty_trainer_entry.py")), "sft"]
+        env["PRIMERL_TEST_KILLED_AFTER_CHECKPOINT"] = str(killed_after_checkpoint)
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node=2",
         f"--master-port={free_port_block(1)}",
-        "-m",
-        "primerl.sft_entry",
+        *entry,
         "@",
         str(cfg),
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert (out.returncode != 0) == (killed_after_checkpoint is not None), out.stdout + out.stderr
     return out
 
 
@@ -165,18 +172,21 @@ def test_sft_on_two_ranks_lowers_the_loss(tmp_path, model_dir):
 
 @pytest.mark.slow
 def test_sft_resumes_with_the_next_batch(tmp_path, model_dir):
-    """8 steps straight vs 4, stop, 4 more: same losses (data position, RNG, optimizer); then
-    again with the newest checkpoint unreadable."""
+    """8 steps straight vs 8 killed the moment step 3's checkpoint is whole, then resumed: same
+    losses (data position, RNG, optimizer), and step 3's metrics row was written before its
+    checkpoint (a row without a checkpoint is trained again; a checkpoint without its row would
+    lose the row for good). Then again with the newest checkpoint unreadable."""
     write_data(tmp_path)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_sft(sft_config(tmp_path, model_dir, straight, 8, interval=4))
-    run_sft(sft_config(tmp_path, model_dir, resumed, 4, interval=4))
-    out = run_sft(sft_config(tmp_path, model_dir, resumed, 8, interval=4))
-    assert "resumed from" in out.stdout + out.stderr
+    run_sft(sft_config(tmp_path, model_dir, resumed, 8, interval=4), killed_after_checkpoint=3)
 
     def losses(run_dir):
         return [json.loads(line)["trainer/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
+    assert len(losses(resumed)) == 4  # steps 0-3
+    out = run_sft(sft_config(tmp_path, model_dir, resumed, 8, interval=4))
+    assert "resumed from" in out.stdout + out.stderr and "continuing at step 4" in out.stdout + out.stderr
     a, b = losses(straight), losses(resumed)
     assert len(a) == len(b) == 8
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (a, b)

@@ -6,8 +6,8 @@ checkpoints and resuming, weight publishing, metrics, and the step itself.
         stats = session.train_step(micro_batches, loss_fn)   # forward/backward, clip, AdamW
                                                              # (none if the loss/grad is not finite)
         ready = session.publish(step)                        # weights/step_N (rank 0 gets PolicyReady)
-        session.maybe_checkpoint(step, data_state)
-        session.log(step, stats)
+        session.log(step, stats)                             # before the checkpoint: a step
+        session.maybe_checkpoint(step, data_state)           # checkpointed has its metrics row
 """
 
 from __future__ import annotations
@@ -336,9 +336,15 @@ class Session:
             ready = self.publisher.publish(self.model, step)
         return ready, time.monotonic() - t0
 
-    def maybe_checkpoint(self, step: int, data_state: dict, final: bool = False) -> bool:
+    def checkpoint_due(self, step: int) -> bool:
         interval = self.tcfg.checkpoint.interval
-        due = bool(interval) and (step + 1) % interval == 0
+        return bool(interval) and (step + 1) % interval == 0
+
+    def maybe_checkpoint(self, step: int, data_state: dict, final: bool = False) -> bool:
+        """Saves step `step` if one is due (or `final`); call it after the step's `log`, so that
+        a process killed between the two leaves a metrics row without a checkpoint (the resume
+        trains the step again) rather than a checkpoint whose step has no row (lost for good)."""
+        due = self.checkpoint_due(step)
         if due or final:
             self.ckpt.save(step, self.model, self.opt, self.sched, data_state)
         return due

@@ -414,7 +414,6 @@ def train(cfg: TrainerRunConfig) -> None:
             if ready is not None:
                 assert policy is not None, "only rank 0 gets PolicyReady, and it holds the policy socket"
                 tell(policy, ready)
-            checkpointed = session.maybe_checkpoint(step, {"next_step": step + 1, "orchestrator": batch.state})
             session.log(
                 step,
                 {
@@ -427,6 +426,7 @@ def train(cfg: TrainerRunConfig) -> None:
                 },
                 batch.samples,
             )
+            checkpointed = session.maybe_checkpoint(step, {"next_step": step + 1, "orchestrator": batch.state})
             step += 1
         if step > session.start_step and not checkpointed:
             session.maybe_checkpoint(step - 1, {"next_step": step, "orchestrator": batch.state}, final=True)

@@ -129,7 +129,7 @@ def train(cfg: SFTRunConfig) -> None:
     batches = Batches(samples, cfg.data.batch_size, cfg.seed, cfg.data.shuffle, session.data_state)
     max_steps = cfg.max_steps or max(1, len(samples) // cfg.data.batch_size)
     log.info("SFT on %d samples (%d dropped), %d steps", len(samples), sum(dropped.values()), max_steps)
-    step, checkpointed, failed = session.start_step, False, True
+    step, failed = session.start_step, True
     try:
         while step < max_steps:
             t0 = time.monotonic()
@@ -140,12 +140,12 @@ def train(cfg: SFTRunConfig) -> None:
                 nll_loss(loss_tokens, d.device, session.mesh.cp_group, session.image_spec, cfg.trainer.loss_in_forward),
             )
             last = step + 1 == max_steps
-            checkpointed = session.maybe_checkpoint(step, batches.state, final=last)
-            publish_s = session.publish(step)[1] if (checkpointed or last) else 0.0
+            publish_s = session.publish(step)[1] if (session.checkpoint_due(step) or last) else 0.0
             interval = cfg.data.eval_interval
             if eval_samples and (last or (interval and (step + 1) % interval == 0)):
                 stats["eval_loss"] = evaluate(session, eval_samples, row_tokens)
             session.log(step, {**stats, "epoch": batches.epoch, "time/data": t_data, "time/publish": publish_s})
+            session.maybe_checkpoint(step, batches.state, final=last)
             step += 1
         failed = False
     finally:
