@@ -86,10 +86,10 @@ def step_samples(seed: int = 0) -> list[Sample]:
     return out
 
 
-def train_on(model: Transformer, samples: list[Sample], loss: LossConfig, shared: bool):
+def train_on(model: Transformer, samples: list[Sample], loss: LossConfig, shared: bool, in_forward: bool = True):
     """The trainer's forward and backward over the samples packed into rows of ROW tokens (with
-    or without shared prompts): (per-sample logprobs, loss, metric sums, parameter gradients,
-    row tokens, the rows)."""
+    or without shared prompts; the loss's gradients in the forward or through the logprobs'
+    backward): (per-sample logprobs, loss, metric sums, parameter gradients, row tokens, the rows)."""
     lengths = [len(s) for s in samples]
     plan = plan_packing(lengths, ROW, shared=shared_prompts(samples, ROW) if shared else ())
     (batch,) = build_batches(samples, plan, step=0)
@@ -97,7 +97,7 @@ def train_on(model: Transformer, samples: list[Sample], loss: LossConfig, shared
     model.zero_grad(set_to_none=True)
     total, sums, logprobs = 0.0, {}, {}
     for mb in batch.micro_batches:
-        value, metrics = rl_loss(loss, scale, CPU)(model, mb)
+        value, metrics = rl_loss(loss, scale, CPU, in_forward=in_forward)(model, mb)
         value.backward()
         total += float(value.detach())
         for k, v in metrics.items():
@@ -118,7 +118,11 @@ def train_on(model: Transformer, samples: list[Sample], loss: LossConfig, shared
 def test_shared_prompts_give_the_unshared_logprobs_loss_and_gradients(family, loss):
     model = tiny(family)
     samples = step_samples()
-    want, want_loss, want_sums, want_grads, want_tokens, _ = train_on(model, samples, loss, shared=False)
+    # the reference: unshared rows, the loss's gradients through the logprobs' backward; the
+    # shared rows with trainer.loss_in_forward's default (in the forward, for a token-local loss)
+    want, want_loss, want_sums, want_grads, want_tokens, _ = train_on(
+        model, samples, loss, shared=False, in_forward=False
+    )
     got, got_loss, got_sums, got_grads, got_tokens, rows = train_on(model, samples, loss, shared=True)
 
     # rows hold each prompt once: 3 groups of 4 share theirs (3 x 3 prompts fewer)

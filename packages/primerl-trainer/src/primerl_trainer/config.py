@@ -173,7 +173,7 @@ class TrainerConfig(Config):
     exist (primerl_models.chunked_token_loss): one output-projection matmul less per micro-batch
     and no logits kept. Where the loss allows it: SFT's NLL and the token-local RL losses
     (primerl_algos.losses.TOKEN_LOCAL: aipo, cispo, ppo, dppo; not gspo), on rows not split by
-    context parallelism and not sharing prompts; elsewhere the logprobs' backward as before."""
+    context parallelism (rows sharing prompts included); elsewhere the logprobs' backward as before."""
     attention: Literal["auto", "sdpa", "varlen", "flex"] = "auto"
     """Attention back-end (primerl_models.attention): auto picks SDPA on CPU and for
     single-document rows, varlen (flash) kernels for packed rows on GPUs."""

@@ -109,21 +109,33 @@ def token_logprobs(
 
 
 def can_compute_loss_in_forward(mb: MicroBatch, cp_group) -> bool:
-    """trainer.loss_in_forward's rows: whole rows (no context parallelism) not sharing prompts."""
-    return cp_group is None and not mb.shares_prompts
+    """trainer.loss_in_forward's rows: whole rows (no context parallelism; rows sharing prompts
+    are never split)."""
+    return cp_group is None
 
 
 def token_loss_in_forward(
     model, mb: MicroBatch, device: torch.device, terms, images: ImageSpec | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, pi, entropy) of a row, the loss's gradients computed inside the forward
+    """(loss, pi, entropy) of a whole row, the loss's gradients computed inside the forward
     (trainer.loss_in_forward; primerl_models.chunked_token_loss). `terms(pi_C, a, b)` gives the
     loss's terms [b - a] of the row's tokens a..b-1 from their logprobs, indexed as
-    token_logprobs' pi (pi[t] predicts token t from those before it; token 0 has none and gets
-    no term). pi and entropy come back detached, as token_logprobs' would be values."""
-    if not can_compute_loss_in_forward(mb, None):
-        raise ValueError("rows whose samples share a prompt compute their loss after the forward")
+    token_logprobs' pi (pi[t] = log p(token t | tokens before it); token 0 has no context and gets
+    no term). pi and entropy come back detached, the values token_logprobs would give."""
     pictures = image_inputs(mb, images, device)
+    if mb.shares_prompts:  # position j predicts token j itself, from its predecessor's hidden state
+        ids, pos, temps, sources, seqs = shared_prompt_inputs(mb, device)
+
+        def shared_terms(logprobs_C: torch.Tensor, s: int, e: int) -> torch.Tensor:
+            a = min(max(s, 1), e)
+            inner = terms(logprobs_C[a - s :], a, e) if e > a else logprobs_C[:0]
+            return torch.cat([logprobs_C.new_zeros(a - s), inner])
+
+        loss, logprobs, entropy = model(
+            ids, pos, ids, temps, seqs=seqs, sources_BT=sources, loss_terms=shared_terms, **pictures
+        )
+        zero = logprobs.new_zeros(1)
+        return loss, torch.cat([zero, logprobs[0, 1:]]), torch.cat([zero, entropy[0, 1:]])
     ids, pos, targets, temps = model_inputs(mb, device)
     last = ids.shape[1] - 1  # the row's last position predicts nothing
 
@@ -138,6 +150,17 @@ def token_loss_in_forward(
     return loss, torch.cat([zero, logprobs[0, :-1]]), torch.cat([zero, entropy[0, :-1]])
 
 
+def shared_prompt_inputs(mb: MicroBatch, device: torch.device):
+    """ids, positions, temperatures, sources [1, T] and the segments of a row whose samples share
+    prompts (shared_prompt_logprobs)."""
+    ids = torch.from_numpy(mb.input_ids.astype(np.int64)).to(device)[None]
+    pos = torch.from_numpy(mb.position_ids().astype(np.int64)).to(device)[None]
+    temps = torch.from_numpy(mb.temperatures.copy()).to(device)[None]
+    sources = torch.from_numpy(mb.predecessors()).to(device)[None]
+    seqs = PackedSeqs.from_segments(mb.seq_lens, mb.prefix_lens, mb.parents, device)
+    return ids, pos, temps, sources, seqs
+
+
 def shared_prompt_logprobs(
     model, mb: MicroBatch, device: torch.device, pictures=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,11 +169,7 @@ def shared_prompt_logprobs(
     hidden state of its predecessor (MicroBatch.predecessors: the shared prompt's last token for
     a completion's first), gathered before the output projection; its gradient sums the
     predictions it makes."""
-    ids = torch.from_numpy(mb.input_ids.astype(np.int64)).to(device)[None]
-    pos = torch.from_numpy(mb.position_ids().astype(np.int64)).to(device)[None]
-    temps = torch.from_numpy(mb.temperatures.copy()).to(device)[None]
-    sources = torch.from_numpy(mb.predecessors()).to(device)[None]
-    seqs = PackedSeqs.from_segments(mb.seq_lens, mb.prefix_lens, mb.parents, device)
+    ids, pos, temps, sources, seqs = shared_prompt_inputs(mb, device)
     logprobs, entropy = model(ids, pos, ids, temps, seqs=seqs, sources_BT=sources, **(pictures or {}))
     zero = logprobs.new_zeros(1)  # the row's first token has no context
     return torch.cat([zero, logprobs[0, 1:]]), torch.cat([zero, entropy[0, 1:]])
