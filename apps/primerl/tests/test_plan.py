@@ -208,3 +208,23 @@ def test_the_nodes_memory_is_this_machines_here_and_unchecked_under_slurm_withou
     out = CliRunner().invoke(main, ["plan", "@", cfg, *offload, *job, "--slurm"])
     assert out.exit_code == 0, out.output
     assert "the node's memory unknown (--slurm without plan.host_memory_gib): not checked" in out.output
+
+
+def test_the_plan_counts_kept_logits_only_where_the_loss_is_not_computed_in_the_forward(tmp_path):
+    """trainer.keep_logits holds every token's logits (2 T V bytes) only on the logprobs'
+    backward: with trainer.loss_in_forward (the default) a token-local loss (aipo) on rows not
+    split by CP keeps none, so the plan must not count them; GSPO, CP = 2 or loss_in_forward
+    off keep them."""
+    from primerl.configs import RLConfig
+    from primerl.plan import trainer_layout
+    from primerl_protocol.config import load_config
+
+    def kept(*overrides: str) -> bool:
+        args = ["@", str(config(tmp_path)), "trainer.keep_logits=true", *overrides]
+        return trainer_layout(load_config(RLConfig, args), 4).keep_logits
+
+    assert not kept()
+    assert kept("trainer.loss_in_forward=false")
+    assert kept("trainer.loss.type=gspo")
+    assert kept("trainer.parallel.cp=2", "trainer.parallel.ep=2")
+    assert not kept("trainer.keep_logits=false", "trainer.loss_in_forward=false")

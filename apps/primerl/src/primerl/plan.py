@@ -38,6 +38,7 @@ import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from primerl_algos.losses import TOKEN_LOCAL
 from primerl_inference.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from primerl_inference.plan import (
     CUDA_GRAPHS_GIB,
@@ -322,7 +323,9 @@ def trainer_layout(cfg, ranks: int) -> TrainerLayout:
         compiled=t.compile,
         activation_checkpointing=t.activation_checkpointing,
         cpu_offload=t.optimizer.cpu_offload,
-        keep_logits=t.keep_logits,
+        # the loss's gradients computed in the forward (trainer.loss_in_forward: token-local
+        # losses on rows not split by CP) keep no logits whatever keep_logits says
+        keep_logits=t.keep_logits and not (t.loss_in_forward and t.parallel.cp == 1 and t.loss.type in TOKEN_LOCAL),
         lora_rank=t.lora.rank if t.lora is not None else None,
     )
 
