@@ -38,7 +38,6 @@ import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from primerl_algos.losses import TOKEN_LOCAL
 from primerl_inference.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from primerl_inference.plan import (
     CUDA_GRAPHS_GIB,
@@ -50,6 +49,7 @@ from primerl_inference.plan import (
     server_memory,
 )
 from primerl_models.args import MLA, Attention, GatedDeltaNet, Mamba2, ModelArgs, MoEMLP
+from primerl_trainer.engine import loss_in_forward_applies
 from primerl_trainer.plan import TrainerLayout, TrainerMemory, trainer_memory
 
 TRAINER_HEADROOM = 0.95
@@ -323,9 +323,9 @@ def trainer_layout(cfg, ranks: int) -> TrainerLayout:
         compiled=t.compile,
         activation_checkpointing=t.activation_checkpointing,
         cpu_offload=t.optimizer.cpu_offload,
-        # the loss's gradients computed in the forward (trainer.loss_in_forward: token-local
-        # losses on rows not split by CP) keep no logits whatever keep_logits says
-        keep_logits=t.keep_logits and not (t.loss_in_forward and t.parallel.cp == 1 and t.loss.type in TOKEN_LOCAL),
+        # the loss's gradients computed in the forward keep no logits whatever keep_logits says
+        keep_logits=t.keep_logits
+        and not loss_in_forward_applies(t.loss_in_forward, t.loss.type, context_split=t.parallel.cp > 1),
         lora_rank=t.lora.rank if t.lora is not None else None,
     )
 

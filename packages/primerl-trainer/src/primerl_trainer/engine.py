@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import torch
-from primerl_algos.losses import mean_metrics
+from primerl_algos.losses import TOKEN_LOCAL, mean_metrics
 from primerl_models.hf import fp8_weights
 from primerl_models.packing import PackedSeqs
 from primerl_protocol import MicroBatch, PolicyReady
@@ -108,10 +108,12 @@ def token_logprobs(
     return torch.cat([zero, logprobs[0, :-1]]), torch.cat([zero, entropy[0, :-1]])
 
 
-def can_compute_loss_in_forward(mb: MicroBatch, cp_group) -> bool:
-    """trainer.loss_in_forward's rows: whole rows (no context parallelism; rows sharing prompts
-    are never split)."""
-    return cp_group is None
+def loss_in_forward_applies(in_forward: bool, loss_type: str | None, context_split: bool) -> bool:
+    """Whether trainer.loss_in_forward (`in_forward`) computes the loss's gradients inside the
+    forward: for a token-local loss (SFT's NLL, `loss_type` None; the RL losses in
+    primerl_algos.losses.TOKEN_LOCAL) on rows not split by context parallelism (rows sharing
+    prompts are never split). The trainer and `primerl plan` decide by this."""
+    return in_forward and not context_split and (loss_type is None or loss_type in TOKEN_LOCAL)
 
 
 def token_loss_in_forward(
@@ -122,32 +124,22 @@ def token_loss_in_forward(
     loss's terms [b - a] of the row's tokens a..b-1 from their logprobs, indexed as
     token_logprobs' pi (pi[t] = log p(token t | tokens before it); token 0 has no context and gets
     no term). pi and entropy come back detached, the values token_logprobs would give."""
-    pictures = image_inputs(mb, images, device)
     if mb.shares_prompts:  # position j predicts token j itself, from its predecessor's hidden state
         ids, pos, temps, sources, seqs = shared_prompt_inputs(mb, device)
-
-        def shared_terms(logprobs_C: torch.Tensor, s: int, e: int) -> torch.Tensor:
-            a = min(max(s, 1), e)
-            inner = terms(logprobs_C[a - s :], a, e) if e > a else logprobs_C[:0]
-            return torch.cat([logprobs_C.new_zeros(a - s), inner])
-
-        loss, logprobs, entropy = model(
-            ids, pos, ids, temps, seqs=seqs, sources_BT=sources, loss_terms=shared_terms, **pictures
-        )
-        zero = logprobs.new_zeros(1)
-        return loss, torch.cat([zero, logprobs[0, 1:]]), torch.cat([zero, entropy[0, 1:]])
-    ids, pos, targets, temps = model_inputs(mb, device)
-    last = ids.shape[1] - 1  # the row's last position predicts nothing
+        inputs, offset, shared = (ids, pos, ids, temps), 0, {"seqs": seqs, "sources_BT": sources}
+    else:  # position j predicts token j + 1
+        inputs, offset, shared = model_inputs(mb, device), 1, {}
+    lo, hi = 1 - offset, inputs[0].shape[1] - offset  # the positions predicting tokens 1..T-1
 
     def row_terms(logprobs_C: torch.Tensor, s: int, e: int) -> torch.Tensor:
-        # model position j predicts token j + 1: pi[j + 1]
-        b = min(e, last)
-        inner = terms(logprobs_C[: b - s], s + 1, b + 1) if b > s else logprobs_C[:0]
-        return torch.cat([inner, logprobs_C.new_zeros(e - max(b, s))])
+        a = min(max(s, lo), e)
+        b = max(min(e, hi), a)
+        inner = terms(logprobs_C[a - s : b - s], a + offset, b + offset) if b > a else logprobs_C[:0]
+        return torch.cat([logprobs_C.new_zeros(a - s), inner, logprobs_C.new_zeros(e - b)])
 
-    loss, logprobs, entropy = model(ids, pos, targets, temps, loss_terms=row_terms, **pictures)
+    loss, logprobs, entropy = model(*inputs, loss_terms=row_terms, **shared, **image_inputs(mb, images, device))
     zero = logprobs.new_zeros(1)
-    return loss, torch.cat([zero, logprobs[0, :-1]]), torch.cat([zero, entropy[0, :-1]])
+    return loss, torch.cat([zero, logprobs[0, lo:hi]]), torch.cat([zero, entropy[0, lo:hi]])
 
 
 def shared_prompt_inputs(mb: MicroBatch, device: torch.device):

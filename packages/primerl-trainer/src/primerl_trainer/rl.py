@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from primerl_algos.losses import TOKEN_LOCAL, LossInputs, LossScale, compute_loss, token_loss_terms
+from primerl_algos.losses import LossInputs, LossScale, compute_loss, token_loss_terms
 from primerl_protocol import (
     BatchMessage,
     Heartbeat,
@@ -50,7 +50,7 @@ from primerl_protocol.images import ModelImages, placeholder_runs, tokens_proble
 
 from primerl_trainer.config import TrainerRunConfig
 from primerl_trainer.distributed import Dist, all_gather_objects, all_reduce_maxes, post_note, read_note
-from primerl_trainer.engine import Session, can_compute_loss_in_forward, token_logprobs, token_loss_in_forward
+from primerl_trainer.engine import Session, loss_in_forward_applies, token_logprobs, token_loss_in_forward
 from primerl_trainer.transfer import MemoryPublisher
 
 log = logging.getLogger("primerl.trainer")
@@ -309,7 +309,7 @@ def rl_loss(loss_cfg, scale: LossScale, device: torch.device, cp_group=None, ima
     model's ImageSpec (Session.image_spec). `in_forward` (trainer.loss_in_forward): a
     token-local loss on a row that allows it has its gradients computed inside the forward; its
     value and metrics are compute_loss's of the same logprobs."""
-    token_local = loss_cfg.type in TOKEN_LOCAL
+    fused_loss = loss_in_forward_applies(in_forward, loss_cfg.type, context_split=cp_group is not None)
 
     def loss_fn(model, mb: MicroBatch):
         x = LossInputs(
@@ -319,7 +319,7 @@ def rl_loss(loss_cfg, scale: LossScale, device: torch.device, cp_group=None, ima
             loss_mask=torch.from_numpy(mb.loss_mask.copy()).to(device),
             seq_lens=torch.from_numpy(mb.seq_lens.astype(np.int64)).to(device),
         )
-        if in_forward and token_local and can_compute_loss_in_forward(mb, cp_group):
+        if fused_loss:
             x.logprobs = x.inference_logprobs.new_zeros(mb.num_tokens, dtype=torch.float64)  # shape and dtype only
             terms = token_loss_terms(x, loss_cfg, scale)
             fused, x.logprobs, x.entropy = token_loss_in_forward(model, mb, device, terms, images)

@@ -24,7 +24,7 @@ from primerl_protocol.images import ImageSpec, ModelImages
 
 from primerl_trainer.config import SFTRunConfig
 from primerl_trainer.distributed import all_reduce_sum
-from primerl_trainer.engine import Session, can_compute_loss_in_forward, token_logprobs, token_loss_in_forward
+from primerl_trainer.engine import Session, loss_in_forward_applies, token_logprobs, token_loss_in_forward
 from primerl_trainer.sft_data import DataError, load_samples
 
 log = logging.getLogger("primerl.trainer")
@@ -37,10 +37,12 @@ def nll_loss(
     `images`: the model's ImageSpec (Session.image_spec), for rows with images. `in_forward`
     (trainer.loss_in_forward): on rows that allow it, the gradients computed inside the forward."""
 
+    fused_loss = loss_in_forward_applies(in_forward, None, context_split=cp_group is not None)
+
     def loss_fn(model, mb):
         mask = torch.from_numpy(mb.loss_mask.copy()).to(device)
         count = {"loss_tokens": mask.sum().float()}
-        if in_forward and can_compute_loss_in_forward(mb, cp_group):
+        if fused_loss:
 
             def terms(pi_C, a, b):
                 return -torch.where(mask[a:b], pi_C, 0.0) / max(num_tokens, 1)
